@@ -1,0 +1,1 @@
+"""minillm: LLM inference from scratch."""

@@ -1,0 +1,7 @@
+"""NumPy reference implementations: slow, float64, written to be read.
+
+Every Triton kernel in `minillm.kernels` is tested against one of these.
+"""
+from minillm.reference.attention import attention, attention_mask, kv_head_for, softmax
+
+__all__ = ["attention", "attention_mask", "kv_head_for", "softmax"]
