@@ -55,6 +55,22 @@ def kv_head_for(q_head: int | np.ndarray, q_heads: int, kv_heads: int):
     return q_head // (q_heads // kv_heads)
 
 
+def attention_scores(q: np.ndarray, k: np.ndarray, causal: bool = False, scale: float | None = None,
+                     window: int | None = None) -> np.ndarray:
+    """The masked, scaled score matrix ``S = scale · q kᵀ`` with ``-inf`` at hidden keys.
+
+    ``q: [batch, q_heads, q_len, head_dim]``, ``k: [batch, kv_heads, kv_len, head_dim]``
+    -> ``[batch, q_heads, q_len, kv_len]`` float64. ``scale`` defaults to ``1/sqrt(head_dim)``.
+    """
+    q, k = np.asarray(q, dtype=np.float64), np.asarray(k, dtype=np.float64)
+    q_heads, q_len, head_dim = q.shape[1:]
+    kv_heads, kv_len = k.shape[1:3]
+    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
+    k = k[:, kv_head_for(np.arange(q_heads), q_heads, kv_heads)]  # the KV head each q head reads
+    scores = scale * (q @ np.swapaxes(k, -1, -2))
+    return np.where(attention_mask(q_len, kv_len, causal, window), scores, -np.inf)
+
+
 def attention(
     q: np.ndarray,
     k: np.ndarray,
@@ -73,18 +89,12 @@ def attention(
       FlashAttention's backward and flash-decoding's split merge both work from it.
     """
     q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
-    batch, q_heads, q_len, head_dim = q.shape
-    _, kv_heads, kv_len, _ = k.shape
+    batch, q_heads, _, head_dim = q.shape
+    kv_heads = k.shape[1]
     if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
         raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
-    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
-
-    # GQA without copying semantics: index the KV head each query head reads.
-    heads = kv_head_for(np.arange(q_heads), q_heads, kv_heads)
-    k, v = k[:, heads], v[:, heads]  # [batch, q_heads, kv_len, head_dim]
-
-    scores = scale * (q @ np.swapaxes(k, -1, -2))  # [batch, q_heads, q_len, kv_len]
-    scores = np.where(attention_mask(q_len, kv_len, causal, window), scores, -np.inf)
+    scores = attention_scores(q, k, causal, scale, window)  # [batch, q_heads, q_len, kv_len]
+    v = v[:, kv_head_for(np.arange(q_heads), q_heads, kv_heads)]  # the KV head each q head reads
 
     row_max = np.max(scores, axis=-1, keepdims=True)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)

@@ -1,0 +1,313 @@
+"""What every benchmark shares: the measured ceilings, a timer, and the results collector.
+
+Method (``/work/.library/device/METHOD.md`` in short): performance is reported as a ratio
+against a peer measured in the same run, and as a fraction of ceilings measured in that same
+run, never against datasheet numbers. Times are medians from ``triton.testing.do_bench``,
+which flushes the L2 cache before every repetition (so every timing is cold-L2), on random
+inputs (never zeros). Nothing here asserts a timing.
+
+Triton is imported lazily: on a machine without a GPU, ``minillm.kernels`` must set
+``TRITON_INTERPRET`` before Triton is first imported, and importing this module must not
+get in its way.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+from pathlib import Path
+from typing import Any, Callable
+
+from minillm.results import gpu_slug, markdown_table, format_value
+
+__all__ = ["measure_ceilings", "time_ms", "Results", "metric_direction", "gpu_slug",
+           "environment", "is_oom", "DEFAULT_OUT"]
+
+#: Where ``Results.save`` writes by default (relative to the repository root).
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+SCHEMA = 1
+
+# Which way is better for a metric, read off its name (units live in metric names).
+_LOWER_SUFFIXES = ("_ms", "_us", "_s", "_bytes", "rel_err")
+_HIGHER_SUFFIXES = ("TFLOPs", "TBps", "GBps", "_per_s")
+
+
+def metric_direction(metric: str) -> str | None:
+    """``"lower"`` if smaller values of ``metric`` are better (times ``*_ms``, sizes
+    ``*_bytes``, errors), ``"higher"`` for rates (``*TFLOPs``, ``*TBps``, ``*_per_s``),
+    ``None`` if the name does not say."""
+    if metric.endswith(_HIGHER_SUFFIXES):  # first: "tokens_per_s" must not read as "_s"
+        return "higher"
+    if metric.endswith(_LOWER_SUFFIXES):
+        return "lower"
+    return None
+
+
+def compute_ratio(ours: Any, peer_value: Any, better: str | None) -> float | None:
+    """``ratio`` of a row, oriented so that **> 1 means ours is better**.
+
+    - lower-is-better metrics (times, bytes): ``peer_value / ours`` — e.g. our kernel at
+      1 ms against a peer at 2 ms gives 2.0 ("2x faster");
+    - higher-is-better metrics (TFLOP/s, TB/s): ``ours / peer_value``.
+
+    ``None`` when either value is missing (did not run, out of memory), not a positive
+    finite number, or ``better`` is unknown.
+    """
+    if better not in ("lower", "higher") or not _positive_number(ours) or not _positive_number(peer_value):
+        return None
+    return peer_value / ours if better == "lower" else ours / peer_value
+
+
+def _positive_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+# ----------------------------------------------------------------------------------------
+# Timing and ceilings (GPU only)
+# ----------------------------------------------------------------------------------------
+def time_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
+    """Median time of ``fn()`` in milliseconds, from ``triton.testing.do_bench``.
+
+    ``warmup`` and ``rep`` are milliseconds of warm-up and of timed repetitions (do_bench
+    turns them into counts from a first estimate; at least one of each). do_bench clears
+    the L2 cache before each timed call, so the result is a cold-cache time.
+    """
+    from triton.testing import do_bench
+
+    try:
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    except TypeError:  # a Triton without return_mode: ask for the 0.5 quantile instead
+        q = do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5])
+        return float(q[0] if isinstance(q, (list, tuple)) else q)
+
+
+def measure_ceilings(device, copy_bytes: int = 1 << 30, matmul_n: int = 8192) -> dict[str, float]:
+    """The two ceilings every fraction is taken of, measured now on ``device``.
+
+    - ``copy_TBps``: ``dst.copy_(src)`` of ``copy_bytes`` (default 1 GiB, far larger than
+      L2) of random data, counting bytes read **plus** bytes written, in 10¹² B/s.
+    - ``bf16_matmul_TFLOPs``: ``torch.matmul`` of two random ``matmul_n``² bf16 matrices
+      (default 8192³), ``2·n³`` FLOPs, in 10¹² FLOP/s.
+    """
+    import torch
+
+    device = torch.device(device)
+    n_elems = copy_bytes // 4
+    src = torch.randn(n_elems, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    copy_tbps = 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e12
+    del src, dst
+
+    a = torch.randn(matmul_n, matmul_n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(matmul_n, matmul_n, device=device, dtype=torch.bfloat16)
+    c = torch.empty(matmul_n, matmul_n, device=device, dtype=torch.bfloat16)
+    ms = time_ms(lambda: torch.matmul(a, b, out=c))
+    matmul_tflops = 2 * matmul_n ** 3 / (ms * 1e-3) / 1e12
+    del a, b, c
+    torch.cuda.empty_cache()
+    return {"copy_TBps": copy_tbps, "bf16_matmul_TFLOPs": matmul_tflops}
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether an exception means the GPU ran out of memory (torch's OutOfMemoryError, or a
+    library error that says so, e.g. cuBLAS failing to allocate its workspace)."""
+    import torch
+
+    oom_type = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    if isinstance(exc, oom_type):
+        return True
+    msg = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in msg.lower() or "ALLOC_FAILED" in msg)
+
+
+def environment() -> dict[str, Any]:
+    """Versions and device facts recorded with the results (torch imported lazily; fields
+    that cannot be read are ``None``)."""
+    env: dict[str, Any] = {"torch": None, "triton": None, "cuda": None,
+                           "python": platform.python_version(), "device_info": {}}
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        env["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(torch.cuda.current_device())
+            env["device_info"] = {"total_memory_bytes": int(p.total_memory),
+                                  "multi_processor_count": int(p.multi_processor_count),
+                                  "capability": f"{p.major}.{p.minor}"}
+    except Exception:  # noqa: BLE001 - recording versions must never stop a benchmark
+        pass
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    return env
+
+
+# ----------------------------------------------------------------------------------------
+# Results
+# ----------------------------------------------------------------------------------------
+class Results:
+    """Collects rows for one GPU and saves them to ``<out>/<gpu-slug>.json`` and ``.md``.
+
+    ``ceilings`` are those measured in this run (``None`` when this run measured none, e.g.
+    the traffic step; the saved file then keeps the ones already there). ``env`` overrides
+    :func:`environment` (tests use this).
+
+    Saving merges with an existing file for the same GPU: the rows of every benchmark that
+    has rows in this collector replace that benchmark's old rows; other benchmarks' rows are
+    kept, so re-running one chapter never erases another's measurements.
+    """
+
+    def __init__(self, device_name: str, ceilings: dict[str, float] | None = None,
+                 env: dict[str, Any] | None = None):
+        self.device = device_name
+        self.slug = gpu_slug(device_name)
+        self.ceilings = dict(ceilings) if ceilings else None
+        self.env = environment() if env is None else dict(env)
+        self.rows: list[dict] = []
+        self.status: dict[str, str] = {}  # benchmark -> "complete" / "partial" / "failed: ..."
+
+    def add(self, benchmark: str, params: dict, metric: str, ours: Any,
+            peer: str | None = None, peer_value: Any = None,
+            fraction_of_ceiling: float | None = None, better: str | None = None,
+            note: str | None = None) -> dict:
+        """Record one measurement and return its row.
+
+        ``ours``/``peer_value``: numbers (``None`` when that side did not run, e.g. out of
+        memory; booleans for flag metrics such as ``"oom"``). ``better`` (``"lower"`` or
+        ``"higher"``) defaults to :func:`metric_direction` of the name; a row with a
+        numeric peer value must know its direction, else ``ValueError``. ``ratio`` is
+        computed by :func:`compute_ratio` (> 1 means ours is better).
+        """
+        if better is None:
+            better = metric_direction(metric)
+        elif better not in ("lower", "higher"):
+            raise ValueError(f"better must be 'lower' or 'higher', got {better!r}")
+        if better is None and _positive_number(peer_value):
+            raise ValueError(f"metric {metric!r}: say whether lower or higher is better (better=...)")
+        row = {
+            "benchmark": benchmark,
+            "params": dict(params),
+            "metric": metric,
+            "ours": _clean(ours),
+            "peer": peer,
+            "peer_value": _clean(peer_value),
+            "ratio": _clean(compute_ratio(ours, peer_value, better)),
+            "better": better,
+            "fraction_of_ceiling": _clean(fraction_of_ceiling),
+            "note": note,
+            "device": self.device,
+        }
+        self.rows.append(row)
+        self.status.setdefault(benchmark, "complete")
+        return row
+
+    def set_status(self, benchmark: str, status: str) -> None:
+        """Mark a benchmark ``"complete"``, ``"partial"`` (interrupted) or ``"failed: why"``."""
+        self.status[benchmark] = status
+
+    def benchmarks(self) -> list[str]:
+        """Benchmarks with rows in this collector, in first-seen order."""
+        return list(dict.fromkeys(r["benchmark"] for r in self.rows))
+
+    def to_dict(self, existing: dict | None = None) -> dict:
+        """The file's content: this collector merged into ``existing`` (an old file's dict)."""
+        existing = existing or {}
+        date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        new_benches = self.benchmarks()
+        old_rows = [r for r in existing.get("rows", []) if isinstance(r, dict)]
+        order = list(dict.fromkeys([r.get("benchmark") for r in old_rows] + new_benches))
+        merged: list[dict] = []
+        for bench in order:
+            source = self.rows if bench in new_benches else old_rows
+            merged.extend(r for r in source if r.get("benchmark") == bench)
+
+        runs = dict(existing.get("runs") or {})
+        for bench in new_benches:
+            runs[bench] = {"date": date, "torch": self.env.get("torch"), "triton": self.env.get("triton"),
+                           "cuda": self.env.get("cuda"), "ceilings": self.ceilings,
+                           "status": self.status.get(bench, "complete")}
+        return {
+            "schema": SCHEMA,
+            "device": self.device,
+            "gpu_slug": self.slug,
+            "torch": self.env.get("torch"),
+            "triton": self.env.get("triton"),
+            "cuda": self.env.get("cuda"),
+            "python": self.env.get("python"),
+            "date": date,
+            "device_info": self.env.get("device_info") or existing.get("device_info") or {},
+            "ceilings": self.ceilings if self.ceilings else (existing.get("ceilings") or {}),
+            "runs": runs,
+            "rows": merged,
+        }
+
+    def save(self, out_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
+        """Write (merging) ``<out_dir>/<slug>.json`` and ``<out_dir>/<slug>.md``; returns
+        both paths. Does nothing to the files when this collector has no rows."""
+        out = Path(out_dir) if out_dir is not None else DEFAULT_OUT
+        out.mkdir(parents=True, exist_ok=True)
+        json_path, md_path = out / f"{self.slug}.json", out / f"{self.slug}.md"
+        if not self.rows:
+            return json_path, md_path
+        existing = None
+        if json_path.is_file():
+            try:
+                existing = json.loads(json_path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError:
+                existing = None  # a broken file is replaced rather than merged
+        data = self.to_dict(existing)
+        tmp = json_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+        tmp.replace(json_path)
+        md_path.write_text(render_markdown(data), encoding="utf-8")
+        return json_path, md_path
+
+
+def render_markdown(data: dict) -> str:
+    """The ``.md`` companion of a results file: header, ceilings, one table per benchmark."""
+    lines = [f"# Benchmark results: {data.get('device')}", ""]
+    lines.append(f"Saved {data.get('date')} with torch {data.get('torch')}, triton {data.get('triton')}, "
+                 f"CUDA {data.get('cuda')}. Generated by `python -m bench.run`; do not edit by hand.")
+    lines.append("")
+    ceil = data.get("ceilings") or {}
+    if ceil:
+        lines.append("Ceilings measured in the same run: "
+                     + ", ".join(f"{k} = {format_value(v)}" for k, v in ceil.items())
+                     + " (copy counts bytes read + written; matmul is torch.matmul, bf16, 8192³, random data).")
+        lines.append("")
+    lines.append("`ratio` > 1 means ours is better (peer/ours for times and bytes, ours/peer for rates); "
+                 "`fraction_of_ceiling` is ours over the matching measured ceiling.")
+    lines.append("")
+    runs = data.get("runs") or {}
+    by_bench: dict[str, list[dict]] = {}
+    for r in data.get("rows", []):
+        by_bench.setdefault(r.get("benchmark"), []).append(r)
+    for bench, brows in by_bench.items():
+        run = runs.get(bench) or {}
+        lines.append(f"## {bench}")
+        lines.append("")
+        if run:
+            lines.append(f"Run {run.get('date')}, status {run.get('status')}, torch {run.get('torch')}, "
+                         f"triton {run.get('triton')}.")
+            lines.append("")
+        lines.append(markdown_table(brows))
+    return "\n".join(lines)
+
+
+def _clean(x: Any) -> Any:
+    """JSON-safe value: non-finite floats become None; numpy/torch scalars become Python."""
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if hasattr(x, "item") and not isinstance(x, (int, float)):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x

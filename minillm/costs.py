@@ -1,0 +1,408 @@
+"""Back-of-the-envelope cost model for decoder-only LLM inference.
+
+Everything in the book that talks about *how much work* or *how much memory* a
+step of inference needs goes through this module, so the numbers in the prose,
+the plots and the tests all come from one place.
+
+Conventions (used everywhere below)
+-----------------------------------
+- **FLOPs** count a multiply-add as 2 floating-point operations, so a GEMM
+  ``[m, k] @ [k, n]`` costs ``2·m·k·n`` FLOPs.
+- **Bytes** are the *ideal* DRAM (HBM) traffic of one fused kernel: every input
+  is read once and every output written once; nothing is re-read. Real kernels
+  move at least this much.
+- **Arithmetic intensity** is FLOPs / bytes, in FLOP/byte.
+- Rates: ``peak_flops`` in FLOP/s, ``bandwidth`` in bytes/s.
+- ``dtype_bytes`` is the element size of weights, activations and KV cache
+  (2 for fp16/bf16, 1 for fp8/int8, 4 for fp32).
+- "Per layer" functions cover *one* transformer layer. Attention functions cover
+  *one sequence*; a batch of ``B`` independent sequences costs ``B`` times as much,
+  because each sequence attends only to its own keys and values.
+- Attention FLOPs count the two GEMM-like products ``Q·Kᵀ`` and ``P·V``; the
+  softmax, scaling, masking and norms are ``O(L·H)`` and left out.
+
+The four ``*_CONFIG`` constants reproduce the public ``config.json`` of real
+models; see :class:`ModelShape` for the field names.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "ModelShape", "OpCost", "StepCosts",
+    "LLAMA2_7B", "LLAMA2_70B", "LLAMA3_8B", "QWEN25_7B", "MODELS", "mha_shape",
+    "gemm_flops", "gemm_bytes", "layer_gemms",
+    "linear_flops", "linear_bytes", "attention_pairs", "attention_flops", "attention_bytes",
+    "linear_cost", "attention_cost", "prefill_costs", "decode_costs", "intensity",
+    "attainable", "ridge_point", "roofline_time", "step_time",
+    "attention_linear_flop_ratio", "mha_flop_ratio", "source_flop_ratio", "crossover_context",
+    "kv_bytes_per_token", "decode_temp_bytes_per_seq", "memory_needed", "max_batch",
+]
+
+
+# --------------------------------------------------------------------------- shapes
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of a decoder-only transformer, in the vocabulary of HF ``config.json``.
+
+    Attributes:
+        name: label used in tables and plots.
+        layers: number of transformer blocks (``num_hidden_layers``).
+        hidden: model width ``D`` (``hidden_size``).
+        heads: query heads ``H`` (``num_attention_heads``).
+        kv_heads: key/value heads ``H_kv`` (``num_key_value_heads``); ``== heads`` is
+            MHA, ``1`` is MQA, anything in between is GQA.
+        head_dim: per-head width ``d`` (usually ``hidden // heads``).
+        intermediate: MLP width ``I`` (``intermediate_size``).
+        vocab: vocabulary size ``V`` (``vocab_size``).
+        gated_mlp: True for SwiGLU-style MLPs (gate, up, down: three ``D×I`` matrices,
+            Llama/Qwen); False for the classic two-matrix MLP (GPT-2).
+        qkv_bias: True if the Q, K, V projections carry a bias (Qwen2).
+        tied_embeddings: True if the LM head reuses the token-embedding matrix.
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    gated_mlp: bool = True
+    qkv_bias: bool = False
+    tied_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (1 for MHA)."""
+        return self.heads // self.kv_heads
+
+    @property
+    def q_width(self) -> int:
+        """Width of all query heads together, ``H·d``."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Width of all key (or all value) heads together, ``H_kv·d``."""
+        return self.kv_heads * self.head_dim
+
+    def linear_params_per_layer(self) -> int:
+        """Number of weights in one layer's GEMMs (Q, K, V, O and the MLP); no biases/norms."""
+        return sum(k * n for _, k, n in layer_gemms(self))
+
+    def params(self) -> int:
+        """Total parameter count: embeddings, all layers (GEMM weights, biases, two RMSNorms),
+        final norm and LM head (unless tied)."""
+        per_layer = self.linear_params_per_layer() + 2 * self.hidden
+        if self.qkv_bias:
+            per_layer += self.q_width + 2 * self.kv_width
+        embed = self.vocab * self.hidden
+        head = 0 if self.tied_embeddings else self.vocab * self.hidden
+        return embed + self.layers * per_layer + self.hidden + head
+
+    def weight_bytes(self, dtype_bytes: int = 2) -> int:
+        """Bytes to hold all parameters (``M`` in the memory budget)."""
+        return self.params() * dtype_bytes
+
+
+def mha_shape(hidden: int, heads: int = 32, layers: int = 1, vocab: int = 32000) -> ModelShape:
+    """The textbook MHA layer: ``head_dim = hidden/heads``, a non-gated MLP of width ``4·hidden``.
+
+    Its weight GEMMs hold exactly ``12·D²`` parameters per layer (``4·D²`` for Q, K, V, O and
+    ``8·D²`` for the MLP), the shape behind the classic ``L/(12·D)`` rule.
+    """
+    if hidden % heads:
+        raise ValueError(f"hidden={hidden} is not a multiple of heads={heads}")
+    return ModelShape(f"MHA D={hidden}", layers, hidden, heads, heads, hidden // heads,
+                      4 * hidden, vocab, gated_mlp=False)
+
+
+# Values from each model's public Hugging Face config.json.
+LLAMA2_7B = ModelShape("Llama-2-7B", layers=32, hidden=4096, heads=32, kv_heads=32,
+                       head_dim=128, intermediate=11008, vocab=32000)
+LLAMA2_70B = ModelShape("Llama-2-70B", layers=80, hidden=8192, heads=64, kv_heads=8,
+                        head_dim=128, intermediate=28672, vocab=32000)
+LLAMA3_8B = ModelShape("Llama-3-8B", layers=32, hidden=4096, heads=32, kv_heads=8,
+                       head_dim=128, intermediate=14336, vocab=128256)
+QWEN25_7B = ModelShape("Qwen2.5-7B", layers=28, hidden=3584, heads=28, kv_heads=4,
+                       head_dim=128, intermediate=18944, vocab=152064, qkv_bias=True)
+MODELS = {m.name: m for m in (LLAMA2_7B, LLAMA2_70B, LLAMA3_8B, QWEN25_7B)}
+
+
+# --------------------------------------------------------------------------- GEMMs
+def gemm_flops(m: int, n: int, k: int) -> int:
+    """FLOPs of ``[m, k] @ [k, n]``: ``2·m·n·k``."""
+    return 2 * m * n * k
+
+
+def gemm_bytes(m: int, n: int, k: int, dtype_bytes: int = 2) -> int:
+    """Ideal bytes moved by ``[m, k] @ [k, n]``: read both inputs once, write the output once."""
+    return dtype_bytes * (m * k + k * n + m * n)
+
+
+def layer_gemms(shape: ModelShape) -> list[tuple[str, int, int]]:
+    """The weight matrices of one layer as ``(name, in_features k, out_features n)``."""
+    D, I = shape.hidden, shape.intermediate
+    gemms = [("q", D, shape.q_width), ("k", D, shape.kv_width), ("v", D, shape.kv_width),
+             ("o", shape.q_width, D)]
+    if shape.gated_mlp:
+        gemms += [("gate", D, I), ("up", D, I), ("down", I, D)]
+    else:
+        gemms += [("up", D, I), ("down", I, D)]
+    return gemms
+
+
+def linear_flops(shape: ModelShape, tokens: int) -> int:
+    """FLOPs of one layer's weight GEMMs applied to ``tokens`` rows (all sequences of a batch
+    together: the rows of every request share the same weights). Equals
+    ``2·tokens·linear_params_per_layer``."""
+    return sum(gemm_flops(tokens, n, k) for _, k, n in layer_gemms(shape))
+
+
+def linear_bytes(shape: ModelShape, tokens: int, dtype_bytes: int = 2) -> int:
+    """Ideal bytes of one layer's weight GEMMs on ``tokens`` rows: the weights once, plus
+    each GEMM's input and output activations."""
+    return sum(gemm_bytes(tokens, n, k, dtype_bytes) for _, k, n in layer_gemms(shape))
+
+
+# --------------------------------------------------------------------------- attention
+def attention_pairs(q_len: int, kv_len: int, causal: bool = True) -> int:
+    """Number of (query, key) pairs that are actually scored.
+
+    Queries are bottom-right aligned (query ``i`` sits at position ``kv_len - q_len + i``, as in
+    :mod:`minillm.reference.attention`). Causal: query at position ``p`` sees keys ``0..p``, so
+    prefill (``q_len == kv_len == L``) scores ``L·(L+1)/2`` pairs and decode (``q_len == 1``)
+    scores ``kv_len``.
+    """
+    if q_len > kv_len:
+        raise ValueError(f"q_len={q_len} > kv_len={kv_len}")
+    if not causal:
+        return q_len * kv_len
+    return q_len * (kv_len - q_len) + q_len * (q_len + 1) // 2
+
+
+def attention_flops(shape: ModelShape, q_len: int, kv_len: int, causal: bool = True) -> int:
+    """FLOPs of ``Q·Kᵀ`` and ``P·V`` for one sequence in one layer:
+    ``2 (products) · 2 (mul+add) · H · d · pairs``. Depends on the *query* heads only;
+    GQA saves memory, not attention FLOPs."""
+    return 4 * shape.heads * shape.head_dim * attention_pairs(q_len, kv_len, causal)
+
+
+def attention_bytes(shape: ModelShape, q_len: int, kv_len: int, dtype_bytes: int = 2) -> int:
+    """Ideal bytes of a fused (FlashAttention-style) kernel for one sequence in one layer:
+    read Q (``q_len·H·d``) and the cached K and V (``2·kv_len·H_kv·d``), write O (``q_len·H·d``).
+    The ``L×L`` score matrix never touches memory."""
+    return dtype_bytes * (2 * q_len * shape.q_width + 2 * kv_len * shape.kv_width)
+
+
+# --------------------------------------------------------------------------- intensities
+@dataclass(frozen=True)
+class OpCost:
+    """Work and traffic of one operation: ``flops`` (FLOP) and ``bytes`` (bytes)."""
+
+    flops: float
+    bytes: float
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity in FLOP/byte."""
+        return self.flops / self.bytes
+
+    def __add__(self, other: "OpCost") -> "OpCost":
+        return OpCost(self.flops + other.flops, self.bytes + other.bytes)
+
+    def __mul__(self, factor: float) -> "OpCost":
+        return OpCost(self.flops * factor, self.bytes * factor)
+
+    __rmul__ = __mul__
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """The two kinds of work in one layer of one forward step, for the whole batch."""
+
+    linear: OpCost
+    attention: OpCost
+
+    @property
+    def total(self) -> OpCost:
+        return self.linear + self.attention
+
+
+def intensity(flops, bytes_):
+    """Arithmetic intensity ``flops / bytes_`` in FLOP/byte (works on NumPy arrays)."""
+    return np.asarray(flops, dtype=float) / np.asarray(bytes_, dtype=float)
+
+
+def linear_cost(shape: ModelShape, tokens: int, dtype_bytes: int = 2) -> OpCost:
+    """:class:`OpCost` of one layer's weight GEMMs on ``tokens`` rows."""
+    return OpCost(linear_flops(shape, tokens), linear_bytes(shape, tokens, dtype_bytes))
+
+
+def attention_cost(shape: ModelShape, q_len: int, kv_len: int, batch: int = 1,
+                   dtype_bytes: int = 2, causal: bool = True) -> OpCost:
+    """:class:`OpCost` of one layer's attention for ``batch`` independent sequences.
+    Both FLOPs and bytes scale with ``batch``, so the intensity does not."""
+    one = OpCost(attention_flops(shape, q_len, kv_len, causal),
+                 attention_bytes(shape, q_len, kv_len, dtype_bytes))
+    return one * batch
+
+
+def prefill_costs(shape: ModelShape, prompt_len: int, batch: int = 1,
+                  dtype_bytes: int = 2) -> StepCosts:
+    """One layer of prefill: ``batch`` prompts of ``prompt_len`` tokens, causal attention.
+    The weight GEMMs see ``batch·prompt_len`` rows (matrix-matrix)."""
+    return StepCosts(linear_cost(shape, batch * prompt_len, dtype_bytes),
+                     attention_cost(shape, prompt_len, prompt_len, batch, dtype_bytes))
+
+
+def decode_costs(shape: ModelShape, context: int, batch: int = 1,
+                 dtype_bytes: int = 2) -> StepCosts:
+    """One layer of one decode step: ``batch`` sequences each add 1 token and attend to
+    ``context`` cached tokens (the new one included). The weight GEMMs see ``batch`` rows;
+    each sequence's attention is its own matrix-vector product over its own cache."""
+    return StepCosts(linear_cost(shape, batch, dtype_bytes),
+                     attention_cost(shape, 1, context, batch, dtype_bytes))
+
+
+# --------------------------------------------------------------------------- roofline
+def attainable(intensity, peak_flops: float, bandwidth: float):
+    """Roofline: the best FLOP/s a kernel of the given intensity (FLOP/byte) can reach on a
+    machine with ``peak_flops`` (FLOP/s) and memory ``bandwidth`` (bytes/s):
+    ``min(peak_flops, intensity·bandwidth)``."""
+    return np.minimum(peak_flops, np.asarray(intensity, dtype=float) * bandwidth)
+
+
+def ridge_point(peak_flops: float, bandwidth: float) -> float:
+    """Intensity (FLOP/byte) where the roofline bends: below it a kernel is memory-bound."""
+    return peak_flops / bandwidth
+
+
+def roofline_time(flops, bytes_, peak_flops: float, bandwidth: float):
+    """Lower bound on run time in seconds: ``max(flops/peak_flops, bytes_/bandwidth)``."""
+    return np.maximum(np.asarray(flops, dtype=float) / peak_flops,
+                      np.asarray(bytes_, dtype=float) / bandwidth)
+
+
+def step_time(shape: ModelShape, costs: StepCosts, peak_flops: float, bandwidth: float,
+              lm_head_rows: int = 0, dtype_bytes: int = 2) -> float:
+    """Roofline lower bound (seconds) for a whole forward step: ``shape.layers`` layers of
+    ``costs`` (linear and attention timed separately, as separate kernels) plus the LM head
+    on ``lm_head_rows`` rows (one per sequence that samples a token)."""
+    t = shape.layers * (roofline_time(costs.linear.flops, costs.linear.bytes, peak_flops, bandwidth)
+                        + roofline_time(costs.attention.flops, costs.attention.bytes, peak_flops, bandwidth))
+    if lm_head_rows:
+        V, D = shape.vocab, shape.hidden
+        t += roofline_time(gemm_flops(lm_head_rows, V, D), gemm_bytes(lm_head_rows, V, D, dtype_bytes),
+                           peak_flops, bandwidth)
+    return float(t)
+
+
+# --------------------------------------------------------------------------- attention vs linear
+def attention_linear_flop_ratio(shape: ModelShape, context, phase: str = "prefill"):
+    """Exact ratio ``attention FLOPs / weight-GEMM FLOPs`` in one layer.
+
+    - ``phase="prefill"``: a causal prompt of ``context`` tokens (equivalently, averaged over all
+      tokens of a sequence of that length). For the textbook MHA layer this is ``(L+1)/(12·D)``.
+    - ``phase="decode"``: the one new token at position ``context`` (it sees ``context`` keys).
+      Twice the prefill average: ``L/(6·D)`` for the textbook layer.
+
+    ``context`` may be an int or an array of ints.
+    """
+    L = np.asarray(context, dtype=float)
+    lin_per_token = 2.0 * shape.linear_params_per_layer()
+    if phase == "prefill":
+        attn_per_token = 4.0 * shape.q_width * (L + 1) / 2  # L(L+1)/2 pairs over L tokens
+    elif phase == "decode":
+        attn_per_token = 4.0 * shape.q_width * L
+    else:
+        raise ValueError(f"phase must be 'prefill' or 'decode', got {phase!r}")
+    return attn_per_token / lin_per_token
+
+
+def mha_flop_ratio(context, hidden):
+    """Closed form for the textbook MHA layer (12·D² GEMM weights), causal prefill:
+    ``attention / linear = (L + 1) / (12·D) ≈ L / (12·D)``."""
+    return (np.asarray(context, dtype=float) + 1) / (12.0 * hidden)
+
+
+def source_flop_ratio(context, hidden):
+    """The source article's rule of thumb ``(L + D) / (12·D)``.
+
+    It equals ``L/(12·D) + 1/12``: the causal attention FLOPs per token (``≈ 2·L·D``) *plus the
+    output projection W_O* (``2·D²``, one twelfth of the layer's ``24·D²`` GEMM FLOPs), over all
+    of the layer's GEMM FLOPs. So it counts W_O on both sides; the consistent ratio is
+    :func:`mha_flop_ratio`. The two differ by the constant ``1/12``.
+    """
+    h = float(hidden)
+    return (np.asarray(context, dtype=float) + h) / (12.0 * h)
+
+
+def crossover_context(shape: ModelShape, phase: str = "prefill") -> float:
+    """Context length (tokens) at which attention FLOPs equal the weight-GEMM FLOPs
+    (:func:`attention_linear_flop_ratio` ``== 1``). ``12·D − 1`` for the textbook MHA layer."""
+    lin_per_token = 2.0 * shape.linear_params_per_layer()
+    if phase == "prefill":
+        return 2 * lin_per_token / (4.0 * shape.q_width) - 1
+    if phase == "decode":
+        return lin_per_token / (4.0 * shape.q_width)
+    raise ValueError(f"phase must be 'prefill' or 'decode', got {phase!r}")
+
+
+# --------------------------------------------------------------------------- memory budget
+def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int = 2) -> int:
+    """KV-cache bytes per cached token (``β``): ``2 (K and V) · layers · H_kv · d · dtype_bytes``."""
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
+
+
+def decode_temp_bytes_per_seq(shape: ModelShape, dtype_bytes: int = 2) -> int:
+    """An estimate of ``α``: temporaries one sequence needs during a decode step, in bytes.
+
+    Layers run one after another, so only one layer's activations are live at a time:
+    residual stream and its normed copy and the attention output (``3·D``), the fresh
+    Q, K, V (``(H + 2·H_kv)·d``), the MLP's gate, up and product (``3·I``), all in
+    ``dtype_bytes``; plus fp32 logits and fp32 probabilities for sampling (``2·V·4``).
+    Prefill needs far more (it scales with the prompt length); engines cap it with a
+    per-step token budget and reserve that workspace once, up front.
+    """
+    act = 3 * shape.hidden + shape.q_width + 2 * shape.kv_width + 3 * shape.intermediate
+    return act * dtype_bytes + 2 * shape.vocab * 4
+
+
+def memory_needed(weight_bytes: float, alpha: float, beta: float, batch: int,
+                  total_tokens: float) -> float:
+    """Right-hand side of the serving budget ``Mem ≥ M + α·BS + β·TN`` (bytes).
+
+    Args:
+        weight_bytes: ``M``, bytes of the weights.
+        alpha: ``α``, temporary bytes per sequence in the batch.
+        beta: ``β``, KV-cache bytes per cached token (:func:`kv_bytes_per_token`).
+        batch: ``BS``, sequences in the batch.
+        total_tokens: ``TN``, tokens whose K and V are cached, over the whole batch.
+    """
+    return weight_bytes + alpha * batch + beta * total_tokens
+
+
+def max_batch(mem_bytes: float, weight_bytes: float, alpha: float, beta: float,
+              context: float, unshared: float = 1.0) -> int:
+    """Largest ``BS`` with ``M + α·BS + β·TN ≤ Mem`` when every sequence holds ``context``
+    tokens, of which a fraction ``unshared`` (the source's ``γ``) is its own (the rest is a
+    shared prefix cached once): ``TN = unshared·context·BS``. So
+    ``BS = floor((Mem − M) / (α + β·unshared·context))``; 0 if the weights alone do not fit.
+    """
+    free = mem_bytes - weight_bytes
+    if free <= 0:
+        return 0
+    per_seq = alpha + beta * unshared * context
+    if per_seq <= 0:
+        raise ValueError("per-sequence memory must be positive")
+    return int(math.floor(free / per_seq))

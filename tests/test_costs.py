@@ -1,0 +1,276 @@
+"""Tests for minillm.costs: every closed form is checked against an independent count."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from minillm import costs as C
+from minillm.reference.attention import attention_mask
+
+TINY = [
+    C.ModelShape("tiny-mha", layers=2, hidden=8, heads=2, kv_heads=2, head_dim=4, intermediate=12, vocab=11),
+    C.ModelShape("tiny-gqa", layers=3, hidden=12, heads=4, kv_heads=2, head_dim=3, intermediate=20, vocab=7,
+                 qkv_bias=True),
+    C.ModelShape("tiny-mqa", layers=1, hidden=6, heads=3, kv_heads=1, head_dim=2, intermediate=10, vocab=5,
+                 gated_mlp=False, tied_embeddings=True),
+]
+
+
+# ----------------------------------------------------------------- brute-force counters
+def brute_force_layer_flops(shape, q_len, kv_len, causal=True):
+    """Count one layer's multiply-adds scalar by scalar, with explicit loops."""
+    D, I, d = shape.hidden, shape.intermediate, shape.head_dim
+    mlp = [(D, I), (D, I), (I, D)] if shape.gated_mlp else [(D, I), (I, D)]
+    proj = [(D, shape.heads * d), (D, shape.kv_heads * d), (D, shape.kv_heads * d), (shape.heads * d, D)]
+    linear = 0
+    for _token in range(q_len):
+        for k_in, n_out in proj + mlp:
+            for _o, _i in itertools.product(range(n_out), range(k_in)):
+                linear += 2
+    attn = 0
+    visible = attention_mask(q_len, kv_len, causal=causal)
+    for _h in range(shape.heads):
+        for i, j in itertools.product(range(q_len), range(kv_len)):
+            if visible[i, j]:
+                attn += 2 * d  # s_ij = q_i · k_j
+                attn += 2 * d  # o_i += p_ij * v_j
+    return linear, attn
+
+
+def torch_layer(shape, x, k_cache_len):
+    """A tiny decoder layer in torch (no norms/rope), used under FlopCounterMode.
+    ``x``: [q_len, D] new tokens; attends (non-causally) to ``k_cache_len`` keys."""
+    D, d, H, Hkv = shape.hidden, shape.head_dim, shape.heads, shape.kv_heads
+    g = torch.Generator().manual_seed(0)
+    W = {name: torch.randn(k, n, generator=g) for name, k, n in C.layer_gemms(shape)}
+    cached = k_cache_len - x.shape[0]
+    q = (x @ W["q"]).view(-1, H, d).transpose(0, 1)                        # [H, q_len, d]
+    k = torch.cat([torch.randn(cached, Hkv * d, generator=g), x @ W["k"]])  # cache + new keys
+    v = torch.cat([torch.randn(cached, Hkv * d, generator=g), x @ W["v"]])
+    k = k.view(-1, Hkv, d).transpose(0, 1).repeat_interleave(H // Hkv, 0)  # [H, kv_len, d]
+    v = v.view(-1, Hkv, d).transpose(0, 1).repeat_interleave(H // Hkv, 0)
+    p = torch.softmax(q @ k.transpose(1, 2) / d**0.5, -1)
+    o = (p @ v).transpose(0, 1).reshape(-1, H * d) @ W["o"]
+    h = x + o
+    if shape.gated_mlp:
+        m = (torch.nn.functional.silu(h @ W["gate"]) * (h @ W["up"])) @ W["down"]
+    else:
+        m = torch.nn.functional.gelu(h @ W["up"]) @ W["down"]
+    return h + m
+
+
+# ----------------------------------------------------------------- model configs
+@pytest.mark.parametrize("shape,expected", [
+    (C.LLAMA2_7B, 6_738_415_616),
+    (C.LLAMA2_70B, 68_976_648_192),
+    (C.LLAMA3_8B, 8_030_261_248),
+    (C.QWEN25_7B, 7_615_616_512),
+])
+def test_parameter_counts_match_published_checkpoints(shape, expected):
+    assert shape.params() == expected
+
+
+def test_mha_shape_has_12_d_squared_weights():
+    for D in (64, 512, 4096):
+        assert C.mha_shape(D, heads=8).linear_params_per_layer() == 12 * D * D
+
+
+def test_gqa_shape_rejects_bad_heads():
+    with pytest.raises(ValueError):
+        C.ModelShape("bad", 1, 8, heads=3, kv_heads=2, head_dim=4, intermediate=8, vocab=4)
+
+
+# ----------------------------------------------------------------- FLOP counts
+@pytest.mark.parametrize("shape", TINY, ids=lambda s: s.name)
+@pytest.mark.parametrize("q_len,kv_len,causal", [(5, 5, True), (5, 5, False), (1, 7, True), (3, 8, True),
+                                                 (4, 6, False)])
+def test_flops_match_brute_force(shape, q_len, kv_len, causal):
+    lin, attn = brute_force_layer_flops(shape, q_len, kv_len, causal)
+    assert C.linear_flops(shape, q_len) == lin
+    assert C.attention_flops(shape, q_len, kv_len, causal) == attn
+
+
+@pytest.mark.parametrize("shape", TINY, ids=lambda s: s.name)
+@pytest.mark.parametrize("q_len,kv_len", [(6, 6), (1, 9), (2, 5)])
+def test_flops_match_torch_flop_counter(shape, q_len, kv_len):
+    """torch's own FLOP counter on a real (tiny) layer agrees with the closed forms.
+    The torch layer computes the full (non-causal) score matrix, as naive attention does."""
+    x = torch.randn(q_len, shape.hidden)
+    with FlopCounterMode(display=False) as counter:
+        torch_layer(shape, x, kv_len)
+    expected = C.linear_flops(shape, q_len) + C.attention_flops(shape, q_len, kv_len, causal=False)
+    assert counter.get_total_flops() == expected
+
+
+def test_attention_pairs():
+    assert C.attention_pairs(4, 4) == 10          # 1+2+3+4
+    assert C.attention_pairs(1, 100) == 100       # decode sees the whole cache
+    assert C.attention_pairs(4, 4, causal=False) == 16
+    for q, kv in [(3, 7), (7, 7), (1, 1)]:
+        assert C.attention_pairs(q, kv) == int(attention_mask(q, kv, causal=True).sum())
+    with pytest.raises(ValueError):
+        C.attention_pairs(5, 4)
+
+
+def test_linear_flops_is_two_per_weight_per_token():
+    for m in C.MODELS.values():
+        assert C.linear_flops(m, 7) == 2 * 7 * m.linear_params_per_layer()
+
+
+# ----------------------------------------------------------------- bytes and intensity
+def test_gemm_bytes_and_intensity():
+    assert C.gemm_bytes(2, 3, 4, dtype_bytes=2) == 2 * (8 + 12 + 6)
+    # matrix-vector in fp16: ~1 FLOP/byte; square GEMM: n/3 FLOP/byte
+    mv = C.gemm_flops(1, 4096, 4096) / C.gemm_bytes(1, 4096, 4096)
+    assert 0.99 < mv < 1.0
+    sq = C.gemm_flops(4096, 4096, 4096) / C.gemm_bytes(4096, 4096, 4096)
+    assert sq == pytest.approx(4096 / 3)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 64, 256])
+@pytest.mark.parametrize("context", [128, 4096, 32768])
+def test_decode_attention_intensity_is_below_one_for_mha_fp16(batch, context):
+    c = C.decode_costs(C.LLAMA2_7B, context, batch).attention
+    assert c.intensity < 1.0
+    assert c.intensity == pytest.approx(context / (context + 1))   # exact: L/(L+1), batch-free
+
+
+def test_decode_attention_intensity_is_bounded_by_group_size():
+    for m in (C.LLAMA3_8B, C.QWEN25_7B, C.LLAMA2_70B):
+        i = C.decode_costs(m, 8192, batch=32).attention.intensity
+        assert m.group_size * 0.99 < i < m.group_size
+    # fp32 halves it
+    assert C.attention_cost(C.LLAMA2_7B, 1, 4096, dtype_bytes=4).intensity < 0.5
+
+
+def test_decode_gemm_intensity_grows_with_batch():
+    ints = [C.decode_costs(C.LLAMA2_7B, 1024, b).linear.intensity for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
+    assert all(a < b for a, b in zip(ints, ints[1:]))
+    assert 0.99 < ints[0] < 1.0          # batch 1 is matrix-vector: ~1 FLOP/byte in fp16
+    assert ints[-1] == pytest.approx(256, rel=0.1)  # ≈ batch while batch << D
+
+
+def test_prefill_is_compute_heavy():
+    c = C.prefill_costs(C.LLAMA2_7B, 4096)
+    assert c.linear.intensity > 1000
+    assert c.attention.intensity == pytest.approx((4096 + 1) / 4)  # MHA causal: (L+1)/4
+
+
+def test_opcost_arithmetic():
+    a = C.OpCost(10, 5)
+    assert (a + a).intensity == 2 and (3 * a).flops == 30 and (a * 3).bytes == 15
+
+
+# ----------------------------------------------------------------- roofline
+def test_roofline_and_ridge():
+    peak, bw = 789e12, 4.27e12
+    ridge = C.ridge_point(peak, bw)
+    assert ridge == pytest.approx(184.8, rel=1e-3)
+    assert C.attainable(ridge, peak, bw) == pytest.approx(peak)
+    assert C.attainable(1.0, peak, bw) == pytest.approx(bw)
+    assert C.attainable(10 * ridge, peak, bw) == peak
+    xs = np.logspace(-1, 4, 50)
+    ys = C.attainable(xs, peak, bw)
+    assert np.all(np.diff(ys) >= 0) and ys.max() == peak
+    assert C.roofline_time(2e12, 1e9, 1e12, 1e12) == pytest.approx(2.0)
+    assert C.roofline_time(1e9, 3e12, 1e12, 1e12) == pytest.approx(3.0)
+
+
+def test_decode_step_time_is_weight_read_time():
+    """At batch 1 a decode step costs about (weight bytes)/(bandwidth)."""
+    peak, bw = 789e12, 4.27e12
+    t = C.step_time(C.LLAMA2_7B, C.decode_costs(C.LLAMA2_7B, 16, 1), peak, bw, lm_head_rows=1)
+    weights_only = (C.LLAMA2_7B.weight_bytes() - 2 * C.LLAMA2_7B.vocab * C.LLAMA2_7B.hidden) / bw
+    assert weights_only < t < 1.02 * C.LLAMA2_7B.weight_bytes() / bw
+
+
+# ----------------------------------------------------------------- attention / linear ratio
+@pytest.mark.parametrize("D", [64, 256, 1024])
+@pytest.mark.parametrize("L", [1, 17, 300, 4096])
+def test_mha_ratio_closed_form_matches_explicit_count(D, L):
+    shape = C.mha_shape(D, heads=8)
+    explicit = C.attention_flops(shape, L, L) / C.linear_flops(shape, L)
+    assert C.mha_flop_ratio(L, D) == pytest.approx(explicit, rel=1e-12)
+    assert C.attention_linear_flop_ratio(shape, L) == pytest.approx(explicit, rel=1e-12)
+    # decode: the newest token at position L sees L keys
+    explicit_dec = C.attention_flops(shape, 1, L) / C.linear_flops(shape, 1)
+    assert C.attention_linear_flop_ratio(shape, L, "decode") == pytest.approx(explicit_dec)
+    assert explicit_dec == pytest.approx(L / (6 * D))
+
+
+def test_mha_ratio_on_brute_force_tiny_layer():
+    shape = C.mha_shape(8, heads=2)
+    for L in (1, 5, 12):
+        lin, attn = brute_force_layer_flops(shape, L, L)
+        assert attn / lin == pytest.approx((L + 1) / (12 * 8))
+
+
+def test_source_rule_is_consistent_ratio_plus_w_o():
+    """(L+D)/(12D) = (causal attention + the W_O projection) / (all GEMMs), in the L²/2 limit."""
+    D, L = 4096, 8192
+    shape = C.mha_shape(D)
+    attn_cont = 4 * D * L * L / 2                        # L²/2 pairs: continuous causal count
+    w_o = C.gemm_flops(L, D, D)
+    assert (attn_cont + w_o) / C.linear_flops(shape, L) == pytest.approx(C.source_flop_ratio(L, D))
+    assert C.source_flop_ratio(L, D) - C.mha_flop_ratio(L, D) == pytest.approx(1 / 12, abs=1e-4)
+
+
+def test_crossover_at_twelve_d():
+    for D in (1024, 4096, 8192):
+        shape = C.mha_shape(D)
+        L = C.crossover_context(shape)
+        assert L == 12 * D - 1
+        assert C.attention_flops(shape, int(L), int(L)) == C.linear_flops(shape, int(L))
+        assert C.crossover_context(shape, "decode") == 6 * D
+    # real models: attention catches up later when the MLP is wider than 8·D² worth of weights
+    assert C.crossover_context(C.LLAMA2_7B) == pytest.approx(49407)
+    assert C.crossover_context(C.QWEN25_7B) > C.crossover_context(C.LLAMA3_8B) > C.crossover_context(C.LLAMA2_7B)
+
+
+# ----------------------------------------------------------------- memory budget
+def test_kv_bytes_per_token():
+    assert C.kv_bytes_per_token(C.LLAMA2_7B) == 524288          # 2·32·32·128·2 = 512 KiB
+    assert C.kv_bytes_per_token(C.LLAMA3_8B) == 128 * 1024       # GQA 8 KV heads: 128 KiB
+    assert C.kv_bytes_per_token(C.LLAMA2_70B) == 320 * 1024
+    assert C.kv_bytes_per_token(C.QWEN25_7B) == 56 * 1024
+    assert C.kv_bytes_per_token(C.LLAMA3_8B, dtype_bytes=1) == 64 * 1024
+
+
+def test_memory_needed_and_max_batch():
+    M, a, b, L = 10.0, 1.0, 0.5, 8
+    assert C.memory_needed(M, a, b, batch=3, total_tokens=24) == 10 + 3 + 12
+    bs = C.max_batch(100.0, M, a, b, L)
+    assert bs == 18                                       # 90 / (1 + 4) = 18
+    assert C.memory_needed(M, a, b, bs, bs * L) <= 100 < C.memory_needed(M, a, b, bs + 1, (bs + 1) * L)
+    assert C.max_batch(5.0, M, a, b, L) == 0              # weights don't fit
+    assert C.max_batch(100.0, M, a, b, L, unshared=0.5) == 30   # shared prefix: 90 / (1 + 2)
+
+
+def test_max_batch_monotonic():
+    GiB = 2**30
+    m = C.LLAMA2_7B
+    M, a, b = m.weight_bytes(), C.decode_temp_bytes_per_seq(m), C.kv_bytes_per_token(m)
+    by_mem = [C.max_batch(g * GiB, M, a, b, 4096) for g in (16, 24, 40, 80, 141)]
+    assert all(x <= y for x, y in zip(by_mem, by_mem[1:])) and by_mem[0] < by_mem[-1]
+    by_ctx = [C.max_batch(80 * GiB, M, a, b, L) for L in (512, 1024, 4096, 16384)]
+    assert all(x >= y for x, y in zip(by_ctx, by_ctx[1:])) and by_ctx[0] > by_ctx[-1]
+
+
+def test_gqa_fits_about_four_times_the_batch():
+    GiB = 2**30
+    def bs(m):
+        return C.max_batch(80 * GiB, m.weight_bytes(), C.decode_temp_bytes_per_seq(m),
+                           C.kv_bytes_per_token(m), 4096)
+    assert bs(C.LLAMA2_7B) == 33
+    assert 3.5 < bs(C.LLAMA3_8B) / bs(C.LLAMA2_7B) < 4.0
+
+
+def test_alpha_estimate_is_small_next_to_kv():
+    for m in C.MODELS.values():
+        alpha = C.decode_temp_bytes_per_seq(m)
+        assert 0 < alpha < 2 * 2**20                       # under 2 MiB per sequence
+        assert alpha < 0.05 * 1024 * C.kv_bytes_per_token(m)  # < 5 % of a 1k-token cache

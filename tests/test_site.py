@@ -1,0 +1,221 @@
+"""The docs site, built and opened in a real (headless) browser.
+
+A strict `mkdocs build` only proves that the Markdown compiled. What readers see depends on
+JavaScript running in their browser: MathJax typesetting the math, the notebook plots
+decoding. So this test builds the site into a temp dir, serves it on 127.0.0.1 and opens
+every page in Debian's chromium, checking that
+
+- the page loads, with no SEVERE entry in the browser console (a failed script or font
+  fetch, e.g. from a CDN an offline reader cannot reach, shows up there);
+- math is typeset: no raw TeX delimiters are left in the article, MathJax reported no TeX
+  error, and a page whose HTML contains TeX has MathJax output (`mjx-container`);
+- every <img> decoded (naturalWidth > 0): notebook figures are embedded PNGs.
+
+It also saves screenshots of the home page and Chapter 1 to build/screenshots/ (look at
+them!) and checks that they are not blank.
+
+Needs chromium and chromedriver (`scripts/install-browser.sh`). Without them the test is
+skipped, except under CI=true, where a missing browser is a failure.
+"""
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+SCREENSHOTS = ROOT / "build" / "screenshots"
+CHROMEDRIVER = "/usr/bin/chromedriver"  # Debian's chromium-driver; never selenium-manager
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def browser_binary() -> str:
+    """Chromium's path, checked before the (slow) site build."""
+    chromium = _chromium()
+    if chromium and os.access(CHROMEDRIVER, os.X_OK):
+        return chromium
+    msg = (f"chromium ({chromium or 'not found'}) and {CHROMEDRIVER} are needed for the "
+           "browser test: run scripts/install-browser.sh")
+    if os.environ.get("CI"):
+        pytest.fail(f"CI is set and the browser is missing. {msg}")
+    pytest.skip(msg)
+
+
+@pytest.fixture(scope="module")
+def site_dir(browser_binary, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_url(site_dir):
+    """Serve the built site over http (file:// would change how scripts and fonts load)."""
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):  # keep pytest's output clean
+            pass
+
+    handler = functools.partial(Quiet, directory=str(site_dir))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)  # port 0: a free one
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def driver(browser_binary):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = browser_binary
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1280,1000", "--hide-scrollbars"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    # An explicit driver path: selenium skips selenium-manager, which would try to download.
+    drv = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=opts)
+    drv.set_page_load_timeout(60)
+    drv.set_script_timeout(60)
+    yield drv
+    drv.quit()
+
+
+def _pages(site_dir: Path) -> list[str]:
+    return sorted(p.relative_to(site_dir).as_posix() for p in site_dir.rglob("*.html"))
+
+
+def _has_tex(html: str) -> bool:
+    """Whether the built HTML (before any JavaScript runs) contains math to typeset."""
+    text = re.sub(r"(?s)<(script|style|pre|code)\b.*?</\1>", "", html)
+    return bool(re.search(r"\\\(|\\\[|\$\$|\$[^$\s<][^$<]*\$", text))
+
+
+# Text left in the article once MathJax is done: raw TeX means math that was not typeset.
+RAW_TEX = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$\$|\$[^$\s][^$\n]*[^$\s\\]\$")
+
+# Resolves when the page, MathJax and every image are done. Returns what the checks need.
+INSPECT_JS = """
+const done = arguments[arguments.length - 1];
+(async () => {
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+    await MathJax.startup.promise;
+  }
+  const imgs = Array.from(document.images);
+  imgs.forEach(i => { i.loading = "eager"; });
+  await Promise.all(imgs.map(i => i.decode().catch(() => null)));
+  // The visible prose of the article: text nodes that are rendered, outside code and math.
+  const article = document.querySelector("article") || document.body;
+  const walker = document.createTreeWalker(article, NodeFilter.SHOW_TEXT);
+  const text = [];
+  while (walker.nextNode()) {
+    const el = walker.currentNode.parentElement;
+    if (el.closest("pre, code, script, style, mjx-container") || !el.getClientRects().length) {
+      continue;
+    }
+    text.push(walker.currentNode.textContent);
+  }
+  return {
+    title: document.title,
+    hasArticle: !!document.querySelector("article"),
+    mathjax: !!(window.MathJax && MathJax.startup && MathJax.startup.document),
+    mjx: document.querySelectorAll("mjx-container").length,
+    mjxErrors: Array.from(document.querySelectorAll("mjx-merror")).map(e => e.textContent),
+    images: imgs.length,
+    badImages: imgs.filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src.slice(0, 100)),
+    text: text.join(""),
+  };
+})().then(done, err => done({error: String(err)}));
+"""
+
+
+def _open(driver, url: str) -> dict:
+    driver.get_log("browser")  # drop entries left over from the previous page
+    driver.get(url)
+    info = driver.execute_async_script(INSPECT_JS)
+    info["severe"] = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    return info
+
+
+def test_every_page_renders(site_dir, base_url, driver):
+    pages = _pages(site_dir)
+    assert "index.html" in pages and "chapters/01_naive_attention/index.html" in pages, pages
+    problems = []
+    for page in pages:
+        info = _open(driver, base_url + page)
+        if "error" in info:
+            problems.append(f"{page}: inspection script failed: {info['error']}")
+            continue
+        bad = []
+        if not info["hasArticle"]:
+            bad.append(f"no <article>: not a site page (title {info['title']!r})")
+        bad += [f"console: {m}" for m in info["severe"]]
+        if _has_tex((site_dir / page).read_text(encoding="utf-8")):
+            if not info["mathjax"]:
+                bad.append("has math but MathJax did not start")
+            elif info["mjx"] == 0:
+                bad.append("has math but no mjx-container was rendered")
+        bad += [f"TeX error: {e}" for e in info["mjxErrors"]]
+        raw = sorted({m.group(0)[:40] for m in RAW_TEX.finditer(info["text"])})
+        if raw:
+            bad.append(f"raw TeX left in the text: {raw[:5]}")
+        bad += [f"image did not load: {src}" for src in info["badImages"]]
+        problems += [f"{page}: {b}" for b in bad]
+    assert not problems, f"{len(problems)} problem(s) in {len(pages)} pages:\n" + "\n".join(problems)
+
+
+def _not_blank(path: Path) -> tuple[bool, str]:
+    from PIL import Image, ImageStat
+
+    img = Image.open(path).convert("RGB")
+    colours = img.getcolors(maxcolors=1 << 24)
+    n_colours = len(colours) if colours else 1 << 24
+    std = sum(ImageStat.Stat(img.convert("L")).stddev)
+    # A blank (or nearly blank) page has a handful of colours and a flat histogram; text,
+    # anti-aliased math and a plot give hundreds of colours and a large spread.
+    return n_colours >= 64 and std >= 10, f"{n_colours} colours, grey std {std:.1f}"
+
+
+@pytest.mark.parametrize("page, name, needs_figure", [
+    ("index.html", "home.png", False),
+    ("chapters/01_naive_attention/index.html", "chapter1.png", True),
+])
+def test_screenshot(base_url, driver, page, name, needs_figure):
+    info = _open(driver, base_url + page)
+    assert "error" not in info, info
+    assert info["mjx"] > 0, f"{page}: expected typeset math on this page"
+    if needs_figure:
+        assert info["images"] > 0 and not info["badImages"], f"{page}: expected a figure: {info}"
+    # Grow the window to the page (up to a limit) so the screenshot shows the text, the math
+    # and the figures, not only what fits above the fold.
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(1280, max(1000, min(height + 150, 6000)))
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    path = SCREENSHOTS / name
+    try:
+        assert driver.save_screenshot(str(path)), f"could not save {path}"
+    finally:
+        driver.set_window_size(1280, 1000)
+    ok, stats = _not_blank(path)
+    assert ok, f"{path} looks blank ({stats})"
