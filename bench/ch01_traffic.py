@@ -271,6 +271,19 @@ def run(results, device=None) -> None:
             print(f"  [{BENCHMARK}] recorded {n} rows", flush=True)
 
 
+def summary(results) -> str:
+    """Measured / counted bytes per pass, as a short text table."""
+    from minillm.results import rows as select
+
+    data = results.to_dict() if hasattr(results, "to_dict") else results
+    lines = [f"{'pass':>8} {'metric':>17} {'measured':>14} {'counted':>14} {'meas/count':>10}"]
+    for r in select(data, BENCHMARK):
+        ratio = f"{r['ours'] / r['peer_value']:.3f}" if r["ours"] and r["peer_value"] else "—"
+        lines.append(f"{r['params'].get('pass', ''):>8} {r['metric']:>17} {r['ours']:>14} "
+                     f"{r['peer_value']:>14} {ratio:>10}")
+    return "\n".join(lines)
+
+
 def _diagnostics(*paths: Path, lines: int = 15) -> str:
     out = []
     for p in paths:

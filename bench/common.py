@@ -265,10 +265,18 @@ class Results:
                 existing = None  # a broken file is replaced rather than merged
         data = self.to_dict(existing)
         tmp = json_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+        tmp.write_text(dumps(data), encoding="utf-8")
         tmp.replace(json_path)
         md_path.write_text(render_markdown(data), encoding="utf-8")
         return json_path, md_path
+
+
+def dumps(data: dict) -> str:
+    """The file's text: strict JSON (no NaN), one row per line so diffs stay readable."""
+    head = json.dumps({k: v for k, v in data.items() if k != "rows"}, indent=1, allow_nan=False)
+    rows = [json.dumps(r, allow_nan=False) for r in data.get("rows", [])]
+    body = "[\n" + ",\n".join("  " + r for r in rows) + "\n ]" if rows else "[]"
+    return head[:-2] + ',\n "rows": ' + body + "\n}\n"
 
 
 def render_markdown(data: dict) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import json
 import os
 import re
 import shutil
@@ -50,7 +51,7 @@ def browser_binary() -> str:
         return chromium
     msg = (f"chromium ({chromium or 'not found'}) and {CHROMEDRIVER} are needed for the "
            "browser test: run scripts/install-browser.sh")
-    if os.environ.get("CI"):
+    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
         pytest.fail(f"CI is set and the browser is missing. {msg}")
     pytest.skip(msg)
 
@@ -106,13 +107,30 @@ def _pages(site_dir: Path) -> list[str]:
     return sorted(p.relative_to(site_dir).as_posix() for p in site_dir.rglob("*.html"))
 
 
+def _stored_figures(site_dir: Path, page: str) -> int:
+    """How many PNG/JPEG outputs the notebook behind a page stores (0 for a Markdown page).
+
+    mkdocs-jupyter (`include_source: true`) copies `chapters/NAME.ipynb` next to its page,
+    `chapters/NAME/index.html`; reading that copy rather than chapters/ keeps the count in
+    step with what was built even if someone re-saves the notebook meanwhile.
+    """
+    nb = site_dir / Path(page).parent / f"{Path(page).parent.name}.ipynb"
+    if not nb.is_file():
+        return 0
+    cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
+    return sum(1 for c in cells for o in c.get("outputs", [])
+               if {"image/png", "image/jpeg"} & set(o.get("data", {})))
+
+
 def _has_tex(html: str) -> bool:
     """Whether the built HTML (before any JavaScript runs) contains math to typeset."""
     text = re.sub(r"(?s)<(script|style|pre|code)\b.*?</\1>", "", html)
+    # mkdocs-jupyter keeps each code cell's source in a hidden div for its copy button.
+    text = re.sub(r'(?s)<div class="clipboard-copy-txt".*?</div>', "", text)
     return bool(re.search(r"\\\(|\\\[|\$\$|\$[^$\s<][^$<]*\$", text))
 
 
-# Text left in the article once MathJax is done: raw TeX means math that was not typeset.
+# Visible text left once MathJax is done: raw TeX means math that was not typeset.
 RAW_TEX = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$\$|\$[^$\s][^$\n]*[^$\s\\]\$")
 
 # Resolves when the page, MathJax and every image are done. Returns what the checks need.
@@ -125,9 +143,10 @@ const done = arguments[arguments.length - 1];
   const imgs = Array.from(document.images);
   imgs.forEach(i => { i.loading = "eager"; });
   await Promise.all(imgs.map(i => i.decode().catch(() => null)));
-  // The visible prose of the article: text nodes that are rendered, outside code and math.
-  const article = document.querySelector("article") || document.body;
-  const walker = document.createTreeWalker(article, NodeFilter.SHOW_TEXT);
+  // The visible text of the page body (article and the sidebars with its table of
+  // contents): text nodes that are rendered, outside code and typeset math.
+  const main = document.querySelector(".md-main") || document.body;
+  const walker = document.createTreeWalker(main, NodeFilter.SHOW_TEXT);
   const text = [];
   while (walker.nextNode()) {
     const el = walker.currentNode.parentElement;
@@ -151,8 +170,14 @@ const done = arguments[arguments.length - 1];
 
 
 def _open(driver, url: str) -> dict:
+    from selenium.webdriver.support.ui import WebDriverWait
+
     driver.get_log("browser")  # drop entries left over from the previous page
     driver.get(url)
+    # get() can return while the new document is still parsing (seen with chromedriver
+    # under load), before MathJax's script has even run: wait for the load event.
+    WebDriverWait(driver, 60).until(
+        lambda d: d.execute_script("return document.readyState") == "complete")
     info = driver.execute_async_script(INSPECT_JS)
     info["severe"] = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     return info
@@ -181,6 +206,9 @@ def test_every_page_renders(site_dir, base_url, driver):
         if raw:
             bad.append(f"raw TeX left in the text: {raw[:5]}")
         bad += [f"image did not load: {src}" for src in info["badImages"]]
+        figures = _stored_figures(site_dir, page)
+        if info["images"] < figures:
+            bad.append(f"{info['images']} <img> on the page, but the notebook stores {figures} figures")
         problems += [f"{page}: {b}" for b in bad]
     assert not problems, f"{len(problems)} problem(s) in {len(pages)} pages:\n" + "\n".join(problems)
 
@@ -201,12 +229,16 @@ def _not_blank(path: Path) -> tuple[bool, str]:
     ("index.html", "home.png", False),
     ("chapters/01_naive_attention/index.html", "chapter1.png", True),
 ])
-def test_screenshot(base_url, driver, page, name, needs_figure):
+def test_screenshot(site_dir, base_url, driver, page, name, needs_figure):
     info = _open(driver, base_url + page)
     assert "error" not in info, info
     assert info["mjx"] > 0, f"{page}: expected typeset math on this page"
     if needs_figure:
-        assert info["images"] > 0 and not info["badImages"], f"{page}: expected a figure: {info}"
+        # The book ships its notebooks executed, plots included; a chapter without a stored
+        # figure was saved unexecuted (or with its outputs cleared).
+        assert _stored_figures(site_dir, page) > 0, (
+            f"{page}: its notebook stores no figure; execute it and save it with its outputs")
+        assert info["images"] > 0 and not info["badImages"], f"{page}: figures did not load"
     # Grow the window to the page (up to a limit) so the screenshot shows the text, the math
     # and the figures, not only what fits above the fold.
     height = driver.execute_script("return document.documentElement.scrollHeight")

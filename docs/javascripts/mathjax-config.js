@@ -5,8 +5,9 @@
 //    with \( \) and \[ \] delimiters.
 //  - Notebook pages: nbconvert leaves markdown-cell math as raw $...$ / $$...$$ text inside
 //    `.jp-RenderedMarkdown` (and LaTeX outputs inside `.jp-RenderedLatex`).
+//  - The page's table of contents (`.md-nav--secondary`) repeats headings, math included.
 // Typesetting only those elements lets us accept $ delimiters for notebooks without
-// turning a stray "$" elsewhere on the site (prose, navigation) into math.
+// turning a stray "$" elsewhere on the site (prose, site navigation) into math.
 window.MathJax = {
   tex: {
     inlineMath: [["\\(", "\\)"], ["$", "$"]],
@@ -16,6 +17,6 @@ window.MathJax = {
     tags: "ams",
   },
   startup: {
-    elements: [".arithmatex", ".jp-RenderedMarkdown", ".jp-RenderedLatex"],
+    elements: [".arithmatex", ".jp-RenderedMarkdown", ".jp-RenderedLatex", ".md-nav--secondary"],
   },
 };

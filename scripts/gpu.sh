@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The body of `make gpu`, run in the repository root on a machine with a CUDA GPU:
+#   1. print the machine (nvidia-smi) and the versions;
+#   2. the test suite on the GPU: python -m pytest -m "not slow" tests, i.e. every kernel and
+#      graded test on CUDA (bf16 added) plus the gpu-marked large shapes (their status is
+#      reported, and does not stop the benchmarks);
+#   3. the benchmarks: python -m bench.run (ceilings, every registered benchmark, including the
+#      ncu traffic measurement, bench/ch01_traffic.py), saved to bench/results/<gpu-slug>.{json,md};
+#   4. if $OUT is set, copy the logs, ncu's raw output and the updated result files there.
+# Exits non-zero if the tests failed (after the benchmarks ran) or the benchmarks failed.
+#
+# The repository need not be installed: it runs with PYTHONPATH=<repo>. Environment:
+#   PYTHON          interpreter (default python3)
+#   OUT             folder for logs and copies of the results (optional)
+#   TEST_TIMEOUT    seconds for the GPU tests (default 200)
+#   BENCH_TIMEOUT   seconds for bench.run (default 360; on timeout the results measured so far
+#                   are saved, marked "partial")
+#   MINILLM_CH01_BUDGET_S, MINILLM_NCU_TIMEOUT_S   limits inside the benchmarks (300, 150)
+set -u
+
+cd "$(dirname "$0")/.." || exit 2
+REPO=$(pwd)
+PY=${PYTHON:-python3}
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export MINILLM_CH01_BUDGET_S=${MINILLM_CH01_BUDGET_S:-300}
+export MINILLM_NCU_TIMEOUT_S=${MINILLM_NCU_TIMEOUT_S:-150}
+TEST_TIMEOUT=${TEST_TIMEOUT:-200}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-360}
+
+if [ -n "${OUT:-}" ]; then
+    LOG="$OUT"
+    mkdir -p "$LOG"
+else
+    LOG=$(mktemp -d /tmp/minillm-gpu.XXXXXX)
+fi
+export MINILLM_ARTIFACTS="$LOG"   # bench/ch01_traffic.py copies ncu's raw CSV here
+STAMP=$(mktemp /tmp/minillm-gpu-stamp.XXXXXX)
+start=$(date +%s)
+
+echo "== machine ($(date -u +%Y-%m-%dT%H:%M:%SZ))"
+nvidia-smi || echo "nvidia-smi failed (rc $?)"
+"$PY" - <<'EOF' || echo "could not import torch/triton"
+import platform, torch, triton
+print(f"python {platform.python_version()}  torch {torch.__version__}  CUDA {torch.version.cuda}  "
+      f"triton {triton.__version__}")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"device {torch.cuda.get_device_name(0)}: {p.multi_processor_count} SMs, "
+          f"{p.total_memory / 2**30:.1f} GiB, capability {p.major}.{p.minor}")
+else:
+    print("torch sees no CUDA device")
+EOF
+NCU_BIN=${NCU:-$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | tail -n 1)}
+if [ -n "$NCU_BIN" ]; then
+    echo "ncu: $NCU_BIN ($("$NCU_BIN" --version 2>&1 | tail -n 1))"
+    export NCU="$NCU_BIN"
+else
+    echo "ncu: not found (the traffic benchmark will record nothing)"
+fi
+
+echo
+echo "== GPU tests: $PY -m pytest -m 'not slow' tests -q (timeout ${TEST_TIMEOUT}s)"
+timeout -k 10 "$TEST_TIMEOUT" "$PY" -m pytest -m "not slow" tests -q -p no:cacheprovider 2>&1 | tee "$LOG/pytest_gpu.log"
+test_rc=${PIPESTATUS[0]}
+case $test_rc in
+    0) test_msg="passed" ;;
+    5) test_msg="no GPU tests collected (pytest exit 5), not counted as a failure"; test_rc=0 ;;
+    124|137) test_msg="TIMED OUT after ${TEST_TIMEOUT}s" ;;
+    *) test_msg="FAILED (pytest exit $test_rc)" ;;
+esac
+echo "== GPU tests: $test_msg"
+
+echo
+echo "== benchmarks: $PY -m bench.run (timeout ${BENCH_TIMEOUT}s)"
+timeout -s TERM -k 30 "$BENCH_TIMEOUT" "$PY" -m bench.run 2>&1 | tee "$LOG/bench.log"
+bench_rc=${PIPESTATUS[0]}
+case $bench_rc in
+    0) bench_msg="done" ;;
+    124|130|137) bench_msg="TIMED OUT or interrupted (exit $bench_rc); rows measured so far were saved as partial" ;;
+    *) bench_msg="FAILED (exit $bench_rc)" ;;
+esac
+echo "== benchmarks: $bench_msg"
+
+# Copy the result files this run wrote (at most the JSON and markdown of this GPU).
+if [ -n "${OUT:-}" ]; then
+    find bench/results -maxdepth 1 -type f \( -name '*.json' -o -name '*.md' \) -newer "$STAMP" \
+        -exec cp {} "$OUT/" \; 2>/dev/null
+    echo
+    echo "== files in \$OUT:"
+    ls -l "$OUT"
+else
+    echo "logs in $LOG"
+fi
+rm -f "$STAMP"
+
+echo
+echo "== summary: tests $test_msg; benchmarks $bench_msg; $(( $(date +%s) - start )) s in all"
+[ "$test_rc" -eq 0 ] || exit 1
+[ "$bench_rc" -eq 0 ] || exit 3
+exit 0
