@@ -85,6 +85,17 @@ def test_naive_attention_end_to_end(batch, q_heads, kv_heads, q_len, kv_len, hea
     assert_close(lse, ref_lse, dtype, "lse", seed)
 
 
+@pytest.mark.gpu
+def test_offsets_past_two_to_the_31(device, gen, seed):
+    """16 heads x 12288² scores = 2.4e9 elements: S and P offsets overflow int32 unless the
+    kernels index in int64. Check the last head, the one furthest into the buffers."""
+    dtype = torch.bfloat16
+    q, k, v = make_qkv(1, 16, 4, 12288, 12288, 64, dtype, device, gen)
+    out, _ = naive_attention(q, k, v, causal=True)
+    ref_out, _ = attention(to_numpy(q[:, -4:]), to_numpy(k[:, -1:]), to_numpy(v[:, -1:]), causal=True)
+    assert_close(out[:, -4:], ref_out, dtype, "out (last KV group)", seed)
+
+
 def test_strided_inputs_need_no_copy(device, gen, seed):
     """Q/K/V in the [batch, seq, heads, dim] memory layout of a fused QKV projection, viewed
     as [batch, heads, seq, dim] through transpose: the kernels follow the strides."""

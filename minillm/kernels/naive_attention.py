@@ -37,7 +37,8 @@ def _scores_kernel(
 ):
     """One program computes one [BLOCK_M, BLOCK_N] tile of S for one (batch, head)."""
     pid_m, pid_n, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = pid_bh // q_heads, pid_bh % q_heads
+    # int64: S has batch·heads·q_len·kv_len elements, past 2^31 already at 16 heads x 12k tokens.
+    b, h = (pid_bh // q_heads).to(tl.int64), (pid_bh % q_heads).to(tl.int64)
     kv_h = h // group_size  # GQA: several query heads share this KV head; nothing is copied
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -163,7 +164,7 @@ def _pv_kernel(
 ):
     """One program computes a [BLOCK_M, head_dim] tile of O, looping over kv_len."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = pid_bh // q_heads, pid_bh % q_heads
+    b, h = (pid_bh // q_heads).to(tl.int64), (pid_bh % q_heads).to(tl.int64)  # int64: P is huge
     kv_h = h // group_size
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
