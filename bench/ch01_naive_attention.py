@@ -77,7 +77,7 @@ def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: i
 
 def counted_bytes(batch: int, heads: int, seq_len: int, head_dim: int, elem_bytes: int = 2) -> dict[str, int]:
     """Counted HBM bytes (read + written) per pass, and ``"total"``, from
-    :func:`naive_attention_traffic` (MHA: kv_heads = heads, q_len = kv_len = seq_len)."""
+    `naive_attention_traffic` (MHA: kv_heads = heads, q_len = kv_len = seq_len)."""
     t = naive_attention_traffic(batch, heads, heads, seq_len, seq_len, head_dim, elem_bytes)
     per_pass = {name: rw["read"] + rw["write"] for name, rw in t.items()}
     per_pass["total"] = sum(per_pass.values())
@@ -185,7 +185,7 @@ def run(results: Results, device) -> None:
 
 
 def sweep(results: Results, device, head_dims=HEAD_DIMS, causals=CAUSAL, seq_lens=SEQ_LENS) -> None:
-    """The loop of :func:`run`: for each (head_dim, causal), N grows through ``seq_lens``
+    """The loop of `run`: for each (head_dim, causal), N grows through ``seq_lens``
     until both our kernel and the math backend are out of memory at some N."""
     ceil = results.ceilings or {}
     copy_tbps, mm_tflops = ceil.get("copy_TBps"), ceil.get("bf16_matmul_TFLOPs")

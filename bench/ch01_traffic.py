@@ -1,5 +1,5 @@
 """Chapter 1: DRAM traffic of the three naive-attention passes, measured by Nsight Compute,
-against the count of :func:`minillm.kernels.naive_attention.naive_attention_traffic`.
+against the count of `minillm.kernels.naive_attention.naive_attention_traffic`.
 
 Three roles in one module:
 

@@ -1,6 +1,6 @@
 """What every benchmark shares: the measured ceilings, a timer, and the results collector.
 
-Method (``/work/.library/device/METHOD.md`` in short): performance is reported as a ratio
+Method: performance is reported as a ratio
 against a peer measured in the same run, and as a fraction of ceilings measured in that same
 run, never against datasheet numbers. Times are medians from ``triton.testing.do_bench``,
 which flushes the L2 cache before every repetition (so every timing is cold-L2), on random
@@ -158,7 +158,7 @@ class Results:
 
     ``ceilings`` are those measured in this run (``None`` when this run measured none, e.g.
     the traffic step; the saved file then keeps the ones already there). ``env`` overrides
-    :func:`environment` (tests use this).
+    `environment` (tests use this).
 
     Saving merges with an existing file for the same GPU: the rows of every benchmark that
     has rows in this collector replace that benchmark's old rows; other benchmarks' rows are
@@ -182,9 +182,9 @@ class Results:
 
         ``ours``/``peer_value``: numbers (``None`` when that side did not run, e.g. out of
         memory; booleans for flag metrics such as ``"oom"``). ``better`` (``"lower"`` or
-        ``"higher"``) defaults to :func:`metric_direction` of the name; a row with a
+        ``"higher"``) defaults to `metric_direction` of the name; a row with a
         numeric peer value must know its direction, else ``ValueError``. ``ratio`` is
-        computed by :func:`compute_ratio` (> 1 means ours is better).
+        computed by `compute_ratio` (> 1 means ours is better).
         """
         if better is None:
             better = metric_direction(metric)

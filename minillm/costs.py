@@ -22,7 +22,7 @@ Conventions (used everywhere below)
   softmax, scaling, masking and norms are ``O(L·H)`` and left out.
 
 The four ``*_CONFIG`` constants reproduce the public ``config.json`` of real
-models; see :class:`ModelShape` for the field names.
+models; see `ModelShape` for the field names.
 """
 from __future__ import annotations
 
@@ -179,7 +179,7 @@ def attention_pairs(q_len: int, kv_len: int, causal: bool = True) -> int:
     """Number of (query, key) pairs that are actually scored.
 
     Queries are bottom-right aligned (query ``i`` sits at position ``kv_len - q_len + i``, as in
-    :mod:`minillm.reference.attention`). Causal: query at position ``p`` sees keys ``0..p``, so
+    `minillm.reference.attention`). Causal: query at position ``p`` sees keys ``0..p``, so
     prefill (``q_len == kv_len == L``) scores ``L·(L+1)/2`` pairs and decode (``q_len == 1``)
     scores ``kv_len``.
     """
@@ -244,13 +244,13 @@ def intensity(flops, bytes_):
 
 
 def linear_cost(shape: ModelShape, tokens: int, dtype_bytes: int = 2) -> OpCost:
-    """:class:`OpCost` of one layer's weight GEMMs on ``tokens`` rows."""
+    """`OpCost` of one layer's weight GEMMs on ``tokens`` rows."""
     return OpCost(linear_flops(shape, tokens), linear_bytes(shape, tokens, dtype_bytes))
 
 
 def attention_cost(shape: ModelShape, q_len: int, kv_len: int, batch: int = 1,
                    dtype_bytes: int = 2, causal: bool = True) -> OpCost:
-    """:class:`OpCost` of one layer's attention for ``batch`` independent sequences.
+    """`OpCost` of one layer's attention for ``batch`` independent sequences.
     Both FLOPs and bytes scale with ``batch``, so the intensity does not."""
     one = OpCost(attention_flops(shape, q_len, kv_len, causal),
                  attention_bytes(shape, q_len, kv_len, dtype_bytes))
@@ -341,7 +341,7 @@ def source_flop_ratio(context, hidden):
     It equals ``L/(12·D) + 1/12``: the causal attention FLOPs per token (``≈ 2·L·D``) *plus the
     output projection W_O* (``2·D²``, one twelfth of the layer's ``24·D²`` GEMM FLOPs), over all
     of the layer's GEMM FLOPs. So it counts W_O on both sides; the consistent ratio is
-    :func:`mha_flop_ratio`. The two differ by the constant ``1/12``.
+    `mha_flop_ratio`. The two differ by the constant ``1/12``.
     """
     h = float(hidden)
     return (np.asarray(context, dtype=float) + h) / (12.0 * h)
@@ -349,7 +349,7 @@ def source_flop_ratio(context, hidden):
 
 def crossover_context(shape: ModelShape, phase: str = "prefill") -> float:
     """Context length (tokens) at which attention FLOPs equal the weight-GEMM FLOPs
-    (:func:`attention_linear_flop_ratio` ``== 1``). ``12·D − 1`` for the textbook MHA layer."""
+    (`attention_linear_flop_ratio` ``== 1``). ``12·D − 1`` for the textbook MHA layer."""
     lin_per_token = 2.0 * shape.linear_params_per_layer()
     if phase == "prefill":
         return 2 * lin_per_token / (4.0 * shape.q_width) - 1
@@ -385,7 +385,7 @@ def memory_needed(weight_bytes: float, alpha: float, beta: float, batch: int,
     Args:
         weight_bytes: ``M``, bytes of the weights.
         alpha: ``α``, temporary bytes per sequence in the batch.
-        beta: ``β``, KV-cache bytes per cached token (:func:`kv_bytes_per_token`).
+        beta: ``β``, KV-cache bytes per cached token (`kv_bytes_per_token`).
         batch: ``BS``, sequences in the batch.
         total_tokens: ``TN``, tokens whose K and V are cached, over the whole batch.
     """

@@ -45,7 +45,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-#: Columns of :func:`markdown_table` after the parameter columns.
+#: Columns of `markdown_table` after the parameter columns.
 VALUE_COLUMNS = ("metric", "ours", "peer", "peer_value", "ratio", "fraction_of_ceiling")
 
 

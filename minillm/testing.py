@@ -6,8 +6,8 @@ What it checks, and why:
   and fixed with ``MINILLM_SEED=<n>``), so the suite explores new inputs over time instead of
   passing on one lucky draw.
 - **Poisoned outputs.** Output buffers are filled with NaN before the launch
-  (:func:`poisoned`), so an element the kernel forgot to write fails the comparison.
-- **Dtype-aware tolerances** (:func:`tolerance`): exact-ish for fp32 (dots use
+  (`poisoned`), so an element the kernel forgot to write fails the comparison.
+- **Dtype-aware tolerances** (`tolerance`): exact-ish for fp32 (dots use
   ``input_precision="ieee"``), looser for fp16 and bf16, whose inputs are already rounded.
 - **Infinities compared exactly**: a masked score must be ``-inf``, not a large negative.
 """

@@ -6,12 +6,12 @@
 
 Each pass is its own kernel launch, so S and P make a round trip through HBM: this is the
 O(N²)-memory algorithm that FlashAttention (Chapters 3-4) removes. The count of matrix
-reads/writes (Q, K, S, S, P, P, V, O: eight) is in :func:`naive_attention_traffic`.
+reads/writes (Q, K, S, S, P, P, V, O: eight) is in `naive_attention_traffic`.
 
 Shapes: ``q: [batch, q_heads, q_len, head_dim]``, ``k, v: [batch, kv_heads, kv_len, head_dim]``;
 any strides are accepted (no copies). GQA/MQA: query head ``h`` reads KV head
 ``h // (q_heads // kv_heads)``. Positions are bottom-right aligned as in
-:mod:`minillm.reference.attention`.
+`minillm.reference.attention`.
 """
 from __future__ import annotations
 
