@@ -1,0 +1,110 @@
+"""The model configuration, parsed from a Hugging Face ``config.json``.
+
+Only what a Llama-family decoder needs is kept. Anything we do not implement (another
+architecture, scaled RoPE, another activation, sliding-window attention) raises a
+``ValueError`` naming the offending field: a loud error beats a silently wrong answer.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int                     # may differ from hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False  # True: no lm_head.weight, the embedding is reused
+    qkv_bias: bool = False             # q/k/v projections have a bias (always for Qwen2)
+    o_bias: bool = False               # the output projection has a bias (Llama attention_bias)
+    mlp_bias: bool = False
+    dtype: str | None = None           # the weights' dtype as saved, e.g. "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def gqa_group(self) -> int:
+        """Query heads per KV head: 1 is MHA, ``num_attention_heads`` is MQA."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        """Read ``config.json`` (or the folder holding it)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """Parse and validate an HF config dict (transformers v4 or v5 layout)."""
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type={model_type!r}; minillm supports {SUPPORTED_MODEL_TYPES}")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act={act!r}; only 'silu' (SwiGLU) is implemented")
+
+        # RoPE: v4 keeps `rope_theta` top-level and scaling in `rope_scaling`; v5 puts both
+        # in `rope_parameters` = {"rope_type": ..., "rope_theta": ...}.
+        rope_theta = d.get("rope_theta", 10000.0)
+        for key in ("rope_scaling", "rope_parameters"):
+            rp = d.get(key)
+            if not rp:
+                continue
+            if not isinstance(rp, dict):
+                raise ValueError(f"unsupported {key}={rp!r}; expected a dict")
+            rope_type = rp.get("rope_type", rp.get("type", "default"))
+            if rope_type != "default":
+                raise ValueError(f"unsupported rope_type={rope_type!r} (in {key}); only 'default' RoPE is implemented")
+            rope_theta = rp.get("rope_theta", rope_theta)
+        if d.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"unsupported partial_rotary_factor={d['partial_rotary_factor']}")
+
+        if model_type == "qwen2":
+            if d.get("use_sliding_window", False):
+                raise ValueError("unsupported use_sliding_window=True (Qwen2 sliding-window attention)")
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = bool(d.get("attention_bias", False))
+        layer_types = d.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"unsupported layer_types={layer_types!r}; only 'full_attention' is implemented")
+
+        heads = d["num_attention_heads"]
+        kv_heads = d.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        eos = d.get("eos_token_id")
+        return cls(
+            model_type=model_type,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            dtype=d.get("dtype") or d.get("torch_dtype"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+        )
