@@ -5,7 +5,8 @@ VENV    := .venv/.minillm-installed
 CH      ?= 1
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
-export NO_MKDOCS_2_WARNING := 1   # mkdocs 1.x prints a notice about 2.0 on every run
+# mkdocs 1.x prints a notice about 2.0 on every run.
+export NO_MKDOCS_2_WARNING := 1
 
 .PHONY: help serve test book docs grade gpu notebooks clean
 
