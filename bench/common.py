@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from minillm.results import gpu_slug, markdown_table, format_value
 
-__all__ = ["measure_ceilings", "time_ms", "Results", "metric_direction", "gpu_slug",
+__all__ = ["measure_ceilings", "time_ms", "cpu_time_ms", "Results", "metric_direction", "gpu_slug",
            "environment", "is_oom", "DEFAULT_OUT"]
 
 #: Where ``Results.save`` writes by default (relative to the repository root).
@@ -82,6 +82,30 @@ def time_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
     except TypeError:  # a Triton without return_mode: ask for the 0.5 quantile instead
         q = do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5])
         return float(q[0] if isinstance(q, (list, tuple)) else q)
+
+
+def cpu_time_ms(fn: Callable[[], Any], warmup: int = 2, min_reps: int = 5, min_time_s: float = 0.25,
+                max_reps: int = 1000) -> float:
+    """Median wall time of ``fn()`` in milliseconds on the CPU (``time_ms`` needs CUDA).
+
+    ``warmup`` untimed calls, then timed calls (``time.perf_counter`` around each) until at
+    least ``min_reps`` calls and ``min_time_s`` seconds are done, or ``max_reps`` calls. No
+    cache is flushed: the CPU's caches stay warm between repetitions.
+    """
+    import time
+
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < min_time_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    mid = len(times) // 2
+    median = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+    return median * 1e3
 
 
 def measure_ceilings(device, copy_bytes: int = 1 << 30, matmul_n: int = 8192) -> dict[str, float]:

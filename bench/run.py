@@ -25,6 +25,8 @@ import traceback
 BENCHMARKS: list[tuple[str, str]] = [
     ("ch01_naive_attention", "bench.ch01_naive_attention"),
     ("ch01_traffic", "bench.ch01_traffic"),
+    ("ch02_decode_attention", "bench.ch02_decode_attention"),
+    ("ch02_generation", "bench.ch02_generation"),
 ]
 
 

@@ -1,9 +1,11 @@
 """The ``minillm`` command line.
 
-    minillm generate "Once upon a time" --model PATH [--max-new-tokens 64] [--temperature 0.8]
+    minillm generate "ROMEO:" [--model PATH] [--max-new-tokens 64] [--temperature 0.8]
+    minillm train --preset shakespeare --out PATH     # how the bundled model was made
 
 ``PATH`` is a local Hugging Face-format folder (``config.json`` + ``*.safetensors`` +
-``tokenizer.json``); it defaults to ``$MINILLM_MODEL``.
+``tokenizer.json``); it defaults to ``$MINILLM_MODEL``, else to the bundled Shakespeare model
+(``minillm/checkpoints/shakespeare``, trained by ``minillm train``).
 """
 from __future__ import annotations
 
@@ -11,18 +13,25 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+#: The model shipped in the repository (see minillm/checkpoints/shakespeare/README.md).
+BUNDLED_MODEL = Path(__file__).resolve().parent / "checkpoints" / "shakespeare"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from minillm.model import generate, load_model, load_tokenizer
 
-    if not args.model:
-        print("minillm generate: no model given: pass --model PATH or set MINILLM_MODEL", file=sys.stderr)
+    if not (Path(args.model) / "config.json").is_file():
+        print(f"minillm generate: {args.model} is not a checkpoint folder (no config.json); "
+              "pass --model PATH or set MINILLM_MODEL", file=sys.stderr)
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, config = load_model(args.model, device=device)
+    # CPUs have no fast bf16/fp16 matmul: compute in float32 there, the saved dtype on a GPU.
+    dtype = args.dtype or ("float32" if device == "cpu" else None)
+    model, config = load_model(args.model, device=device, dtype=dtype)
     tokenizer, _ = load_tokenizer(args.model)
     prompt_ids = tokenizer.encode(args.prompt).ids
     if not prompt_ids:
@@ -48,12 +57,21 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="continue a prompt with a local checkpoint")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=os.environ.get("MINILLM_MODEL"), help="checkpoint folder")
+    gen.add_argument("--model", default=os.environ.get("MINILLM_MODEL") or str(BUNDLED_MODEL),
+                     help="checkpoint folder (default: $MINILLM_MODEL, else the bundled model)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy decoding")
+    gen.add_argument("--temperature", type=float, default=0.8,
+                     help="sampling temperature; 0 is greedy decoding (default 0.8: a small model's greedy "
+                          "text soon repeats itself)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                     help="compute dtype (default: float32 on the CPU, the checkpoint's on a GPU)")
     gen.set_defaults(func=cmd_generate)
+    tr = sub.add_parser("train", help="train a small Llama from scratch (the bundled model's recipe)")
+    from minillm import train
+    train.add_arguments(tr)
+    tr.set_defaults(func=train.main)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -27,7 +27,8 @@ models; see `ModelShape` for the field names.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -40,6 +41,8 @@ __all__ = [
     "attainable", "ridge_point", "roofline_time", "step_time",
     "attention_linear_flop_ratio", "mha_flop_ratio", "source_flop_ratio", "crossover_context",
     "kv_bytes_per_token", "decode_temp_bytes_per_seq", "memory_needed", "max_batch",
+    "with_kv_heads", "kv_variants", "KV_TABLE_SHAPES", "kv_cache_table",
+    "lm_head_cost", "per_token_costs", "per_token_time", "generation_step_costs", "generation_costs",
 ]
 
 
@@ -112,6 +115,34 @@ class ModelShape:
     def weight_bytes(self, dtype_bytes: int = 2) -> int:
         """Bytes to hold all parameters (``M`` in the memory budget)."""
         return self.params() * dtype_bytes
+
+    @classmethod
+    def from_config(cls, config, name: str | None = None) -> "ModelShape":
+        """The shape of a `minillm.model.config.ModelConfig` (or a Hugging Face ``config.json``
+        dict, parsed with ``ModelConfig.from_dict``), e.g. the bundled tiny checkpoint::
+
+            ModelShape.from_config(ModelConfig.from_json("minillm/checkpoints/shakespeare"))
+
+        ``name`` defaults to the config's ``model_type``. Biases other than Q/K/V
+        (``o_bias``, ``mlp_bias``) are not counted by `params` (no Llama/Qwen checkpoint has them).
+        """
+        if isinstance(config, dict):
+            from minillm.model.config import ModelConfig  # pure Python: no torch import
+
+            config = ModelConfig.from_dict(config)
+        return cls(
+            name=name or str(getattr(config, "model_type", "model")),
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            intermediate=config.intermediate_size,
+            vocab=config.vocab_size,
+            gated_mlp=True,
+            qkv_bias=bool(config.qkv_bias),
+            tied_embeddings=bool(config.tie_word_embeddings),
+        )
 
 
 def mha_shape(hidden: int, heads: int = 32, layers: int = 1, vocab: int = 32000) -> ModelShape:
@@ -406,3 +437,173 @@ def max_batch(mem_bytes: float, weight_bytes: float, alpha: float, beta: float,
     if per_seq <= 0:
         raise ValueError("per-sequence memory must be positive")
     return int(math.floor(free / per_seq))
+
+
+# --------------------------------------------------------------------------- KV-cache table
+def with_kv_heads(shape: ModelShape, kv_heads: int, name: str | None = None) -> ModelShape:
+    """``shape`` with ``kv_heads`` key/value heads (everything else unchanged): ``heads`` gives
+    its MHA variant, ``1`` its MQA variant. The K and V projections shrink or grow with it, so
+    `ModelShape.params` changes too. ``name`` defaults to ``"<name> (MHA)"``, ``"(MQA)"`` or
+    ``"(GQA-<kv_heads>)"``."""
+    if name is None:
+        kind = "MHA" if kv_heads == shape.heads else "MQA" if kv_heads == 1 else f"GQA-{kv_heads}"
+        name = f"{shape.name} ({kind})"
+    return replace(shape, name=name, kv_heads=kv_heads)
+
+
+def kv_variants(shape: ModelShape) -> list[ModelShape]:
+    """``[MHA variant, shape itself, MQA variant]`` of one model, to show what sharing K/V heads
+    saves (the shape itself is left out when it already is MHA or MQA)."""
+    out = [with_kv_heads(shape, shape.heads)] if shape.kv_heads != shape.heads else [shape]
+    if 1 < shape.kv_heads < shape.heads:
+        out.append(shape)
+    out.append(with_kv_heads(shape, 1) if shape.kv_heads != 1 else shape)
+    return out
+
+
+#: The models of the KV-cache table: the four real configs, then Llama-3-8B's MHA and MQA
+#: variants (same model, 32 and 1 KV heads instead of 8).
+KV_TABLE_SHAPES: tuple[ModelShape, ...] = (LLAMA2_7B, LLAMA2_70B, LLAMA3_8B, QWEN25_7B,
+                                           with_kv_heads(LLAMA3_8B, 32), with_kv_heads(LLAMA3_8B, 1))
+
+
+def _attention_kind(shape: ModelShape) -> str:
+    if shape.kv_heads == shape.heads:
+        return "MHA"
+    return "MQA" if shape.kv_heads == 1 else f"GQA ({shape.group_size} q/kv)"
+
+
+def kv_cache_table(shapes: Iterable[ModelShape] | None = None, mem_bytes: float = 80 * 2**30,
+                   context: int = 4096, dtype_bytes: int = 2, kv_dtype_bytes: int | None = None,
+                   unshared: float = 1.0) -> list[dict]:
+    """One dict per model: its KV-cache size and the largest batch that fits ``mem_bytes``.
+
+    Args:
+        shapes: `ModelShape` objects (any, e.g. ``ModelShape.from_config(...)`` of the bundled
+            checkpoint); default `KV_TABLE_SHAPES`.
+        mem_bytes: accelerator memory in bytes (default 80 GiB, one H100 80GB).
+        context: tokens each sequence holds (prompt + generated), for ``kv_bytes_per_seq``
+            and ``max_batch``.
+        dtype_bytes: element size of weights and activations.
+        kv_dtype_bytes: element size of the KV cache (default ``dtype_bytes``).
+        unshared: the fraction of each sequence's cache that is its own (see `max_batch`).
+
+    Keys of each row: ``name``, ``layers``, ``heads``, ``kv_heads``, ``head_dim``,
+    ``attention`` ("MHA" / "GQA (g q/kv)" / "MQA"), ``params``, ``weight_bytes`` (``M``),
+    ``kv_bytes_per_token`` (``β``), ``kv_fraction_of_mha`` (``kv_heads / heads``: β over the
+    MHA model's β), ``kv_bytes_per_seq`` (``β·context``), ``alpha_bytes`` (``α``,
+    `decode_temp_bytes_per_seq`), ``max_batch`` (`max_batch`; 0 when the weights alone do
+    not fit), ``max_tokens`` (``max_batch·context``), ``context``, ``mem_bytes``.
+    """
+    shapes = KV_TABLE_SHAPES if shapes is None else shapes
+    kv_dtype_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
+    table = []
+    for s in shapes:
+        M = s.weight_bytes(dtype_bytes)
+        alpha = decode_temp_bytes_per_seq(s, dtype_bytes)
+        beta = kv_bytes_per_token(s, kv_dtype_bytes)
+        bs = max_batch(mem_bytes, M, alpha, beta, context, unshared)
+        table.append({
+            "name": s.name, "layers": s.layers, "heads": s.heads, "kv_heads": s.kv_heads,
+            "head_dim": s.head_dim, "attention": _attention_kind(s), "params": s.params(),
+            "weight_bytes": M, "kv_bytes_per_token": beta, "kv_fraction_of_mha": s.kv_heads / s.heads,
+            "kv_bytes_per_seq": beta * context, "alpha_bytes": alpha, "max_batch": bs,
+            "max_tokens": bs * context, "context": context, "mem_bytes": mem_bytes,
+        })
+    return table
+
+
+# --------------------------------------------------------------------------- one token, with and without the cache
+def lm_head_cost(shape: ModelShape, rows: int, dtype_bytes: int = 2) -> OpCost:
+    """`OpCost` of the LM head (``[rows, D] @ [D, V]``): weights once, ``rows`` hidden states in,
+    ``rows`` logit vectors out."""
+    D, V = shape.hidden, shape.vocab
+    return OpCost(gemm_flops(rows, V, D), gemm_bytes(rows, V, D, dtype_bytes))
+
+
+def _logit_rows(context: int, batch: int, cached: bool, logits: str) -> int:
+    if logits not in ("last", "all"):
+        raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
+    return batch if cached or logits == "last" else batch * (context + 1)
+
+
+def _step_layer_costs(shape: ModelShape, context: int, batch: int, cached: bool, dtype_bytes: int) -> StepCosts:
+    if context < 0:
+        raise ValueError(f"context must be >= 0, got {context}")
+    if cached:
+        return decode_costs(shape, context + 1, batch, dtype_bytes)   # attends to context + itself
+    return prefill_costs(shape, context + 1, batch, dtype_bytes)       # re-run the whole sequence
+
+
+def per_token_costs(shape: ModelShape, context: int, batch: int = 1, cached: bool = True,
+                    dtype_bytes: int = 2, logits: str = "last") -> OpCost:
+    """Whole-model FLOPs and ideal bytes of the forward step that produces the next token of each
+    of ``batch`` sequences, when ``context`` tokens are already known before the one fed in.
+
+    The sequence so far is ``context + 1`` tokens: ``context`` earlier ones and the latest one
+    (the token just sampled, at position ``context``; the model's ``start_pos``).
+
+    - ``cached=True`` (one decode step, `decode_costs` with ``context + 1`` keys): every weight is
+      read once and applied to ``batch`` rows; the new token's K and V are written (the K/V GEMM
+      outputs) and the cache of ``context + 1`` tokens is read by attention. Per token this is
+      ``≈ 2·N`` FLOPs (``N`` weights) plus ``4·layers·H·d·(context + 1)``: it grows **linearly**
+      with the context, and so do its bytes (``kv_bytes_per_token · (context + 1)`` per sequence).
+    - ``cached=False`` (no cache: recompute everything, `prefill_costs` of ``context + 1`` tokens):
+      ``≈ 2·N·(context + 1)`` FLOPs in the weight GEMMs plus causal attention over
+      ``(context + 1)(context + 2)/2`` pairs per head, i.e. ``O(context)`` per token from the
+      GEMMs and ``O(context²)`` from attention (which overtakes the GEMMs past `crossover_context`).
+
+    ``logits``: ``"last"`` counts the LM head on the last position only (all a sampler needs);
+    ``"all"`` counts it on all ``context + 1`` positions, as ``model(ids)`` computes when
+    nothing is cached (the extra logits are thrown away). With the cache there is only one
+    position, so ``logits`` does not matter.
+
+    Left out, as everywhere in this module: embedding lookup, norms, RoPE, softmax, sampling.
+    """
+    layer = _step_layer_costs(shape, context, batch, cached, dtype_bytes)
+    rows = _logit_rows(context, batch, cached, logits)
+    return layer.total * shape.layers + lm_head_cost(shape, rows, dtype_bytes)
+
+
+def per_token_time(shape: ModelShape, context: int, peak_flops: float, bandwidth: float, batch: int = 1,
+                   cached: bool = True, dtype_bytes: int = 2, logits: str = "last") -> float:
+    """Roofline lower bound (seconds) of the step of `per_token_costs`: `step_time` of its
+    layers (weight GEMMs and attention as separate kernels, each at ``max(flops/peak, bytes/bw)``)
+    plus the LM head. Tokens per second is ``batch / per_token_time(...)``."""
+    layer = _step_layer_costs(shape, context, batch, cached, dtype_bytes)
+    rows = _logit_rows(context, batch, cached, logits)
+    return step_time(shape, layer, peak_flops, bandwidth, lm_head_rows=rows, dtype_bytes=dtype_bytes)
+
+
+def generation_step_costs(shape: ModelShape, prompt_len: int, new_tokens: int, batch: int = 1,
+                          cached: bool = True, dtype_bytes: int = 2, logits: str = "last") -> list[OpCost]:
+    """The `OpCost` of each step of generating ``new_tokens`` tokens after a ``prompt_len``-token
+    prompt (entry ``k`` produces token ``k + 1``); ``np.cumsum`` of them gives the cumulative cost.
+
+    Step 0 processes the prompt (a prefill of ``prompt_len`` tokens, context ``prompt_len − 1``)
+    in both cases. With the cache, step ``k ≥ 1`` is a decode step at context
+    ``prompt_len + k − 1``, so the cumulative cost grows **linearly** in ``new_tokens``, plus a
+    quadratic attention term that stays small while the context is short next to `crossover_context`.
+    Without the cache, step ``k`` re-runs a prefill of ``prompt_len + k`` tokens, so the
+    cumulative GEMM work grows **quadratically** in ``new_tokens`` (``≈ N·n²`` FLOPs for
+    ``n`` tokens from a short prompt), and the attention work cubically.
+    """
+    if prompt_len < 1:
+        raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
+    if new_tokens < 0:
+        raise ValueError(f"new_tokens must be >= 0, got {new_tokens}")
+    steps = []
+    for k in range(new_tokens):
+        context = prompt_len - 1 + k
+        steps.append(per_token_costs(shape, context, batch, cached=cached and k > 0,
+                                     dtype_bytes=dtype_bytes, logits=logits))
+    return steps
+
+
+def generation_costs(shape: ModelShape, prompt_len: int, new_tokens: int, batch: int = 1,
+                     cached: bool = True, dtype_bytes: int = 2, logits: str = "last") -> OpCost:
+    """Total `OpCost` of `generation_step_costs` (prompt processing included)."""
+    total = OpCost(0, 0)
+    for step in generation_step_costs(shape, prompt_len, new_tokens, batch, cached, dtype_bytes, logits):
+        total = total + step
+    return total

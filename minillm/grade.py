@@ -58,7 +58,13 @@ class _Collector:
 def _first_line(report) -> str:
     crash = getattr(report.longrepr, "reprcrash", None)
     text = crash.message if crash is not None else str(report.longrepr)
-    return text.strip().splitlines()[0] if text.strip() else "failed"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return "failed"
+    # np.testing's messages start on the line after "AssertionError:": show that one too.
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
 
 
 def grade(chapter: int, impl: str = "exercises", verbose: bool = False) -> dict[str, Exercise]:

@@ -89,12 +89,18 @@ def load_results(slug: str | None = None, directory: str | os.PathLike | None = 
     return max(loaded, key=lambda r: (str(r.get("date") or ""), str(r.get("gpu_slug") or "")))
 
 
-def ceilings(results: dict | None) -> dict[str, float]:
-    """The ceilings measured in the run that saved ``results``:
+def ceilings(results: dict | None, benchmark: str | None = None) -> dict[str, float]:
+    """The ceilings measured in the same run as ``benchmark``'s rows (each run of ``bench.run``
+    measures its own, and a file holds rows of several runs), or, with ``benchmark=None``,
+    in the run that saved the file last:
     ``{"copy_TBps": device-to-device copy, bytes read + written per second / 1e12,
     "bf16_matmul_TFLOPs": torch.matmul on random bf16 8192³}``; ``{}`` if unknown."""
     if not results:
         return {}
+    if benchmark is not None:
+        run = (results.get("runs") or {}).get(benchmark) or {}
+        if run.get("ceilings"):
+            return dict(run["ceilings"])
     return dict(results.get("ceilings") or {})
 
 

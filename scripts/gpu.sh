@@ -12,7 +12,8 @@
 # The repository need not be installed: it runs with PYTHONPATH=<repo>. Environment:
 #   PYTHON          interpreter (default python3)
 #   OUT             folder for logs and copies of the results (optional)
-#   TEST_TIMEOUT    seconds for the GPU tests (default 200)
+#   TEST_TIMEOUT    seconds for the GPU tests (default 300)
+#   BENCH_ONLY      space-separated benchmark names or prefixes (default: all), e.g. "ch02"
 #   BENCH_TIMEOUT   seconds for bench.run (default 360; on timeout the results measured so far
 #                   are saved, marked "partial")
 #   MINILLM_CH01_BUDGET_S, MINILLM_NCU_TIMEOUT_S   limits inside the benchmarks (300, 150)
@@ -25,7 +26,7 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export MINILLM_CH01_BUDGET_S=${MINILLM_CH01_BUDGET_S:-300}
 export MINILLM_NCU_TIMEOUT_S=${MINILLM_NCU_TIMEOUT_S:-150}
-TEST_TIMEOUT=${TEST_TIMEOUT:-200}
+TEST_TIMEOUT=${TEST_TIMEOUT:-300}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-360}
 
 if [ -n "${OUT:-}" ]; then
@@ -72,8 +73,10 @@ esac
 echo "== GPU tests: $test_msg"
 
 echo
-echo "== benchmarks: $PY -m bench.run (timeout ${BENCH_TIMEOUT}s)"
-timeout -s TERM -k 30 "$BENCH_TIMEOUT" "$PY" -m bench.run 2>&1 | tee "$LOG/bench.log"
+ONLY_ARGS=()
+for name in ${BENCH_ONLY:-}; do ONLY_ARGS+=(--only "$name"); done
+echo "== benchmarks: $PY -m bench.run ${ONLY_ARGS[*]} (timeout ${BENCH_TIMEOUT}s)"
+timeout -s TERM -k 30 "$BENCH_TIMEOUT" "$PY" -m bench.run "${ONLY_ARGS[@]}" 2>&1 | tee "$LOG/bench.log"
 bench_rc=${PIPESTATUS[0]}
 case $bench_rc in
     0) bench_msg="done" ;;

@@ -29,13 +29,22 @@ def test_generate_matches_transformers(tmp_path):
     want = hf.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
 
     proc = subprocess.run([sys.executable, "-m", "minillm.cli", "generate", prompt, "--model", str(tmp_path),
-                           "--max-new-tokens", "12", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+                           "--max-new-tokens", "12", "--temperature", "0", "--device", "cpu"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == tok.decode(ids[0].tolist() + want)
     assert "12 tokens" in proc.stderr
 
 
-def test_generate_without_model_fails_clearly(monkeypatch):
+def test_generate_with_a_missing_model_fails_clearly(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "minillm.cli", "generate", "hi", "--model", str(tmp_path / "nope")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--model" in proc.stderr and "nope" in proc.stderr
+
+
+def test_generate_uses_the_bundled_model_by_default(monkeypatch):
     monkeypatch.delenv("MINILLM_MODEL", raising=False)
-    proc = subprocess.run([sys.executable, "-m", "minillm.cli", "generate", "hi"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "--model" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "minillm.cli", "generate", "HAMLET:", "--max-new-tokens", "24",
+                           "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("HAMLET:") and len(proc.stdout) > len("HAMLET:") + 40
+    assert "24 tokens" in proc.stderr

@@ -274,3 +274,187 @@ def test_alpha_estimate_is_small_next_to_kv():
         alpha = C.decode_temp_bytes_per_seq(m)
         assert 0 < alpha < 2 * 2**20                       # under 2 MiB per sequence
         assert alpha < 0.05 * 1024 * C.kv_bytes_per_token(m)  # < 5 % of a 1k-token cache
+
+
+# ----------------------------------------------------------------- shapes from configs, KV-cache table
+def test_shape_from_config_matches_published_shapes():
+    from minillm.model.config import ModelConfig
+
+    hf = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+          "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+          "rope_theta": 500000.0, "tie_word_embeddings": False}
+    for source in (hf, ModelConfig.from_dict(hf)):
+        s = C.ModelShape.from_config(source, name="Llama-3-8B")
+        assert s == C.LLAMA3_8B
+    qwen = dict(hf, model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4)
+    s = C.ModelShape.from_config(qwen)
+    assert s.name == "qwen2" and s.qkv_bias and s.head_dim == 128
+    assert s.params() == C.QWEN25_7B.params()
+    tied = C.ModelShape.from_config(dict(hf, tie_word_embeddings=True))
+    assert tied.params() == C.LLAMA3_8B.params() - 128256 * 4096
+
+
+def test_kv_variants_of_llama3():
+    mha, gqa, mqa = C.kv_variants(C.LLAMA3_8B)
+    assert (mha.kv_heads, gqa.kv_heads, mqa.kv_heads) == (32, 8, 1)
+    assert gqa is C.LLAMA3_8B and mha.name == "Llama-3-8B (MHA)" and mqa.name == "Llama-3-8B (MQA)"
+    # K and V projections: 32 layers x 2 x 4096 x (kv_width difference)
+    assert mha.params() == 8_030_261_248 + 32 * 2 * 4096 * (4096 - 1024) == 8_835_567_616
+    assert mqa.params() == 8_030_261_248 - 32 * 2 * 4096 * (1024 - 128) == 7_795_380_224
+    assert [C.kv_bytes_per_token(s) for s in (mha, gqa, mqa)] == [512 * 1024, 128 * 1024, 16 * 1024]
+    assert len(C.kv_variants(C.LLAMA2_7B)) == 2  # already MHA: itself and its MQA variant
+
+
+def test_kv_cache_table_hand_computed():
+    GiB = 2**30
+    table = {r["name"]: r for r in C.kv_cache_table()}
+    assert list(table) == ["Llama-2-7B", "Llama-2-70B", "Llama-3-8B", "Qwen2.5-7B",
+                           "Llama-3-8B (MHA)", "Llama-3-8B (MQA)"]
+    l2 = table["Llama-2-7B"]
+    assert l2["kv_bytes_per_token"] == 2 * 32 * 32 * 128 * 2 == 524288          # 512 KiB
+    assert l2["kv_bytes_per_seq"] == 2 * GiB                                   # 4096 tokens
+    assert l2["alpha_bytes"] == (3 * 4096 + 4096 + 2 * 4096 + 3 * 11008) * 2 + 2 * 32000 * 4 == 371200
+    # (80 GiB - 2 x 6,738,415,616) / (2 GiB + 371,200) = 33.7
+    assert l2["max_batch"] == 33 and l2["max_tokens"] == 33 * 4096
+    l3 = table["Llama-3-8B"]
+    assert l3["kv_bytes_per_token"] == 128 * 1024 and l3["kv_fraction_of_mha"] == 0.25
+    assert l3["alpha_bytes"] == (3 * 4096 + 4096 + 2 * 1024 + 3 * 14336) * 2 + 2 * 128256 * 4 == 1148928
+    assert l3["max_batch"] == (80 * GiB - 2 * 8_030_261_248) // (128 * 1024 * 4096 + 1148928) == 129
+    assert table["Qwen2.5-7B"]["kv_bytes_per_token"] == 2 * 28 * 4 * 128 * 2 == 56 * 1024
+    assert table["Llama-2-70B"]["kv_bytes_per_token"] == 2 * 80 * 8 * 128 * 2 == 320 * 1024
+    assert table["Llama-2-70B"]["max_batch"] == 0                               # 138 GB of weights
+    assert table["Llama-3-8B (MQA)"]["attention"] == "MQA" and table["Llama-3-8B (MHA)"]["attention"] == "MHA"
+    assert table["Llama-3-8B"]["attention"] == "GQA (4 q/kv)"
+    bs = [table[n]["max_batch"] for n in ("Llama-3-8B (MHA)", "Llama-3-8B", "Llama-3-8B (MQA)")]
+    assert bs[0] < bs[1] < bs[2]
+    # any shape, other memory, an fp8 cache
+    tiny = C.ModelShape("tiny", layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4, intermediate=12, vocab=11)
+    (row,) = C.kv_cache_table([tiny], mem_bytes=10_000, context=10, kv_dtype_bytes=1)
+    assert row["kv_bytes_per_token"] == 2 * 2 * 1 * 4 * 1 == 16
+    M = tiny.params() * 2
+    assert row["max_batch"] == (10_000 - M) // (row["alpha_bytes"] + 16 * 10)
+
+
+# ----------------------------------------------------------------- one token with and without the KV cache
+TINY_MHA = TINY[0]  # layers 2, D 8, H 2, d 4, I 12, V 11: 544 GEMM weights per layer
+
+
+def test_per_token_costs_hand_computed_tiny():
+    s = TINY_MHA
+    assert s.linear_params_per_layer() == 4 * 64 + 3 * 8 * 12 == 544
+    head = 2 * 8 * 11                                                           # LM head, one row
+    # cached, context 5: 1 row through the GEMMs, the new token sees 6 keys (4·H·d = 32 FLOPs a key)
+    c = C.per_token_costs(s, 5)
+    assert c.flops == 2 * (2 * 544 + 32 * 6) + head == 2736
+    lin_bytes = 2 * (4 * (8 + 64 + 8) + 2 * (8 + 96 + 12) + (12 + 96 + 8))    # weights + 1-row activations
+    attn_bytes = 2 * (2 * 8 + 2 * 6 * 8)                                        # Q, O; K, V of 6 tokens
+    assert c.bytes == 2 * (lin_bytes + attn_bytes) + 2 * (8 + 88 + 11) == 3334
+    # no cache, context 5: a 6-token prefill, 21 causal pairs per head
+    u = C.per_token_costs(s, 5, cached=False)
+    assert u.flops == 2 * (6 * 2 * 544 + 32 * 21) + head == 14576
+    assert C.per_token_costs(s, 5, cached=False, logits="all").flops == 14576 + 5 * head
+    assert C.per_token_costs(s, 5, logits="all") == c                          # one position anyway
+    # context 0: both are the same one-token forward
+    assert C.per_token_costs(s, 0) == C.per_token_costs(s, 0, cached=False)
+    with pytest.raises(ValueError):
+        C.per_token_costs(s, 3, logits="some")
+    with pytest.raises(ValueError):
+        C.per_token_costs(s, -1)
+
+
+@pytest.mark.parametrize("shape", TINY, ids=lambda s: s.name)
+def test_per_token_costs_match_brute_force(shape):
+    for ctx in (0, 3, 6):
+        lin, attn = brute_force_layer_flops(shape, 1, ctx + 1)
+        head = 2 * shape.hidden * shape.vocab
+        assert C.per_token_costs(shape, ctx).flops == shape.layers * (lin + attn) + head
+        lin, attn = brute_force_layer_flops(shape, ctx + 1, ctx + 1)
+        assert C.per_token_costs(shape, ctx, cached=False).flops == shape.layers * (lin + attn) + head
+
+
+def test_per_token_costs_batch_scaling():
+    s = C.LLAMA3_8B
+    one, many = C.per_token_costs(s, 1000), C.per_token_costs(s, 1000, batch=16)
+    assert many.flops == 16 * one.flops                     # every FLOP is per sequence
+    assert many.bytes < 2 * one.bytes                       # the weights are read once for all 16
+    u1, u16 = C.per_token_costs(s, 1000, cached=False), C.per_token_costs(s, 1000, batch=16, cached=False)
+    assert u16.flops == 16 * u1.flops
+
+
+def test_cached_decode_step_reads_weights_and_kv_once():
+    """Llama-2-7B, batch 1, 4095 tokens before: bytes ≈ GEMM and head weights + 4096 tokens of K/V."""
+    s, ctx = C.LLAMA2_7B, 4095
+    c = C.per_token_costs(s, ctx)
+    weights = 2 * (s.layers * s.linear_params_per_layer() + s.vocab * s.hidden)
+    kv = C.kv_bytes_per_token(s) * (ctx + 1)
+    assert kv == 2 * 2**30
+    extra = c.bytes - weights - kv                          # 1-row activations: ~5.6 MB
+    per_layer = 4 * (4096 + 4096) + 3 * (4096 + 11008) + 2 * 4096  # GEMM ins + outs, attention Q and O
+    assert extra == 2 * (32 * per_layer + 4096 + 32000) == 5_593_600
+    assert c.flops == 2 * (s.layers * s.linear_params_per_layer() + s.vocab * s.hidden) \
+        + s.layers * 4 * 32 * 128 * 4096
+    # without the cache, the same step does (context+1)x the GEMM FLOPs, plus causal attention
+    u = C.per_token_costs(s, ctx, cached=False)
+    assert u.flops == 4096 * 2 * s.layers * s.linear_params_per_layer() + 2 * s.vocab * s.hidden \
+        + s.layers * 4 * 32 * 128 * 4096 * 4097 // 2
+    assert 3000 < u.flops / c.flops < 4096
+
+
+def test_per_token_growth_linear_with_cache_superlinear_without():
+    s = TINY[1]
+    cached = np.array([C.per_token_costs(s, c).flops for c in range(50)])
+    assert np.all(np.diff(cached, 2) == 0) and np.all(np.diff(cached) == s.layers * 4 * s.q_width)
+    uncached = np.array([C.per_token_costs(s, c, cached=False).flops for c in range(50)])
+    # second difference = the attention's quadratic term: 4·H·d per new pair row, per layer
+    assert np.all(np.diff(uncached, 2) == s.layers * 4 * s.q_width)
+
+
+def test_per_token_time_is_roofline_of_the_step():
+    peak, bw = 789e12, 4.27e12
+    s = C.LLAMA2_7B
+    t = C.per_token_time(s, 15, peak, bw)
+    assert t == pytest.approx(C.step_time(s, C.decode_costs(s, 16), peak, bw, lm_head_rows=1))
+    assert t == pytest.approx(C.per_token_costs(s, 15).bytes / bw, rel=1e-3)   # batch 1: memory-bound
+    tu = C.per_token_time(s, 4095, peak, bw, cached=False)
+    assert tu == pytest.approx(C.step_time(s, C.prefill_costs(s, 4096), peak, bw, lm_head_rows=1))
+    assert tu > 20 * C.per_token_time(s, 4095, peak, bw)
+    assert C.per_token_time(s, 99, peak, bw, cached=False, logits="all") > C.per_token_time(s, 99, peak, bw,
+                                                                                            cached=False)
+
+
+# ----------------------------------------------------------------- generating n tokens
+def test_generation_costs_hand_computed_tiny():
+    s, P, n = TINY_MHA, 3, 4
+    steps = C.generation_step_costs(s, P, n)
+    assert len(steps) == n
+    # step 0 is the prompt's prefill in both cases; then decode at contexts 3, 4, 5
+    assert steps[0] == C.per_token_costs(s, P - 1, cached=False)
+    assert steps[1:] == [C.per_token_costs(s, c) for c in (3, 4, 5)]
+    head = 176
+    total = C.generation_costs(s, P, n)
+    assert total.flops == (2 * (3 * 1088 + 32 * 6) + head) + sum(2 * (1088 + 32 * (c + 1)) + head for c in (3, 4, 5))
+    unc = C.generation_costs(s, P, n, cached=False)
+    # prefills of 3, 4, 5, 6 tokens: T·1088 GEMM FLOPs and T(T+1)/2 pairs per layer
+    assert unc.flops == sum(2 * (T * 1088 + 32 * T * (T + 1) // 2) + head for T in (3, 4, 5, 6))
+    assert C.generation_costs(s, P, 1) == C.generation_costs(s, P, 1, cached=False)
+    assert C.generation_costs(s, P, 0) == C.OpCost(0, 0)
+    with pytest.raises(ValueError):
+        C.generation_step_costs(s, 0, 3)
+
+
+def test_generation_total_is_linear_with_cache_quadratic_without():
+    """Llama-2-7B from a 1-token prompt: n → 2n doubles the cached work (attention is < 1 % at
+    these lengths) and quadruples the uncached GEMM work."""
+    s = C.LLAMA2_7B
+    for n in (256, 512):
+        with_ = C.generation_costs(s, 1, 2 * n).flops / C.generation_costs(s, 1, n).flops
+        without = C.generation_costs(s, 1, 2 * n, cached=False).flops / C.generation_costs(s, 1, n, cached=False).flops
+        assert with_ == pytest.approx(2.0, rel=0.02)
+        assert without == pytest.approx(4.0, rel=0.05)
+    # without the cache, n tokens cost ≈ n²/2 tokens' worth of GEMMs
+    n = 512
+    gemm_per_token = 2 * s.layers * s.linear_params_per_layer()
+    unc = C.generation_costs(s, 1, n, cached=False).flops
+    assert unc > gemm_per_token * n * (n + 1) / 2
+    assert C.generation_costs(s, 1, n).flops < 1.02 * (gemm_per_token + 2 * s.vocab * s.hidden) * n
