@@ -51,7 +51,7 @@ from minillm.kernels.naive_attention import (
     row_softmax,
 )
 
-from bench.common import Results, is_oom, time_ms
+from bench.common import Results, attempt, time_ms
 
 BENCHMARK = "ch01_naive_attention"
 BATCH, HEADS = 1, 16
@@ -82,28 +82,6 @@ def counted_bytes(batch: int, heads: int, seq_len: int, head_dim: int, elem_byte
     per_pass = {name: rw["read"] + rw["write"] for name, rw in t.items()}
     per_pass["total"] = sum(per_pass.values())
     return per_pass
-
-
-def attempt(fn: Callable[[], Any], allow_errors: bool = False) -> tuple[Any, str | None]:
-    """Run ``fn()``; returns ``(value, None)``, or ``(None, "oom")`` if the GPU ran out of
-    memory (the caching allocator is then emptied). With ``allow_errors`` any other
-    exception gives ``(None, "error: …")`` (a peer that does not support this point);
-    otherwise it propagates (a failure of our own kernel must be loud)."""
-    status = None
-    try:
-        return fn(), None
-    except Exception as exc:  # noqa: BLE001 - sorted below
-        if is_oom(exc):
-            status = "oom"
-        elif allow_errors:
-            status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-        else:
-            raise
-    # Out of the except block, the traceback (and the tensors its frames hold) is gone.
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return None, status
 
 
 def measure(fn: Callable[[], Any], warmup: int = WARMUP_MS, rep: int = REP_MS) -> dict[str, Any]:

@@ -44,7 +44,6 @@ the bandwidth at long contexts. Splitting each sequence over several programs
 """
 from __future__ import annotations
 
-import gc
 import os
 import time
 from typing import Any, Callable
@@ -56,7 +55,7 @@ import torch.nn.functional as F
 # before Triton is imported.
 from minillm.kernels.kv_cache import decode_attention, decode_attention_bytes, write_kv
 
-from bench.common import Results, is_oom, time_ms
+from bench.common import Results, attempt, free_memory, time_ms
 
 BENCHMARK = "ch02_decode_attention"
 Q_HEADS, HEAD_DIM = 32, 128
@@ -81,32 +80,6 @@ def budget_s() -> float:
 def cache_bytes(batch: int, kv_heads: int, context: int, head_dim: int, elem_bytes: int = 2) -> int:
     """Bytes of the K and V caches of one layer: ``2·B·Hkv·L·D·elem_bytes``."""
     return 2 * batch * kv_heads * context * head_dim * elem_bytes
-
-
-def attempt(fn: Callable[[], Any], allow_errors: bool = False) -> tuple[Any, str | None]:
-    """Run ``fn()``; returns ``(value, None)``, or ``(None, "oom")`` if the GPU ran out of
-    memory. With ``allow_errors`` any other exception gives ``(None, "error: …")`` (a peer
-    that refuses these inputs); otherwise it propagates (our kernel failing must be loud)."""
-    status = None
-    try:
-        return fn(), None
-    except Exception as exc:  # noqa: BLE001 - sorted below
-        if is_oom(exc):
-            status = "oom"
-        elif allow_errors:
-            first = str(exc).splitlines()[0][:200] if str(exc) else ""
-            status = f"error: {type(exc).__name__}: {first}"
-        else:
-            raise
-    # Out of the except block the traceback (and the tensors its frames hold) is gone.
-    _free()
-    return None, status
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -268,7 +241,7 @@ def _run_decode_point(results: Results, device, gen, batch: int, q_heads: int, k
     if ref is not None:
         add("rel_err", rel_err(out, ref[1]), ref_name, None)
     del q, k, v, default, pinned, ref, out, lse
-    _free()
+    free_memory()
 
 
 def _run_write_point(results: Results, device, gen, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -317,7 +290,7 @@ def _run_write_point(results: Results, device, gen, batch: int, kv_heads: int, h
             note = "; ".join(f"{who} {st}" for who, st in (("ours", ours_status), (name, status)) if st) or None
             results.add(BENCHMARK, params, "write_kv_graph_time_ms", ours_graph_ms, name, peer_ms, note=note)
     del k_cache, v_cache, k_flat, v_flat
-    _free()
+    free_memory()
 
 
 # ----------------------------------------------------------------------------------------

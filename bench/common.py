@@ -148,6 +148,39 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("out of memory" in msg.lower() or "ALLOC_FAILED" in msg)
 
 
+def free_memory() -> None:
+    """Drop unreachable tensors and return the caching allocator's free blocks to the GPU,
+    so the next benchmark point starts from an empty device."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def attempt(fn: Callable[[], Any], allow_errors: bool = False) -> tuple[Any, str | None]:
+    """Run ``fn()``; returns ``(value, None)``, or ``(None, "oom")`` if the GPU ran out of
+    memory (the memory is then freed). With ``allow_errors`` any other exception gives
+    ``(None, "error: …")`` (a peer that does not support this point); otherwise it
+    propagates (a failure of our own kernel must be loud)."""
+    status = None
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - sorted below
+        if is_oom(exc):
+            status = "oom"
+        elif allow_errors:
+            first = str(exc).splitlines()[0][:200] if str(exc) else ""
+            status = f"error: {type(exc).__name__}: {first}"
+        else:
+            raise
+    # Out of the except block, the traceback (and the tensors its frames hold) is gone.
+    free_memory()
+    return None, status
+
+
 def environment() -> dict[str, Any]:
     """Versions and device facts recorded with the results (torch imported lazily; fields
     that cannot be read are ``None``)."""

@@ -337,28 +337,28 @@ def test_ch01_flops_and_counted_bytes():
     assert t["scores"]["write"] == 16 * 1024 * 1024 * 4
 
 
-def test_ch01_attempt_records_oom_and_propagates_bugs():
+def test_attempt_records_oom_and_propagates_bugs():
     import torch
 
-    from bench import ch01_naive_attention as ch01
+    from bench import common
 
     def oom():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
 
-    assert ch01.attempt(oom) == (None, "oom")
-    assert ch01.attempt(lambda: 7) == (7, None)
+    assert common.attempt(oom) == (None, "oom")
+    assert common.attempt(lambda: 7) == (7, None)
 
     def cublas():
         raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)")
 
-    assert ch01.attempt(cublas) == (None, "oom")
+    assert common.attempt(cublas) == (None, "oom")
 
     def unsupported():
         raise RuntimeError("No available kernel. Aborting execution.")
 
     with pytest.raises(RuntimeError):
-        ch01.attempt(unsupported)
-    value, status = ch01.attempt(unsupported, allow_errors=True)
+        common.attempt(unsupported)
+    value, status = common.attempt(unsupported, allow_errors=True)
     assert value is None and status.startswith("error: RuntimeError: No available kernel")
 
 
