@@ -27,6 +27,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("ch01_traffic", "bench.ch01_traffic"),
     ("ch02_decode_attention", "bench.ch02_decode_attention"),
     ("ch02_generation", "bench.ch02_generation"),
+    ("ch03_online_softmax", "bench.ch03_online_softmax"),
 ]
 
 

@@ -4,5 +4,15 @@ Every Triton kernel in `minillm.kernels` is tested against one of these.
 """
 from minillm.reference.attention import attention, attention_mask, attention_scores, kv_head_for, softmax
 from minillm.reference.kv_cache import KVCache, RingKVCache
+# Chapter 3. Its `online_softmax` function is not re-exported here, so that the name
+# `minillm.reference.online_softmax` stays the module.
+from minillm.reference.online_softmax import (
+    fa1_block_sizes, fa1_traffic, merge_partials, merge_stats, online_softmax_update, softmax_stats, tile_step,
+    tiled_attention,
+)
 
-__all__ = ["KVCache", "RingKVCache", "attention", "attention_mask", "attention_scores", "kv_head_for", "softmax"]
+__all__ = [
+    "KVCache", "RingKVCache", "attention", "attention_mask", "attention_scores", "fa1_block_sizes", "fa1_traffic",
+    "kv_head_for", "merge_partials", "merge_stats", "online_softmax_update", "softmax", "softmax_stats", "tile_step",
+    "tiled_attention",
+]
