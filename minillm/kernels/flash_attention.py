@@ -1,0 +1,689 @@
+"""Chapter 4: FlashAttention-2, the forward kernel (the backward is in `flash_attention_bwd`).
+
+Chapter 3 built attention out of tiles: S and P never leave the chip, and an online softmax
+rescales the partial results as larger scores turn up. FlashAttention-2 (Dao, 2023) keeps
+that algorithm and changes *how the work is laid out*, in three ways. Each is marked
+``FA2 (1)``, ``(2)``, ``(3)`` where it happens in the code below.
+
+1. **Loop order and parallelism.** FA1 looped over K/V blocks on the outside and Q blocks on
+   the inside, so every Q block's running ``O, m, ℓ`` made a round trip through HBM for every
+   K/V block. FA2 swaps the loops: *one program owns one Q block* and streams all the K/V
+   blocks past it, keeping ``O, m, ℓ`` in registers from start to end. The Q blocks are
+   independent, so the grid is ``(Q blocks) × (batch · heads)``: even at batch 1 a long
+   sequence fills the GPU (FA1 only parallelised over batch · heads).
+2. **Deferred normalisation.** The accumulator ``O`` is kept *unscaled* (a sum of
+   ``exp(s - m)·v``, not yet divided by ``ℓ``); each K/V block only rescales it by
+   ``exp(m_old - m_new)``, and the division by ``ℓ`` happens once, at the very end.
+   That saves a ``[BLOCK_M, head_dim]`` division per block: non-matmul FLOPs are the
+   expensive kind on a GPU whose tensor cores do some 15x more FLOP/s than its other units.
+3. **Only the logsumexp is saved.** The backward pass needs each row's softmax statistics to
+   recompute P; instead of ``m`` and ``ℓ`` separately, the forward stores their one
+   combination ``L = m + log ℓ``, with which ``P = exp(S - L)`` directly.
+
+(The paper also splits each program's work between its warps by rows of Q rather than by
+keys, so that warps never exchange partial sums. In Triton that is the compiler's business:
+on Hopper each warpgroup of a ``BLOCK_M = 128``, 8-warp program owns 64 whole rows.)
+
+And three techniques from outside the paper's list:
+
+- **Causal block skipping.** Key blocks entirely above the diagonal are never loaded; only
+  the blocks that straddle the diagonal apply a mask. The loop over keys is split into an
+  unmasked segment (the bulk) and masked segments (the diagonal, the ragged end of the
+  sequence, the edges of a sliding window), so the common case pays nothing for masking.
+- **exp2.** The GPU's special-function unit computes ``2^x``; ``exp(x)`` costs an extra
+  multiply. Folding ``log2(e)`` into the softmax scale once (``qk_scale = scale · log2 e``)
+  turns every exponential into a bare ``exp2``; ``m`` lives in that base-2 domain inside the
+  kernel and the stored logsumexp is converted back to natural log.
+- **TMA on Hopper.** Tiles can be moved by pointer arithmetic (every thread computes the
+  addresses of its elements and masks the out-of-range ones: portable, and what the
+  interpreter and older GPUs use) or, on Hopper and newer, by *tensor descriptors*: the
+  Tensor Memory Accelerator copies a whole tile between global and shared memory from its
+  coordinates, checking the bounds itself. Same results, far fewer registers (compiled for
+  sm_90 at head_dim 128: 142 instead of 192 per thread), which leaves room for bigger tiles.
+  `use_tma` picks the path per call; the kernels contain both, switched by ``TMA``.
+
+Layouts:
+
+- `flash_attention`: ``q: [batch, q_heads, q_len, head_dim]``, ``k, v: [batch, kv_heads,
+  kv_len, head_dim]`` (PyTorch's SDPA layout); any strides, no copies.
+- `flash_attention_varlen`: sequences of different lengths packed back to back, the layout of
+  the engine's prefill: ``q: [total_q, q_heads, head_dim]``, ``k, v: [total_k, kv_heads,
+  head_dim]``, sequence ``b`` occupying rows ``cu_seqlens[b] : cu_seqlens[b + 1]``.
+
+GQA/MQA: query head ``h`` reads KV head ``h // (q_heads // kv_heads)``, without copying K/V.
+Positions are bottom-right aligned as in `minillm.reference.attention` (query ``i`` sits at
+``kv_len - q_len + i``), per sequence in the varlen layout.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634   # log2(e): exp(x) = exp2(x · log2 e)
+LN2 = 0.6931471805599453     # ln(2):   log(x) = log2(x) · ln 2
+_LN2 = tl.constexpr(LN2)
+MAX_HEAD_DIM = 256
+
+
+# ----------------------------------------------------------------------------------------
+# Small helpers shared by the forward and backward kernels
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _sequence(b, CuSeqQ, CuSeqK, Q_LEN, KV_LEN, VARLEN: tl.constexpr):
+    """Where sequence ``b`` starts in the token axis of Q (and of K/V), and its lengths.
+
+    Dense layout: every sequence has its own batch index, starts at token 0 and has the
+    same lengths. Varlen: read the prefix sums ``cu_seqlens`` (the batch stride is 0)."""
+    if VARLEN:
+        q_start = tl.load(CuSeqQ + b)
+        q_len = tl.load(CuSeqQ + b + 1) - q_start
+        k_start = tl.load(CuSeqK + b)
+        kv_len = tl.load(CuSeqK + b + 1) - k_start
+    else:
+        q_start = 0
+        q_len = Q_LEN
+        k_start = 0
+        kv_len = KV_LEN
+    return q_start, q_len, k_start, kv_len
+
+
+@triton.jit
+def _visible(q_idx, k_idx, q_len, kv_len, window, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """Which (query, key) pairs are visible: a bool tile broadcast from ``q_idx`` and ``k_idx``
+    (row indices inside the sequence). Out-of-range rows/keys are invisible; query ``i`` sits at
+    position ``i + kv_len - q_len`` (bottom-right alignment), so causal means ``k <= that``."""
+    ok = (q_idx < q_len) & (k_idx < kv_len)
+    q_pos = q_idx + (kv_len - q_len)
+    if CAUSAL:
+        ok = ok & (k_idx <= q_pos)
+    if USE_WINDOW:
+        ok = ok & (q_pos - k_idx < window)
+        if not CAUSAL:
+            ok = ok & (k_idx - q_pos < window)
+    return ok
+
+
+@triton.jit
+def _segments(first, end, all_first, all_end, BLOCK: tl.constexpr):
+    """Split a loop over blocks of ``BLOCK`` into masked and unmasked segments.
+
+    ``[first, end)`` is the union of what any row of this program can see (every block
+    outside it is skipped); ``[all_first, all_end)`` is what *every* row sees (a block inside
+    it needs no mask). Returns ``lo <= full_lo <= full_hi <= hi`` such that blocks in
+    ``[lo, full_lo)`` and ``[full_hi, hi)`` need the mask and blocks in ``[full_lo, full_hi)``
+    do not. ``lo`` and ``full_lo``/``full_hi`` are multiples of ``BLOCK`` (or equal to ``hi``,
+    making a segment empty), so the three loops visit whole, aligned blocks.
+
+    Everything is clamped to >= 0 before dividing: Triton's ``//`` truncates towards zero
+    when compiled but floors in the interpreter, and the two agree only on non-negative numbers.
+    """
+    lo = tl.maximum(first, 0) // BLOCK * BLOCK
+    hi = tl.maximum(end, lo)
+    full_lo = tl.minimum((tl.maximum(all_first, 0) + BLOCK - 1) // BLOCK * BLOCK, hi)
+    full_hi = tl.minimum(tl.maximum(tl.maximum(all_end, 0) // BLOCK * BLOCK, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _kv_segments(start_m, q_len, kv_len, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """The key blocks that query rows ``[start_m, start_m + BLOCK_M)`` visit (see `_segments`).
+
+    Rows sit at positions ``p0 … p1``. Causal: row ``p`` sees keys ``<= p``, so the union of
+    visible keys ends at ``p1`` and the keys every row sees end at ``p0`` — the blocks
+    between (BLOCK_M / BLOCK_N + 1 of them at most) are the diagonal, the only masked ones;
+    the blocks past ``p1`` are skipped. A window ``W`` adds a lower edge ``p - W + 1``."""
+    p0 = start_m + (kv_len - q_len)
+    p1 = p0 + BLOCK_M - 1
+    if USE_WINDOW:
+        first = p0 - window + 1
+        all_first = p1 - window + 1
+    else:
+        first = 0
+        all_first = 0
+    if CAUSAL:
+        end = tl.minimum(p1 + 1, kv_len)
+        all_end = tl.minimum(p0 + 1, kv_len)
+    elif USE_WINDOW:
+        end = tl.minimum(p1 + window, kv_len)
+        all_end = tl.minimum(p0 + window, kv_len)
+    else:
+        end = kv_len
+        all_end = kv_len
+    return _segments(first, end, all_first, all_end, BLOCK_N)
+
+
+# ----------------------------------------------------------------------------------------
+# The forward kernel
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, K_src, V_src, k_offs, v_offs, stride_kn, stride_vn,
+               offs_m, offs_n0, d_ok, lo, hi, q_len, kv_len, qk_scale, window,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stream key blocks ``[lo, hi)`` past one Q block: the online-softmax update of Chapter 3.
+
+    State per query row: ``m_i`` (running max of the scores, base-2 units), ``l_i`` (running
+    sum of ``2^(s - m_i)``) and ``acc`` (running sum of ``2^(s - m_i) · v``, FA2 (2): *not*
+    divided by ``l_i``). With ``MASKED`` the scores of invisible pairs become ``-inf`` (and
+    out-of-range keys are not loaded); without it, the caller guarantees that every pair in
+    these blocks is visible, and no mask is computed at all. (``d_ok`` masks the padding
+    columns of a head dim that is not a power of two; when it is one, the mask is all-true
+    at compile time and costs nothing.)
+
+    ``K_src``/``V_src`` are TMA descriptors when ``TMA`` (a tile is one ``load`` at block
+    coordinates; out-of-range rows and columns arrive as zeros), else the sequence's base
+    pointers, to which ``k_offs``/``v_offs`` add one tile's offsets.
+    """
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        row0 = tl.cast(start_n, tl.int64)  # int64: token index x row stride can pass 2^31
+        if MASKED:
+            kv_ok = (offs_n < kv_len)[:, None] & d_ok
+        else:
+            kv_ok = d_ok
+        if TMA:
+            k = K_src.load([start_n, 0])
+        else:
+            k = tl.load(K_src + row0 * stride_kn + k_offs, mask=kv_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] raw scores, fp32
+        if MASKED:
+            visible = _visible(offs_m[:, None], offs_n[None, :], q_len, kv_len, window, CAUSAL, USE_WINDOW)
+            s = tl.where(visible, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead
+            # avoids (-inf) - (-inf) = NaN, and 2^(-inf) = 0 gives it p = 0 and alpha = 0.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_sub[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_sub = m_new
+            p = tl.math.exp2(s * qk_scale - m_sub[:, None])  # one FMA + exp2 per score
+        alpha = tl.math.exp2(m_i - m_sub)  # how much the old state shrinks under the new max
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if TMA:
+            v = V_src.load([start_n, 0])
+        else:
+            v = tl.load(V_src + row0 * stride_vn + v_offs, mask=kv_ok, other=0.0)
+        # FA2 (2): rescale the unnormalised accumulator; no division here. P is rounded to
+        # V's dtype for the tensor-core dot (fp32 accumulation), as every FlashAttention does.
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, O, LSE, CuSeqQ, CuSeqK,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    q_heads, group, Q_LEN, KV_LEN, q_bucket, kv_bucket, qk_scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Program ``(i, b·q_heads + h)`` computes rows ``[i·BLOCK_M, (i+1)·BLOCK_M)`` of the
+    output of query head ``h`` of sequence ``b`` — FA2 (1): a Q block owns its output and
+    loops over every K/V block it can see; nothing but O and L is ever written.
+
+    ``q_bucket``/``kv_bucket`` are unused here: they are the autotuner's keys (lengths rounded
+    to a power of two), so that short and long sequences each get their own best tile sizes.
+    """
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        # Causal rows further down see more keys: launch the longest programs first, so that
+        # the short ones fill the gaps at the end instead of a long one running alone.
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = pid_bh // q_heads
+    h = pid_bh % q_heads
+    kv_h = h // group  # GQA: this query head's KV head; K/V are shared, never copied
+
+    q_start, q_len, k_start, kv_len = _sequence(b, CuSeqQ, CuSeqK, Q_LEN, KV_LEN, VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= q_len:  # varlen: this sequence is shorter than the longest one
+        return
+
+    # int64 bases: a packed batch or a [batch, heads, seq, dim] tensor can pass 2^31 elements.
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    kv_h64 = kv_h.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    in_m = offs_m < q_len
+    d_ok = (offs_d < HEAD_DIM)[None, :]  # padding columns of a non-power-of-two head dim
+    # Where this head's sequence starts in each tensor.
+    Q_seq = Q + b64 * stride_qb + h64 * stride_qh + tl.cast(q_start, tl.int64) * stride_qm
+    O_seq = O + b64 * stride_ob + h64 * stride_oh + tl.cast(q_start, tl.int64) * stride_om
+    K_seq = K + b64 * stride_kb + kv_h64 * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
+    V_seq = V + b64 * stride_vb + kv_h64 * stride_vh + tl.cast(k_start, tl.int64) * stride_vn
+    k_offs = offs_n0[:, None] * stride_kn + offs_d[None, :] * stride_kd  # one [BLOCK_N, BLOCK_D] tile
+    v_offs = offs_n0[:, None] * stride_vn + offs_d[None, :] * stride_vd
+
+    if TMA:
+        # Hopper's tensor memory accelerator: a descriptor describes this head's sequence as
+        # a [len, HEAD_DIM] matrix, and one instruction copies a whole tile into shared
+        # memory, bounds included (rows past the end and padding columns read as 0, and
+        # stores there are dropped). No per-element address arithmetic, far fewer registers.
+        q = tl.make_tensor_descriptor(Q_seq, shape=[q_len, HEAD_DIM], strides=[stride_qm, 1],
+                                      block_shape=[BLOCK_M, BLOCK_D]).load([start_m, 0])
+        # (A sequence without keys still gets a valid, if unused, descriptor: TMA wants sizes >= 1.)
+        K_src = tl.make_tensor_descriptor(K_seq, shape=[tl.maximum(kv_len, 1), HEAD_DIM], strides=[stride_kn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        V_src = tl.make_tensor_descriptor(V_seq, shape=[tl.maximum(kv_len, 1), HEAD_DIM], strides=[stride_vn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        rows = offs_m.to(tl.int64)[:, None]  # int64: row x stride can pass 2^31 in a long sequence
+        q = tl.load(Q_seq + rows * stride_qm + offs_d[None, :] * stride_qd, mask=in_m[:, None] & d_ok, other=0.0)
+        K_src = K_seq
+        V_src = V_seq
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+
+    # Key blocks in three segments: masked, unmasked, masked. Causal: [0, diagonal) without
+    # masks, then the diagonal blocks with; the blocks past the diagonal are never visited.
+    # Non-causal: everything unmasked except the last, ragged block of the sequence.
+    lo, full_lo, full_hi, hi = _kv_segments(start_m, q_len, kv_len, window, BLOCK_M, BLOCK_N, CAUSAL, USE_WINDOW)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_src, V_src, k_offs, v_offs, stride_kn, stride_vn,
+                               offs_m, offs_n0, d_ok, lo, full_lo, q_len, kv_len, qk_scale, window,
+                               True, CAUSAL, USE_WINDOW, DOT_PRECISION, TMA, BLOCK_N)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_src, V_src, k_offs, v_offs, stride_kn, stride_vn,
+                               offs_m, offs_n0, d_ok, full_lo, full_hi, q_len, kv_len, qk_scale, window,
+                               False, CAUSAL, USE_WINDOW, DOT_PRECISION, TMA, BLOCK_N)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_src, V_src, k_offs, v_offs, stride_kn, stride_vn,
+                               offs_m, offs_n0, d_ok, full_hi, hi, q_len, kv_len, qk_scale, window,
+                               True, CAUSAL, USE_WINDOW, DOT_PRECISION, TMA, BLOCK_N)
+
+    # FA2 (2): normalise once. A row with no visible key (l = 0) gets 0, like the reference.
+    out = acc * (1.0 / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+    # FA2 (3): the only statistic kept for the backward, L = m + log l, back in natural log.
+    # l = 0 gives log2(0) = -inf, and m = -inf too: L = -inf, no NaN.
+    lse = (m_i + tl.math.log2(l_i)) * _LN2
+
+    if TMA:
+        tl.make_tensor_descriptor(O_seq, shape=[q_len, HEAD_DIM], strides=[stride_om, 1],
+                                  block_shape=[BLOCK_M, BLOCK_D]).store([start_m, 0], out.to(O.dtype.element_ty))
+    else:
+        tl.store(O_seq + rows * stride_om + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
+                 mask=in_m[:, None] & d_ok)
+    tl.store(LSE + b64 * stride_lb + h64 * stride_lh + (q_start + offs_m).to(tl.int64) * stride_lm, lse, mask=in_m)
+
+
+# ----------------------------------------------------------------------------------------
+# Tile sizes: autotuned on the GPU, one small fixed config in the interpreter
+# ----------------------------------------------------------------------------------------
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+#: Autotuning candidates on a GPU, per head dim (padded: <= 64, 128, 256), as (BLOCK_M,
+#: BLOCK_N, num_warps, num_stages), for Hopper (sm_90). BLOCK_M = 128 rows over 8 warps gives
+#: each of the two warpgroups 64 rows, the height of one Hopper wgmma instruction; BLOCK_N =
+#: 64/128 keys per step with 3-4 stages of K/V loads in flight. Every entry was compiled for
+#: sm_90 ahead of time (`bench.ch04_flash_attention.compile_report`) and kept only if it
+#: neither spills registers nor overflows shared memory: e.g. at head_dim 128, 128 x 128 tiles
+#: spill, and at 256 only 32-key steps fit. The 64-row configs serve short sequences.
+FWD_TILES = {
+    64: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 32, 4, 2)],
+    256: [(64, 32, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 3)],
+}
+#: The same for the TMA path (`use_tma`), which needs far fewer registers (no per-element
+#: addresses): at head_dim 128, 128 x 128 tiles fit without spilling.
+FWD_TILES_TMA = {
+    64: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)],
+    256: [(64, 32, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 3)],
+}
+#: The one config used under the interpreter: small tiles keep it fast, and BLOCK_M != BLOCK_N
+#: exercises the diagonal logic the way 128 x 64 does on the GPU.
+INTERPRET_FWD_CONFIG = triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)
+
+
+#: fp32 inputs on a GPU (a testing dtype: exact IEEE products, no tensor cores) run one small
+#: config instead of autotuning: their dots compile to long FMA sequences that spill and
+#: take many seconds to compile, and their speed is of no interest.
+FP32_CONFIG = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2)
+
+
+def fixed_config(table: dict, dtype: torch.dtype, block_d_: int, interpret_config: triton.Config):
+    """The config to launch with instead of autotuning, or ``None`` to autotune: the small
+    interpreter config under ``TRITON_INTERPRET``; `FP32_CONFIG` for fp32; and with
+    ``MINILLM_FLASH_AUTOTUNE=0`` (the test suite sets it, to compile one config per kernel
+    variant instead of all of them) the first candidate of ``table`` for this head dim."""
+    if _interpreting():
+        return interpret_config
+    if dtype == torch.float32:
+        return FP32_CONFIG
+    if os.environ.get("MINILLM_FLASH_AUTOTUNE", "1") == "0":
+        bm, bn, warps, stages = table[head_dim_class(block_d_)][0]
+        return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+    return None
+
+
+def tile_configs(*tables: dict[int, list[tuple[int, int, int, int]]]) -> list[triton.Config]:
+    """Every distinct entry of per-head-dim tables as a ``triton.Config``."""
+    tiles = dict.fromkeys(t for table in tables for rows in table.values() for t in rows)
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
+
+
+def config_key(config: triton.Config) -> tuple[int, int, int, int]:
+    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+
+
+def head_dim_class(block_d_: int) -> int:
+    """The row of a per-head-dim table that a padded head dim uses."""
+    return 64 if block_d_ <= 64 else (128 if block_d_ <= 128 else 256)
+
+
+FWD_CONFIGS = tile_configs(FWD_TILES, FWD_TILES_TMA)
+
+
+def _prune_fwd(configs, named_args, **kwargs):
+    """Autotune only this head dim's (and load path's) candidates, and no 128-row tiles for
+    queries of at most 64 rows (they would be mostly empty). Never returns an empty list."""
+    allowed = (FWD_TILES_TMA if kwargs["TMA"] else FWD_TILES)[head_dim_class(kwargs["BLOCK_D"])]
+    keep = [c for c in configs if config_key(c) in allowed]
+    short = [c for c in keep if c.kwargs["BLOCK_M"] <= 64]
+    return short if named_args["q_bucket"] <= 64 and short else keep
+
+
+_fwd_kernel_tuned = triton.autotune(
+    configs=FWD_CONFIGS,
+    key=["BLOCK_D", "CAUSAL", "USE_WINDOW", "TMA", "q_bucket", "kv_bucket"],  # (+ the dtypes, always)
+    prune_configs_by={"early_config_prune": _prune_fwd},
+)(_fwd_kernel)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` of every ``tl.dot``: exact IEEE products for fp32 inputs (the
+    interpreter and the tests need them; tf32 would round the inputs to 10 bits), and the
+    default for fp16/bf16, which go to the tensor cores with fp32 accumulation anyway."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def seq_bucket(n: int) -> int:
+    """The autotuning key of a sequence length: the next power of two in [64, 16384]."""
+    return min(max(triton.next_power_of_2(max(int(n), 1)), 64), 16384)
+
+
+def block_d(head_dim: int) -> int:
+    """Head dim padded to a power of two >= 16 (``tl.arange`` and ``tl.dot`` need it); the
+    padding columns are masked on load and store."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+# ----------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Packing:
+    """How sequences are laid out: dense ``[batch, heads, seq, dim]`` (``cu_seqlens_q is None``)
+    or packed varlen ``[tokens, heads, dim]`` with prefix sums of the lengths.
+
+    ``q_len``/``kv_len`` are the lengths (dense) or the maxima over the batch (varlen);
+    ``n_seqs`` is the batch size."""
+    n_seqs: int
+    q_len: int
+    kv_len: int
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    def strides(self, t: torch.Tensor) -> tuple[int, int, int, int]:
+        """(batch, head, token, dim) strides of a Q/K/V/O-like tensor."""
+        if self.varlen:  # [tokens, heads, dim]: no batch axis
+            return 0, t.stride(1), t.stride(0), t.stride(2)
+        return tuple(t.stride())
+
+    def lse_strides(self, t: torch.Tensor) -> tuple[int, int, int]:
+        """(batch, head, token) strides of an lse-like tensor: ``[batch, heads, seq]`` dense,
+        ``[heads, tokens]`` varlen."""
+        if self.varlen:
+            return 0, t.stride(0), t.stride(1)
+        return tuple(t.stride())
+
+    def lse_shape(self, q: torch.Tensor) -> tuple[int, ...]:
+        return (q.shape[1], q.shape[0]) if self.varlen else tuple(q.shape[:3])
+
+
+def _check_inputs(q, k, v, varlen: bool) -> tuple[int, int, int]:
+    """Validate shapes/dtypes; returns ``(q_heads, kv_heads, head_dim)``."""
+    dims = 3 if varlen else 4
+    layout = "[tokens, heads, head_dim]" if varlen else "[batch, heads, seq, head_dim]"
+    if q.dim() != dims or k.dim() != dims or v.dim() != dims:
+        raise ValueError(f"q, k, v must be {layout}; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q, k, v must share one dtype among fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError("q, k, v must be on the same device")
+    head_axis = 1
+    q_heads, kv_heads, head_dim = q.shape[head_axis], k.shape[head_axis], q.shape[-1]
+    if k.shape[-1] != head_dim or (not varlen and k.shape[0] != q.shape[0]):
+        raise ValueError(f"q {tuple(q.shape)} does not match k/v {tuple(k.shape)}")
+    if kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(f"q_heads={q_heads} must be a multiple of kv_heads={kv_heads} (MHA/GQA/MQA)")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim={head_dim}: 1..{MAX_HEAD_DIM} supported (a Q block lives in registers)")
+    return q_heads, kv_heads, head_dim
+
+
+def _scale_and_window(head_dim: int, scale: float | None, window: int | None) -> tuple[float, int | None]:
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if not scale > 0:  # the kernels fold log2(e) into it and take row maxima of scaled scores
+        raise ValueError(f"scale must be > 0, got {scale}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return scale, window
+
+
+def use_tma(packing: Packing, *tensors: torch.Tensor) -> bool:
+    """Whether the kernels may read and write ``tensors`` through TMA descriptors: on a
+    Hopper-or-newer GPU (not in the interpreter), unless ``MINILLM_FLASH_TMA=0``, and only if
+    every tensor has a unit stride along head_dim and 16-byte aligned rows (base address and
+    every other stride a multiple of 16 bytes), which is what the hardware requires. Other
+    layouts (e.g. a head_dim of 20 in fp16, or a transposed K) take the pointer path."""
+    t0 = tensors[0]
+    if _interpreting() or not t0.is_cuda or os.environ.get("MINILLM_FLASH_TMA", "1") == "0":
+        return False
+    if torch.cuda.get_device_capability(t0.device)[0] < 9:
+        return False
+    for t in tensors:
+        strides = packing.strides(t)
+        if strides[3] != 1 or t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in strides[:3]):
+            return False
+    return True
+
+
+def _ensure_allocator() -> None:
+    """Descriptors made inside a kernel live in a small global scratch buffer that Triton
+    asks an allocator for at launch; give it torch's if none is set in this thread (autograd
+    runs the backward in its own thread, which starts without one)."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except ImportError:  # another Triton layout: set ours unconditionally
+        pass
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
+def _forward(q, k, v, packing: Packing, causal: bool, scale: float, window: int | None,
+             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+             config: triton.Config | None = None, tma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel (inputs already checked). ``config`` forces a tile config
+    (tests); otherwise the interpreter uses `INTERPRET_FWD_CONFIG` and a GPU autotunes.
+    ``tma`` forces the TMA path on or off (tests; the interpreter runs both); by default
+    `use_tma` decides."""
+    q_heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[-1]  # heads: axis 1 in both layouts
+    if out is None:
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    if lse is None:
+        lse = torch.empty(packing.lse_shape(q), device=q.device, dtype=torch.float32)
+    if packing.n_seqs * q_heads == 0 or packing.q_len == 0:
+        return out, lse
+    args = (
+        q, k, v, out, lse, packing.cu_seqlens_q, packing.cu_seqlens_k,
+        *packing.strides(q), *packing.strides(k), *packing.strides(v), *packing.strides(out),
+        *packing.lse_strides(lse),
+        q_heads, q_heads // kv_heads, packing.q_len, packing.kv_len,
+        seq_bucket(packing.q_len), seq_bucket(packing.kv_len), scale * LOG2E, window or 0,
+    )
+    tma = use_tma(packing, q, k, v, out) if tma is None else tma
+    if tma and q.is_cuda:
+        _ensure_allocator()
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), CAUSAL=bool(causal), USE_WINDOW=window is not None,
+                VARLEN=packing.varlen, DOT_PRECISION=dot_precision(q.dtype), TMA=tma)
+    if config is None:
+        config = fixed_config(FWD_TILES_TMA if tma else FWD_TILES, q.dtype, block_d(head_dim), INTERPRET_FWD_CONFIG)
+    if config is None:
+        grid = lambda m: (triton.cdiv(packing.q_len, m["BLOCK_M"]), packing.n_seqs * q_heads)  # noqa: E731
+        _fwd_kernel_tuned[grid](*args, **meta)
+    else:
+        grid = (triton.cdiv(packing.q_len, config.kwargs["BLOCK_M"]), packing.n_seqs * q_heads)
+        _fwd_kernel[grid](*args, **meta, **config.all_kwargs())
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------
+# Autograd
+# ----------------------------------------------------------------------------------------
+class FlashAttentionFunction(torch.autograd.Function):
+    """FlashAttention-2 as a differentiable op (dense or varlen layout).
+
+    Forward saves only q, k, v, the output and the logsumexp (FA2 (3)); the backward
+    recomputes P block by block from them (`minillm.kernels.flash_attention_bwd`). The
+    returned lse is not differentiable (its gradient would add a term the kernels do not
+    compute)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        packing = _packing_of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        out, lse = _forward(q, k, v, packing, causal, scale, window)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.packing_lens = (packing.n_seqs, packing.q_len, packing.kv_len)
+        ctx.causal, ctx.scale, ctx.window = causal, scale, window
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from minillm.kernels.flash_attention_bwd import _backward
+
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        packing = Packing(*ctx.packing_lens, cu_q, cu_k)
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, packing, ctx.causal, ctx.scale, ctx.window)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k):
+    """Validate the prefix sums; int64 ones are converted to int32 (the kernels index with
+    int32 sequence offsets; a packed batch of 2^31 tokens is not a use case)."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64) or cu.device != q.device:
+            raise ValueError(f"{name} must be a 1-d int32 tensor on q's device, got {tuple(cu.shape)} "
+                             f"{cu.dtype} on {cu.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.numel() < 1:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must both have batch + 1 entries")
+    return cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+
+
+def _packing_of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Packing:
+    if cu_seqlens_q is None:
+        return Packing(q.shape[0], q.shape[2], k.shape[2])
+    return Packing(cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), cu_seqlens_q, cu_seqlens_k)
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+# ----------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                    scale: float | None = None, window: int | None = None, return_lse: bool = False,
+                    out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    """FlashAttention-2: ``softmax(scale · q kᵀ + mask) v`` without ever materialising S or P.
+
+    - ``q: [batch, q_heads, q_len, head_dim]``, ``k, v: [batch, kv_heads, kv_len, head_dim]``,
+      one dtype among fp16/bf16/fp32, ``q_heads % kv_heads == 0``, ``head_dim <= 256``; any
+      strides (nothing is copied);
+    - ``causal``: bottom-right aligned (query ``i`` sees keys ``<= kv_len - q_len + i``);
+      ``window=W``: only keys within ``W`` positions (with ``causal``: the last W keys);
+    - ``scale`` defaults to ``1/sqrt(head_dim)`` and must be positive.
+
+    Returns ``out: [batch, q_heads, q_len, head_dim]`` in q's dtype, and with ``return_lse``
+    also ``lse: [batch, q_heads, q_len]`` float32 (natural log; ``-inf`` for a row that sees
+    no key, whose output is 0). Differentiable in q, k, v (`FlashAttentionFunction`); the
+    preallocated ``out``/``lse`` buffers are only accepted when no gradient is needed.
+    """
+    _check_inputs(q, k, v, varlen=False)
+    scale, window = _scale_and_window(q.shape[-1], scale, window)
+    if _needs_grad(q, k, v):
+        if out is not None or lse is not None:
+            raise ValueError("out=/lse= cannot be used when q, k or v requires grad")
+        o, l = FlashAttentionFunction.apply(q, k, v, causal, scale, window, None, None, None, None)
+    else:
+        o, l = _forward(q, k, v, Packing(q.shape[0], q.shape[2], k.shape[2]), causal, scale, window, out, lse)
+    return (o, l) if return_lse else o
+
+
+def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                           scale: float | None = None, window: int | None = None, return_lse: bool = False,
+                           out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    """FlashAttention-2 over a packed batch of sequences of different lengths (no padding).
+
+    - ``q: [total_q, q_heads, head_dim]``, ``k, v: [total_k, kv_heads, head_dim]``: the
+      sequences back to back (any strides);
+    - ``cu_seqlens_q, cu_seqlens_k: [batch + 1]`` int32 on q's device, the prefix sums of the
+      lengths (``cu[0] = 0``; sequence ``b`` is rows ``cu[b] : cu[b + 1]``). Each sequence
+      attends only within itself, bottom-right aligned by its own lengths, so a sequence with
+      more keys than queries is a chunk of a prompt whose earlier tokens are already cached;
+    - ``max_seqlen_q, max_seqlen_k``: Python ints, at least the longest lengths (they size the
+      grid; they are not checked against ``cu_seqlens``, which would need a device sync).
+
+    Returns ``out: [total_q, q_heads, head_dim]`` and with ``return_lse`` also ``lse:
+    [q_heads, total_q]`` float32. Differentiable in q, k, v like `flash_attention`.
+    """
+    _check_inputs(q, k, v, varlen=True)
+    cu_seqlens_q, cu_seqlens_k = _check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
+    scale, window = _scale_and_window(q.shape[-1], scale, window)
+    if _needs_grad(q, k, v):
+        if out is not None or lse is not None:
+            raise ValueError("out=/lse= cannot be used when q, k or v requires grad")
+        o, l = FlashAttentionFunction.apply(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k,
+                                            max_seqlen_q, max_seqlen_k)
+    else:
+        packing = Packing(cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), cu_seqlens_q, cu_seqlens_k)
+        o, l = _forward(q, k, v, packing, causal, scale, window, out, lse)
+    return (o, l) if return_lse else o
+
+
+def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, causal: bool,
+                    backward: bool = False) -> float:
+    """FLOPs credited to attention by convention (FlashAttention-2 paper): ``4·B·H·q_len·kv_len·D``
+    for the forward (two matmuls), halved when causal; the backward is credited 2.5x the
+    forward (five matmuls to the forward's two), whatever a kernel actually recomputes."""
+    flops = 4.0 * batch * heads * q_len * kv_len * head_dim
+    if causal:
+        flops /= 2
+    return flops * 2.5 if backward else flops
