@@ -46,7 +46,6 @@ spills and shared memory: how the candidate lists in the kernel modules were cho
 """
 from __future__ import annotations
 
-import gc
 import os
 import time
 from typing import Any, Callable
@@ -58,7 +57,7 @@ import torch.nn.functional as F
 # before Triton is imported.
 from minillm.kernels.flash_attention import Packing, attention_flops, flash_attention, use_tma
 
-from bench.common import Results, is_oom, time_ms
+from bench.common import Results, attempt, free_memory, time_ms
 
 BENCHMARK = "ch04_flash_attention"
 TOKENS = 16384
@@ -75,31 +74,6 @@ WARMUP_MS, REP_MS = 25, 100
 def budget_s() -> float:
     """Seconds after which no new point is started: ``MINILLM_CH04_BUDGET_S`` (default 240)."""
     return float(os.environ.get("MINILLM_CH04_BUDGET_S", "240"))
-
-
-def attempt(fn: Callable[[], Any], allow_errors: bool = False) -> tuple[Any, str | None]:
-    """Run ``fn()``; returns ``(value, None)``, or ``(None, "oom")`` if the GPU ran out of
-    memory. With ``allow_errors`` any other exception gives ``(None, "error: …")`` (a peer
-    that refuses these inputs); otherwise it propagates (our kernel failing must be loud)."""
-    status = None
-    try:
-        return fn(), None
-    except Exception as exc:  # noqa: BLE001 - sorted below
-        if is_oom(exc):
-            status = "oom"
-        elif allow_errors:
-            first = str(exc).splitlines()[0][:200] if str(exc) else ""
-            status = f"error: {type(exc).__name__}: {first}"
-        else:
-            raise
-    _free()  # out of the except block: the traceback and the tensors its frames held are gone
-    return None, status
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -181,7 +155,7 @@ def sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, toke
                         t0 = time.perf_counter()
                         _run_point(results, device, gen, max(1, tokens // n), hidden // head_dim, n, head_dim,
                                    causal, dtype, pass_, mm_tflops, timer)
-                        _free()  # the point's tensors are gone with its frame
+                        free_memory()  # the point's tensors are gone with its frame
                         print(f"  [{BENCHMARK}] {_dtype_name(dtype)} D={head_dim} causal={causal} {pass_} N={n}: "
                               f"{time.perf_counter() - t0:.1f} s", flush=True)
 
