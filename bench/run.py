@@ -29,6 +29,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("ch02_generation", "bench.ch02_generation"),
     ("ch03_online_softmax", "bench.ch03_online_softmax"),
     ("ch04_flash_attention", "bench.ch04_flash_attention"),
+    ("ch04_ablations", "bench.ch04_ablations"),
 ]
 
 

@@ -109,6 +109,24 @@ def _visible(q_idx, k_idx, q_len, kv_len, window, CAUSAL: tl.constexpr, USE_WIND
 
 
 @triton.jit
+def _head_dim_offsets(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Column offsets for the addresses of a ``[rows, BLOCK_D]`` tile, and ``d_ok: [1, BLOCK_D]``,
+    the mask of the real columns (``BLOCK_D`` is the head dim padded to a power of two).
+
+    The padding columns are masked on every load and store, so they are never accessed; their
+    addresses are nonetheless clamped to the last real column, so that every address the kernel
+    forms lies inside the tensor. On an H200 (Triton 3.6) a masked-off padding column whose
+    address pointed past the tensor made the forward fault with an illegal memory access when
+    K's head dim was not its contiguous axis (``test_forward_follows_strides``); with the
+    clamp it does not. When ``HEAD_DIM == BLOCK_D`` nothing is clamped (a compile-time branch)."""
+    offs = tl.arange(0, BLOCK_D)
+    d_ok = (offs < HEAD_DIM)[None, :]
+    if HEAD_DIM < BLOCK_D:
+        offs = tl.minimum(offs, HEAD_DIM - 1)
+    return offs, d_ok
+
+
+@triton.jit
 def _segments(first, end, all_first, all_end, BLOCK: tl.constexpr):
     """Split a loop over blocks of ``BLOCK`` into masked and unmasked segments.
 
@@ -165,7 +183,8 @@ def _kv_segments(start_m, q_len, kv_len, window, BLOCK_M: tl.constexpr, BLOCK_N:
 def _fwd_tiles(acc, l_i, m_i, q, K_src, V_src, k_offs, v_offs, stride_kn, stride_vn,
                offs_m, offs_n0, d_ok, lo, hi, q_len, kv_len, qk_scale, window,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+               RESCALE_EACH_STEP: tl.constexpr = False):
     """Stream key blocks ``[lo, hi)`` past one Q block: the online-softmax update of Chapter 3.
 
     State per query row: ``m_i`` (running max of the scores, base-2 units), ``l_i`` (running
@@ -179,6 +198,10 @@ def _fwd_tiles(acc, l_i, m_i, q, K_src, V_src, k_offs, v_offs, stride_kn, stride
     ``K_src``/``V_src`` are TMA descriptors when ``TMA`` (a tile is one ``load`` at block
     coordinates; out-of-range rows and columns arrive as zeros), else the sequence's base
     pointers, to which ``k_offs``/``v_offs`` add one tile's offsets.
+
+    ``RESCALE_EACH_STEP`` (an ablation for the chapter's measurements, off in real use) keeps
+    ``acc`` normalised after every block, as FlashAttention-1 does: ``acc = (ℓ_old·α·acc + P V)
+    / ℓ_new``, one divide per row and one more multiply per element of ``acc`` per block.
     """
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
@@ -205,14 +228,19 @@ def _fwd_tiles(acc, l_i, m_i, q, K_src, V_src, k_offs, v_offs, stride_kn, stride
             m_sub = m_new
             p = tl.math.exp2(s * qk_scale - m_sub[:, None])  # one FMA + exp2 per score
         alpha = tl.math.exp2(m_i - m_sub)  # how much the old state shrinks under the new max
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_kept = l_i * alpha  # the old sum, against the new max
+        l_i = l_kept + tl.sum(p, 1)
         if TMA:
             v = V_src.load([start_n, 0])
         else:
             v = tl.load(V_src + row0 * stride_vn + v_offs, mask=kv_ok, other=0.0)
         # FA2 (2): rescale the unnormalised accumulator; no division here. P is rounded to
         # V's dtype for the tensor-core dot (fp32 accumulation), as every FlashAttention does.
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        if RESCALE_EACH_STEP:  # FA1: acc stays divided by the running sum
+            acc = tl.dot(p.to(v.dtype), v, acc * l_kept[:, None], input_precision=DOT_PRECISION)
+            acc = acc * (1.0 / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -229,6 +257,8 @@ def _fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    RESCALE_EACH_STEP: tl.constexpr = False, MASK_EVERY_BLOCK: tl.constexpr = False,
+    VISIT_EVERY_BLOCK: tl.constexpr = False,
 ):
     """Program ``(i, b·q_heads + h)`` computes rows ``[i·BLOCK_M, (i+1)·BLOCK_M)`` of the
     output of query head ``h`` of sequence ``b`` — FA2 (1): a Q block owns its output and
@@ -236,6 +266,13 @@ def _fwd_kernel(
 
     ``q_bucket``/``kv_bucket`` are unused here: they are the autotuner's keys (lengths rounded
     to a power of two), so that short and long sequences each get their own best tile sizes.
+
+    The last three flags switch off one idea each, so that the chapter can measure what it
+    buys (`ABLATIONS`); all are off in real use. ``RESCALE_EACH_STEP``: keep O normalised
+    after every block (FA1) instead of dividing once at the end (FA2 change 2).
+    ``MASK_EVERY_BLOCK``: apply the mask to every visited block, not only to the diagonal
+    and ragged ones. ``VISIT_EVERY_BLOCK``: no block skipping either: every key block is
+    loaded, computed and masked, as a causal kernel without skipping would.
     """
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -258,9 +295,8 @@ def _fwd_kernel(
     kv_h64 = kv_h.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d, d_ok = _head_dim_offsets(HEAD_DIM, BLOCK_D)  # d_ok: the real columns of a padded head dim
     in_m = offs_m < q_len
-    d_ok = (offs_d < HEAD_DIM)[None, :]  # padding columns of a non-power-of-two head dim
     # Where this head's sequence starts in each tensor.
     Q_seq = Q + b64 * stride_qb + h64 * stride_qh + tl.cast(q_start, tl.int64) * stride_qm
     O_seq = O + b64 * stride_ob + h64 * stride_oh + tl.cast(q_start, tl.int64) * stride_om
@@ -295,18 +331,25 @@ def _fwd_kernel(
     # masks, then the diagonal blocks with; the blocks past the diagonal are never visited.
     # Non-causal: everything unmasked except the last, ragged block of the sequence.
     lo, full_lo, full_hi, hi = _kv_segments(start_m, q_len, kv_len, window, BLOCK_M, BLOCK_N, CAUSAL, USE_WINDOW)
+    if VISIT_EVERY_BLOCK:  # ablation: all key blocks, all masked
+        lo, full_lo, full_hi, hi = 0, kv_len, kv_len, kv_len
+    elif MASK_EVERY_BLOCK:  # ablation: the same blocks, all masked
+        full_lo, full_hi = hi, hi
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_src, V_src, k_offs, v_offs, stride_kn, stride_vn,
                                offs_m, offs_n0, d_ok, lo, full_lo, q_len, kv_len, qk_scale, window,
-                               True, CAUSAL, USE_WINDOW, DOT_PRECISION, TMA, BLOCK_N)
+                               True, CAUSAL, USE_WINDOW, DOT_PRECISION, TMA, BLOCK_N, RESCALE_EACH_STEP)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_src, V_src, k_offs, v_offs, stride_kn, stride_vn,
                                offs_m, offs_n0, d_ok, full_lo, full_hi, q_len, kv_len, qk_scale, window,
-                               False, CAUSAL, USE_WINDOW, DOT_PRECISION, TMA, BLOCK_N)
+                               False, CAUSAL, USE_WINDOW, DOT_PRECISION, TMA, BLOCK_N, RESCALE_EACH_STEP)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_src, V_src, k_offs, v_offs, stride_kn, stride_vn,
                                offs_m, offs_n0, d_ok, full_hi, hi, q_len, kv_len, qk_scale, window,
-                               True, CAUSAL, USE_WINDOW, DOT_PRECISION, TMA, BLOCK_N)
+                               True, CAUSAL, USE_WINDOW, DOT_PRECISION, TMA, BLOCK_N, RESCALE_EACH_STEP)
 
     # FA2 (2): normalise once. A row with no visible key (l = 0) gets 0, like the reference.
-    out = acc * (1.0 / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+    if RESCALE_EACH_STEP:
+        out = acc  # (already normalised, step by step)
+    else:
+        out = acc * (1.0 / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     # FA2 (3): the only statistic kept for the backward, L = m + log l, back in natural log.
     # l = 0 gives log2(0) = -inf, and m = -inf too: L = -inf, no NaN.
     lse = (m_i + tl.math.log2(l_i)) * _LN2
@@ -349,6 +392,15 @@ FWD_TILES_TMA = {
 #: The one config used under the interpreter: small tiles keep it fast, and BLOCK_M != BLOCK_N
 #: exercises the diagonal logic the way 128 x 64 does on the GPU.
 INTERPRET_FWD_CONFIG = triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)
+
+
+#: The forward kernel's switches that turn off one FlashAttention-2 idea each, for the
+#: chapter's measurements (`_fwd_kernel`): name -> constexpr flag.
+ABLATIONS = {
+    "rescale_each_step": "RESCALE_EACH_STEP",  # FA1's normalised O instead of FA2 change (2)
+    "mask_every_block": "MASK_EVERY_BLOCK",    # mask every visited block, not only the diagonal
+    "visit_every_block": "VISIT_EVERY_BLOCK",  # no causal block skipping (and every block masked)
+}
 
 
 #: fp32 inputs on a GPU (a testing dtype: exact IEEE products, no tensor cores) run one small
@@ -526,11 +578,12 @@ def _ensure_allocator() -> None:
 
 def _forward(q, k, v, packing: Packing, causal: bool, scale: float, window: int | None,
              out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-             config: triton.Config | None = None, tma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             config: triton.Config | None = None, tma: bool | None = None,
+             ablation: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel (inputs already checked). ``config`` forces a tile config
     (tests); otherwise the interpreter uses `INTERPRET_FWD_CONFIG` and a GPU autotunes.
     ``tma`` forces the TMA path on or off (tests; the interpreter runs both); by default
-    `use_tma` decides."""
+    `use_tma` decides. ``ablation``: one of `ABLATIONS`, with a ``config`` (measurements only)."""
     q_heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[-1]  # heads: axis 1 in both layouts
     if out is None:
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
@@ -550,6 +603,10 @@ def _forward(q, k, v, packing: Packing, causal: bool, scale: float, window: int 
         _ensure_allocator()
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), CAUSAL=bool(causal), USE_WINDOW=window is not None,
                 VARLEN=packing.varlen, DOT_PRECISION=dot_precision(q.dtype), TMA=tma)
+    if ablation is not None:
+        if config is None:
+            raise ValueError("an ablation runs with a fixed config: pass config=")
+        meta[ABLATIONS[ablation]] = True
     if config is None:
         config = fixed_config(FWD_TILES_TMA if tma else FWD_TILES, q.dtype, block_d(head_dim), INTERPRET_FWD_CONFIG)
     if config is None:

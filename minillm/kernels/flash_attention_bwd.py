@@ -44,9 +44,9 @@ import triton
 import triton.language as tl
 
 from minillm.kernels.flash_attention import (
-    LOG2E, Packing, _check_cu_seqlens, _check_inputs, _ensure_allocator, _kv_segments, _scale_and_window,
-    _segments, _sequence, _visible, block_d, config_key, dot_precision, fixed_config, head_dim_class, seq_bucket,
-    tile_configs, use_tma,
+    LOG2E, Packing, _check_cu_seqlens, _check_inputs, _ensure_allocator, _head_dim_offsets, _kv_segments,
+    _scale_and_window, _segments, _sequence, _visible, block_d, config_key, dot_precision, fixed_config,
+    head_dim_class, seq_bucket, tile_configs, use_tma,
 )
 
 _LOG2E = tl.constexpr(LOG2E)
@@ -74,9 +74,9 @@ def _bwd_preprocess_kernel(
         return
     b64, h64 = b.to(tl.int64), h.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d, d_ok = _head_dim_offsets(HEAD_DIM, BLOCK_D)
     rows = (q_start + offs_m).to(tl.int64)
-    mask = (offs_m < q_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    mask = (offs_m < q_len)[:, None] & d_ok
     o = tl.load(O + b64 * stride_ob + h64 * stride_oh + rows[:, None] * stride_om + offs_d[None, :] * stride_od,
                 mask=mask, other=0.0)
     do = tl.load(DO + b64 * stride_dob + h64 * stride_doh + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod,
@@ -131,9 +131,12 @@ def _dkdv_tiles(dk, dv, k, v, Q_seq, DO_seq, LSE_seq, Delta_seq, q_offs, do_offs
     for sm_90). Tiles are computed transposed, ``[BLOCK_N, BLOCK_M]`` (keys x queries), so
     that ``Pᵀ`` and ``dSᵀ`` come out ready for ``dV += Pᵀ dO`` and ``dK += dSᵀ Q``."""
     n_blocks = tl.cdiv(hi - lo, BLOCK_M)
+    # Divide by at least 1: with an empty segment the loop body never runs, but a software-
+    # pipelined loop computes the first iterations' addresses before it knows that.
+    per_head = tl.maximum(n_blocks, 1)
     for it in range(0, group * n_blocks):
-        head = first_head + it // n_blocks  # GQA: dK, dV of a KV head sum over its query heads
-        start_m = lo + (it % n_blocks) * BLOCK_M
+        head = first_head + it // per_head  # GQA: dK, dV of a KV head sum over its query heads
+        start_m = lo + (it % per_head) * BLOCK_M
         Q_head = Q_seq + head * stride_qh
         DO_head = DO_seq + head * stride_doh
         LSE_head = LSE_seq + head * stride_lh
@@ -195,9 +198,8 @@ def _bwd_dkdv_kernel(
     b64, kv_h64 = b.to(tl.int64), kv_h.to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d, d_ok = _head_dim_offsets(HEAD_DIM, BLOCK_D)
     rows_k = (k_start + offs_n).to(tl.int64)
-    d_ok = (offs_d < HEAD_DIM)[None, :]
     kv_mask = (offs_n < kv_len)[:, None] & d_ok
     # K and V of this block stay on chip for the whole program.
     k = tl.load(K + b64 * stride_kb + kv_h64 * stride_kh + rows_k[:, None] * stride_kn + offs_d[None, :] * stride_kd,
@@ -303,10 +305,9 @@ def _bwd_dq_kernel(
     b64, h64, kv_h64 = b.to(tl.int64), h.to(tl.int64), kv_h.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d, d_ok = _head_dim_offsets(HEAD_DIM, BLOCK_D)
     rows_q = (q_start + offs_m).to(tl.int64)
     in_m = offs_m < q_len
-    d_ok = (offs_d < HEAD_DIM)[None, :]
     q_start64 = tl.cast(q_start, tl.int64)
     Q_seq = Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qm
     DO_seq = DO + b64 * stride_dob + h64 * stride_doh + q_start64 * stride_dom

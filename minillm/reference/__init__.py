@@ -10,9 +10,18 @@ from minillm.reference.online_softmax import (
     fa1_block_sizes, fa1_traffic, merge_partials, merge_stats, online_softmax_update, softmax_stats, tile_step,
     tiled_attention,
 )
+# Chapter 4.
+from minillm.reference.flash_attention import (
+    backward_delta, classify_blocks, fa2_backward, fa2_backward_tile, fa2_finalize, fa2_forward, fa2_tile_step,
+    nonmatmul_flops, warp_partition_traffic,
+)
 
 __all__ = [
     "KVCache", "RingKVCache", "attention", "attention_mask", "attention_scores", "fa1_block_sizes", "fa1_traffic",
     "kv_head_for", "merge_partials", "merge_stats", "online_softmax_update", "softmax", "softmax_stats", "tile_step",
     "tiled_attention",
+]
+__all__ += [
+    "backward_delta", "classify_blocks", "fa2_backward", "fa2_backward_tile", "fa2_finalize", "fa2_forward",
+    "fa2_tile_step", "nonmatmul_flops", "warp_partition_traffic",
 ]

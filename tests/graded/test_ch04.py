@@ -1,0 +1,262 @@
+"""Graded tests for Chapter 4 (FlashAttention-2). Run: `make grade CH=4`.
+
+Each test is marked with the exercise it grades; an exercise scores its points only if all
+of its tests pass. Inputs are random with a fresh seed each run (the seed is in every
+failure message; pin it with ``MINILLM_SEED``).
+"""
+import math
+
+import numpy as np
+import pytest
+
+from minillm import reference as ref
+from minillm.reference import flash_attention as fa2
+
+tile_ex = pytest.mark.exercise(id="4.1", title="FA2 tile step with an unscaled output", points=3)
+classify_ex = pytest.mark.exercise(id="4.2", title="Causal block skipping", points=2)
+backward_ex = pytest.mark.exercise(id="4.3", title="One tile pair of the backward", points=3)
+delta_ex = pytest.mark.exercise(id="4.4", title="The backward's preprocess D", points=1)
+
+
+def empty_state(rows, d):
+    """``(acc, l, m)`` of rows that have seen nothing."""
+    return np.zeros((rows, d)), np.zeros(rows), np.full(rows, -np.inf)
+
+
+def state_from_scores(s, v):
+    """The ``(acc, l, m)`` a Q block would hold after seeing keys with scores ``s: [r, n]``
+    (``-inf`` = masked) and values ``v: [n, d]``."""
+    m = np.max(s, axis=-1)
+    m_sub = np.where(np.isneginf(m), 0.0, m)
+    p = np.exp(s - m_sub[:, None])
+    return p @ v, p.sum(axis=-1), m
+
+
+# --- 4.1 -------------------------------------------------------------------------------------
+
+@tile_ex
+def test_one_block_is_attention_over_it(impl, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = rng.standard_normal((5, 8)), rng.standard_normal((7, 8)), rng.standard_normal((7, 8))
+    acc, l, m = impl.fa2_tile_step(q, k, v, *empty_state(5, 8), 0.4)
+    s = 0.4 * (q @ k.T)
+    np.testing.assert_allclose(m, s.max(-1), rtol=1e-14, err_msg="m: the row max of the scaled scores")
+    np.testing.assert_allclose(acc, np.exp(s - m[:, None]) @ v, atol=1e-13,
+                               err_msg=f"acc must stay unscaled: Σ exp(s - m)·v, not divided by l (seed {seed})")
+    o, lse = impl.fa2_finalize(acc, l, m)
+    want, want_lse = ref.attention(q[None, None], k[None, None], v[None, None], scale=0.4)
+    np.testing.assert_allclose(o, want[0, 0], atol=1e-13, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(lse, want_lse[0, 0], rtol=1e-13, err_msg=f"seed {seed}")
+
+
+@tile_ex
+@pytest.mark.parametrize("trial", range(4))
+def test_tile_step_matches_the_reference(impl, trial, seed):
+    rng = np.random.default_rng(seed + trial)
+    r, c, d = int(rng.integers(1, 9)), int(rng.integers(1, 9)), int(rng.choice([4, 8, 16]))
+    q, k, v = rng.standard_normal((r, d)), rng.standard_normal((c, d)), rng.standard_normal((c, d))
+    seen = 30 * rng.standard_normal((r, 5))
+    seen[0] = -np.inf                                    # row 0 has seen nothing yet
+    acc, l, m = state_from_scores(seen, rng.standard_normal((5, d)))
+    visible = rng.random((r, c)) < 0.6 if trial else None
+    scale = float(rng.uniform(0.1, 50.0))   # scores up to the hundreds
+    got = impl.fa2_tile_step(q, k, v, acc, l, m, scale, visible)
+    want = fa2.fa2_tile_step(q, k, v, acc, l, m, scale, visible)
+    msg = f"r={r} c={c} scale={scale:.3g} seed={seed + trial}"
+    assert not any(np.isnan(x).any() for x in got), "NaN: a row whose max is still -inf must subtract 0"
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-14, err_msg="m: " + msg)   # -inf compares equal
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-12, err_msg="l: " + msg)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-12 * np.abs(want[0]).max(), err_msg="acc: " + msg)
+
+
+@tile_ex
+def test_masked_blocks_and_empty_rows(impl, seed):
+    """A fully masked block leaves the state as it was; a row that never sees a key ends
+    with output 0 and lse -inf."""
+    rng = np.random.default_rng(seed)
+    q, k, v = rng.standard_normal((4, 6)), rng.standard_normal((3, 6)), rng.standard_normal((3, 6))
+    state = impl.fa2_tile_step(q, k, v, *empty_state(4, 6), 1.0, np.zeros((4, 3), dtype=bool))
+    assert not any(np.isnan(x).any() for x in state), "a masked block must not produce NaN"
+    assert (state[2] == -np.inf).all() and (state[1] == 0).all() and (state[0] == 0).all()
+    visible = np.ones((4, 3), dtype=bool)
+    visible[1] = False                                   # row 1 never sees a key
+    state = impl.fa2_tile_step(q, k, v, *state, 1.0, visible)
+    again = impl.fa2_tile_step(q, k, v, *state, 1.0, np.zeros((4, 3), dtype=bool))
+    for x, y in zip(again, state):
+        np.testing.assert_allclose(x, y, rtol=1e-15, err_msg="a fully masked block must change nothing")
+    o, lse = impl.fa2_finalize(*again)
+    assert lse[1] == -np.inf and (o[1] == 0).all(), "a row that saw no key: o = 0, lse = -inf"
+    assert np.isfinite(lse[[0, 2, 3]]).all() and not np.isnan(o).any()
+
+
+@tile_ex
+@pytest.mark.parametrize("q_heads,kv_heads,q_len,kv_len,causal,window",
+                         [(2, 2, 13, 13, True, None), (4, 2, 7, 22, False, None), (3, 1, 10, 6, True, None),
+                          (2, 1, 9, 19, True, 5)])
+def test_fa2_loops_with_your_tile_step(impl, q_heads, kv_heads, q_len, kv_len, causal, window, seed):
+    """FlashAttention-2's loops (one program per Q block, K/V blocks inner) around your
+    `fa2_tile_step` and `fa2_finalize` equal attention, scores in the tens included."""
+    rng = np.random.default_rng(seed)
+    d, bm, bn = 8, 4, 5
+    q = 4 * rng.standard_normal((q_heads, q_len, d))
+    k, v = rng.standard_normal((2, kv_heads, kv_len, d))
+    scale = 1 / math.sqrt(d)
+    visible = ref.attention_mask(q_len, kv_len, causal=causal, window=window)
+    o, lse = np.zeros(q.shape), np.zeros(q.shape[:2])
+    for h in range(q_heads):
+        kv_h = ref.kv_head_for(h, q_heads, kv_heads)
+        for i in range(0, q_len, bm):                    # one program per Q block
+            rows = slice(i, min(i + bm, q_len))
+            state = empty_state(rows.stop - rows.start, d)
+            for j in range(0, kv_len, bn):               # K/V blocks stream past it
+                cols = slice(j, j + bn)
+                state = impl.fa2_tile_step(q[h, rows], k[kv_h, cols], v[kv_h, cols], *state, scale,
+                                           visible[rows, cols])
+            o[h, rows], lse[h, rows] = impl.fa2_finalize(*state)
+    want, want_lse = ref.attention(q[None], k[None], v[None], causal=causal, window=window)
+    np.testing.assert_allclose(o, want[0], atol=1e-12, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(lse, want_lse[0], rtol=1e-12, err_msg=f"seed {seed}")   # -inf rows compare equal
+
+
+# --- 4.2 -------------------------------------------------------------------------------------
+
+def brute_force_classes(q_len, kv_len, block_m, block_n):
+    visible = ref.attention_mask(q_len, kv_len, causal=True)
+    rows, cols = fa2.block_slices(q_len, block_m), fa2.block_slices(kv_len, block_n)
+    return np.array([[fa2.SKIP if not visible[r, c].any() else fa2.FULL if visible[r, c].all() else fa2.MASKED
+                      for c in cols] for r in rows]).reshape(len(rows), len(cols))
+
+
+@classify_ex
+def test_square_causal_picture(impl):
+    got = np.asarray(impl.classify_causal_blocks(8, 8, 4, 4))
+    np.testing.assert_array_equal(got, [[impl.MASKED, impl.SKIP], [impl.FULL, impl.MASKED]],
+                                  err_msg="8 x 8 causal, 4 x 4 blocks: masked on the diagonal, full below, "
+                                          "skipped above")
+    assert (impl.SKIP, impl.MASKED, impl.FULL) == (0, 1, 2), "keep the codes SKIP, MASKED, FULL = 0, 1, 2"
+
+
+@classify_ex
+@pytest.mark.parametrize("trial", range(40))
+def test_classes_match_the_mask(impl, trial, seed):
+    rng = np.random.default_rng(seed + trial)
+    q_len, kv_len = int(rng.integers(1, 50)), int(rng.integers(1, 50))
+    if trial % 4 == 0:
+        kv_len = q_len                                       # prefill
+    block_m, block_n = int(rng.integers(1, 17)), int(rng.integers(1, 17))
+    got = np.asarray(impl.classify_causal_blocks(q_len, kv_len, block_m, block_n))
+    want = brute_force_classes(q_len, kv_len, block_m, block_n)
+    msg = f"q_len={q_len} kv_len={kv_len} block_m={block_m} block_n={block_n} (0 skip, 1 masked, 2 full)"
+    np.testing.assert_array_equal(got, want, err_msg=f"{msg}, seed {seed + trial}")
+
+
+@classify_ex
+def test_skipping_with_your_classes_gives_attention(impl, seed):
+    """Skip the SKIP blocks, mask only the MASKED ones: still exact attention (more queries
+    than keys, so the first Q blocks skip everything)."""
+    rng = np.random.default_rng(seed)
+    q_len, kv_len, d, bm, bn = 23, 17, 8, 4, 6
+    q = rng.standard_normal((1, 1, q_len, d))
+    k, v = rng.standard_normal((2, 1, 1, kv_len, d))
+    classes = np.asarray(impl.classify_causal_blocks(q_len, kv_len, bm, bn))
+    visible = ref.attention_mask(q_len, kv_len, causal=True)
+    o, lse = np.zeros(q.shape[2:]), np.zeros(q_len)
+    for i, rows in enumerate(fa2.block_slices(q_len, bm)):
+        state = empty_state(rows.stop - rows.start, d)
+        for j, cols in enumerate(fa2.block_slices(kv_len, bn)):
+            if classes[i, j] == fa2.SKIP:
+                continue
+            mask = visible[rows, cols] if classes[i, j] == fa2.MASKED else None
+            state = fa2.fa2_tile_step(q[0, 0, rows], k[0, 0, cols], v[0, 0, cols], *state, 1 / math.sqrt(d), mask)
+        o[rows], lse[rows] = fa2.fa2_finalize(*state)
+    want, want_lse = ref.attention(q, k, v, causal=True)
+    np.testing.assert_allclose(o, want[0, 0], atol=1e-12, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(lse, want_lse[0, 0], rtol=1e-12, err_msg=f"seed {seed}")
+
+
+# --- 4.3 -------------------------------------------------------------------------------------
+
+def forward_and_delta(rng, q_len, kv_len, d, causal, scale=None, window=None, score_scale=1.0):
+    """One head: q, k, v, dO, the forward's lse, and D."""
+    q = score_scale * rng.standard_normal((1, 1, q_len, d))
+    k, v = rng.standard_normal((2, 1, 1, kv_len, d))
+    o, lse = ref.attention(q, k, v, causal=causal, scale=scale, window=window)
+    do = rng.standard_normal(o.shape)
+    return q[0, 0], k[0, 0], v[0, 0], do[0, 0], o[0, 0], lse[0, 0], fa2.backward_delta(o, do)[0, 0]
+
+
+@backward_ex
+@pytest.mark.parametrize("trial", range(4))
+def test_backward_tile_matches_the_reference(impl, trial, seed):
+    rng = np.random.default_rng(seed + trial)
+    q_len, kv_len, d = int(rng.integers(2, 12)), int(rng.integers(2, 12)), int(rng.choice([4, 8]))
+    q, k, v, do, _, lse, delta = forward_and_delta(rng, q_len, kv_len, d, causal=bool(trial % 2),
+                                                   score_scale=float(rng.choice([1.0, 8.0])))
+    scale = 1 / math.sqrt(d)
+    visible = ref.attention_mask(q_len, kv_len, causal=True) if trial % 2 else None
+    got = impl.fa2_backward_tile(q, k, v, do, lse, delta, scale, visible)
+    want = fa2.fa2_backward_tile(q, k, v, do, lse, delta, scale, visible)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-11, err_msg=f"{name}, seed {seed + trial}")
+
+
+@backward_ex
+def test_rows_that_saw_nothing_contribute_nothing(impl, seed):
+    """More queries than keys, causal: the first rows see no key, their lse is -inf. They
+    must add zeros (not NaN) to every gradient."""
+    rng = np.random.default_rng(seed)
+    q, k, v, do, _, lse, delta = forward_and_delta(rng, 9, 4, 6, causal=True)
+    assert np.isneginf(lse[:5]).all()
+    visible = ref.attention_mask(9, 4, causal=True)
+    dq, dk, dv = impl.fa2_backward_tile(q, k, v, do, lse, delta, 0.5, visible)
+    assert not any(np.isnan(g).any() for g in (dq, dk, dv)), "NaN: exp(-inf - (-inf)) in a row with lse = -inf"
+    np.testing.assert_array_equal(dq[:5], 0.0)
+    _, dk_seen, dv_seen = impl.fa2_backward_tile(q[5:], k, v, do[5:], lse[5:], delta[5:], 0.5, visible[5:])
+    np.testing.assert_allclose(dk, dk_seen, rtol=1e-12, atol=1e-13, err_msg="the empty rows changed dK")
+    np.testing.assert_allclose(dv, dv_seen, rtol=1e-12, atol=1e-13, err_msg="the empty rows changed dV")
+
+
+@backward_ex
+@pytest.mark.parametrize("q_heads,kv_heads,q_len,kv_len,causal", [(2, 2, 11, 11, True), (4, 2, 6, 13, False),
+                                                                  (2, 1, 10, 7, True)])
+def test_gradients_from_your_tiles(impl, q_heads, kv_heads, q_len, kv_len, causal, seed):
+    """Sum your tile contributions over every (Q block, K/V block) pair and, for dK and dV,
+    over the query heads that share a KV head: the full gradients."""
+    rng = np.random.default_rng(seed)
+    d, bm, bn = 8, 4, 3
+    q = rng.standard_normal((1, q_heads, q_len, d))
+    k, v = rng.standard_normal((2, 1, kv_heads, kv_len, d))
+    o, lse = ref.attention(q, k, v, causal=causal)
+    do = rng.standard_normal(o.shape)
+    delta = fa2.backward_delta(o, do)
+    visible = ref.attention_mask(q_len, kv_len, causal=causal)
+    scale = 1 / math.sqrt(d)
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for h in range(q_heads):
+        g = ref.kv_head_for(h, q_heads, kv_heads)
+        for rows in fa2.block_slices(q_len, bm):
+            for cols in fa2.block_slices(kv_len, bn):
+                dq_ij, dk_ij, dv_ij = impl.fa2_backward_tile(q[0, h, rows], k[0, g, cols], v[0, g, cols],
+                                                             do[0, h, rows], lse[0, h, rows], delta[0, h, rows],
+                                                             scale, visible[rows, cols])
+                dq[0, h, rows] += dq_ij
+                dk[0, g, cols] += dk_ij
+                dv[0, g, cols] += dv_ij
+    want = fa2.fa2_backward(q, k, v, o, lse, do, causal=causal)
+    for name, got, w in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        np.testing.assert_allclose(got, w, atol=1e-11, err_msg=f"{name}, seed {seed}")
+
+
+# --- 4.4 -------------------------------------------------------------------------------------
+
+@delta_ex
+def test_delta_is_the_rowsum_of_p_times_dp(impl, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = rng.standard_normal((3, 2, 3, 7, 5))
+    o, _ = ref.attention(q, k, v, causal=True)
+    do = rng.standard_normal(o.shape)
+    p = ref.softmax(ref.attention_scores(q, k, causal=True))       # [2, 3, 7, 7]
+    dp = do @ np.swapaxes(v, -1, -2)
+    got = np.asarray(impl.backward_delta(o, do))
+    assert got.shape == o.shape[:-1], f"D has one number per row: shape {o.shape[:-1]}, got {got.shape}"
+    np.testing.assert_allclose(got, np.sum(p * dp, axis=-1), rtol=1e-12, atol=1e-12, err_msg=f"seed {seed}")
