@@ -30,6 +30,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("ch03_online_softmax", "bench.ch03_online_softmax"),
     ("ch04_flash_attention", "bench.ch04_flash_attention"),
     ("ch04_ablations", "bench.ch04_ablations"),
+    ("ch05_paged_attention", "bench.ch05_paged_attention"),
 ]
 
 

@@ -5,8 +5,14 @@ so a checkpoint's state dict loads as is. Attention uses
 ``torch.nn.functional.scaled_dot_product_attention`` for now; later chapters swap in our
 Triton kernels.
 
+Two caches: Chapter 2's contiguous `KVCache` (every sequence of the batch at the same
+position), and Chapter 6's `minillm.model.paged.PagedKVCache`, run through `forward_paged` on
+a flat `PagedBatch` of sequences of any lengths. The layers are the same; only
+`Attention.forward` looks at which cache it was given.
+
 Shapes: ``B`` batch, ``T`` new tokens in this call, ``S`` cached + new tokens,
-``H`` query heads, ``Hkv`` KV heads, ``D`` head_dim.
+``H`` query heads, ``Hkv`` KV heads, ``D`` head_dim; in the paged path, ``N`` new tokens of
+all sequences together.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillm.model.config import ModelConfig
+from minillm.model.paged import PagedBatch, PagedKVCache, paged_attention, write_kv
 
 # SDPA grew native GQA (`enable_gqa`) in torch 2.5; before that we repeat the KV heads.
 _SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -62,7 +69,10 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [B, heads, T, D]``: rotate the pairs (i, i + D/2) by their position's angle."""
+    """``x [B, heads, T, D]``: rotate the pairs (i, i + D/2) by their position's angle.
+
+    Any layout works whose ``cos, sin`` broadcast against ``x``, e.g. the paged path's
+    ``x [N, heads, D]`` with ``cos, sin [N, 1, D]``."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -76,8 +86,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
 
-    def forward(self, x, cos, sin, start_pos: int, cache: KVCache | None, layer: int):
-        """``x [B, T, hidden]`` at positions ``start_pos .. start_pos+T-1`` -> ``[B, T, hidden]``."""
+    def forward(self, x, cos, sin, start_pos: int | PagedBatch, cache: KVCache | PagedKVCache | None, layer: int):
+        """``x [B, T, hidden]`` at positions ``start_pos .. start_pos+T-1`` -> ``[B, T, hidden]``.
+
+        With a `PagedKVCache`, ``start_pos`` is the step's `PagedBatch` (every token's position
+        and slot) and ``x`` is ``[N, hidden]``: see `forward_paged`.
+        """
+        if isinstance(cache, PagedKVCache):
+            return self.forward_paged(x, cos, sin, start_pos, cache, layer)
         c, (B, T, _) = self.c, x.shape
         q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)   # [B, H, T, D]
         k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)   # [B, Hkv, T, D]
@@ -106,6 +122,18 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                              scale=c.head_dim ** -0.5, **gqa)                # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+    def forward_paged(self, x, cos, sin, batch: PagedBatch, cache: PagedKVCache, layer: int):
+        """``x [N, hidden]``, the new tokens of every sequence back to back, ``cos, sin [N, D]``
+        -> ``[N, hidden]``. Writes the new K/V into their slots, then attends over the pages."""
+        c, N = self.c, x.shape[0]
+        q = self.q_proj(x).view(N, c.num_attention_heads, c.head_dim)                     # [N, H, D]
+        k = self.k_proj(x).view(N, c.num_key_value_heads, c.head_dim)                     # [N, Hkv, D]
+        v = self.v_proj(x).view(N, c.num_key_value_heads, c.head_dim)
+        q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
+        write_kv(cache, layer, k, v, batch.slot_mapping)  # first: a new token attends to itself
+        out = paged_attention(q, cache, layer, batch, scale=c.head_dim ** -0.5)           # [N, H, D]
+        return self.o_proj(out.reshape(N, -1))
 
 
 class MLP(nn.Module):
@@ -162,6 +190,11 @@ class LlamaForCausalLM(nn.Module):
         p = self.lm_head.weight
         return KVCache(self.config, batch, max_len, device=p.device, dtype=p.dtype)
 
+    def new_paged_cache(self, num_blocks: int, block_size: int, backend: str = "auto") -> PagedKVCache:
+        """A zeroed paged pool on the model's device and dtype (see `PagedKVCache`)."""
+        p = self.lm_head.weight
+        return PagedKVCache(self.config, num_blocks, block_size, device=p.device, dtype=p.dtype, backend=backend)
+
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None) -> torch.Tensor:
         """``input_ids [B, T]`` at positions ``start_pos ..`` -> logits ``[B, T, vocab]``.
 
@@ -177,6 +210,22 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)   # [T, D]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, start_pos, cache, i)
+        return self.lm_head(self.model.norm(x))
+
+    def forward_paged(self, batch: PagedBatch, cache: PagedKVCache, last_only: bool = False) -> torch.Tensor:
+        """Run one step's flat batch of new tokens over a paged cache, writing their K/V.
+
+        Returns logits ``[N, vocab]`` for every new token (``N = batch.num_tokens``), or, with
+        ``last_only``, ``[batch, vocab]`` for each sequence's last new token: all that decoding
+        needs, and it spares the ``lm_head`` matmul over prompt tokens.
+        """
+        c = self.config
+        x = self.model.embed_tokens(batch.input_ids)                               # [N, hidden]
+        cos, sin = rope_cos_sin(batch.positions, c.head_dim, c.rope_theta, x.dtype)  # [N, D]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, batch, cache, i)
+        if last_only:
+            x = x[batch.last_token_rows]                                           # [batch, hidden]
         return self.lm_head(self.model.norm(x))
 
 

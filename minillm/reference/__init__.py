@@ -15,6 +15,10 @@ from minillm.reference.flash_attention import (
     backward_delta, classify_blocks, fa2_backward, fa2_backward_tile, fa2_finalize, fa2_forward, fa2_tile_step,
     nonmatmul_flops, warp_partition_traffic,
 )
+# Chapter 5.
+from minillm.reference.paged_attention import (
+    gather_paged_kv, paged_decode_attention, paged_kv_addresses, paged_prefill_attention,
+)
 
 __all__ = [
     "KVCache", "RingKVCache", "attention", "attention_mask", "attention_scores", "fa1_block_sizes", "fa1_traffic",
@@ -25,3 +29,4 @@ __all__ += [
     "backward_delta", "classify_blocks", "fa2_backward", "fa2_backward_tile", "fa2_finalize", "fa2_forward",
     "fa2_tile_step", "nonmatmul_flops", "warp_partition_traffic",
 ]
+__all__ += ["gather_paged_kv", "paged_decode_attention", "paged_kv_addresses", "paged_prefill_attention"]

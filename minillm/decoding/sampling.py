@@ -1,0 +1,293 @@
+"""Parallel sampling: ``n`` completions of one prompt, sharing the prompt's KV blocks.
+
+The naive way runs the prompt ``n`` times and stores its K/V ``n`` times. Here the prompt is
+prefilled once, as one sequence, and `BlockManager.fork` makes ``n - 1`` copies that share
+all its blocks. Every sample then draws its first token from the same logits, and from there
+on all live samples decode together, one token each per step, in one batch. Only a block a
+sample writes into is ever its own: the partly filled last block of the prompt is copied (copy-
+on-write) when a sample first appends to it, and every later block is the sample's from the
+start. A sample that stops (end-of-sequence token, or ``max_tokens``) frees its blocks at once.
+
+Each sample draws from its own ``torch.Generator`` (seeded ``params.seed + i``), so its tokens do
+not depend on how many others there are or when they stop: the ``n`` completions are exactly
+what sampling each one alone, with the same generator, would give (the tests check this on
+the contiguous-cache model).
+
+This module also holds `KVPool`, the block manager + paged cache pair that beam search uses
+too: prefill a prompt, decode a step, and record how many blocks the sequences hold.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from minillm.model.paged import PagedBatch, PagedKVCache
+from minillm.paged import BlockManager, blocks_for
+from minillm.paged.sharing import SharingTrace
+
+__all__ = ["Completion", "KVPool", "ParallelSampler", "SamplingOutput", "SamplingParams", "completion_generator",
+           "parallel_sample", "sample_token"]
+
+_request_numbers = itertools.count()  # makes sequence ids unique in a manager shared by several requests
+
+
+# == the paged pool both decoders run on ========================================================
+
+class KVPool:
+    """A `BlockManager` and its `PagedKVCache`, driven for one request's sequences.
+
+    Keeps, for the memory measurement, the blocks the request's sequences hold at each forward
+    step (``shared``: distinct blocks in their tables) and what they would hold without sharing
+    (``unshared``: each sequence's ``ceil(length / block_size)`` on its own).
+    """
+
+    def __init__(self, model, manager: BlockManager, cache: PagedKVCache):
+        if (manager.num_blocks, manager.block_size) != (cache.num_blocks, cache.block_size):
+            raise ValueError(f"the manager ({manager.num_blocks} blocks of {manager.block_size}) and the cache "
+                             f"({cache.num_blocks} blocks of {cache.block_size}) must describe the same pool")
+        self.model, self.manager, self.cache = model, manager, cache
+        self._request = next(_request_numbers)
+        self._issued: list = []  # every sequence id handed out, for `release`
+        self.shared: list[int] = []
+        self.unshared: list[int] = []
+        self.copies = 0
+
+    @classmethod
+    def create(cls, model, max_seqs: int, max_len: int, block_size: int = 16, manager: BlockManager | None = None,
+               cache: PagedKVCache | None = None) -> KVPool:
+        """Use ``manager`` and ``cache`` if given (an engine's pool); else a private pool with room
+        for ``max_seqs`` sequences of ``max_len`` tokens even if nothing were shared, and with
+        prefix caching off (so that only fork sharing shows in the measurement)."""
+        if (manager is None) != (cache is None):
+            raise ValueError("give both a manager and its cache, or neither")
+        if manager is None:
+            num_blocks = max_seqs * blocks_for(max_len, block_size)
+            manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+            cache = model.new_paged_cache(num_blocks, block_size)
+        return cls(model, manager, cache)
+
+    def new_seq_id(self) -> tuple:
+        """A sequence id no other request in the manager uses."""
+        seq_id = ("request", self._request, len(self._issued))
+        self._issued.append(seq_id)
+        return seq_id
+
+    def prefill(self, seq_id, prompt: Sequence[int]) -> torch.Tensor:
+        """Allocate ``prompt`` as ``seq_id`` and run the tokens the prefix cache did not have;
+        returns the last token's logits ``[vocab]`` (float32)."""
+        cached = self.manager.allocate(seq_id, prompt)
+        return self._forward_last([seq_id], len(prompt) - cached)[0]
+
+    def decode(self, seq_ids: Sequence, token_ids: Sequence[int]) -> torch.Tensor:
+        """Append ``token_ids[i]`` to ``seq_ids[i]`` and run them all in one batch; returns the
+        logits ``[batch, vocab]`` (float32) that predict each sequence's next token."""
+        result = self.manager.append_slots(seq_ids, token_ids)
+        self.cache.copy_blocks(result.copies)  # copy-on-write: before the step writes into them
+        self.copies += len(result.copies)
+        return self._forward_last(seq_ids, 1)
+
+    @torch.no_grad()
+    def _forward_last(self, seq_ids: Sequence, num_new_tokens: int) -> torch.Tensor:
+        self._record(seq_ids)
+        batch = PagedBatch.from_manager(self.manager, seq_ids, num_new_tokens, device=self.cache.pool.device)
+        return self.model.forward_paged(batch, self.cache, last_only=True).float()
+
+    def _record(self, seq_ids: Sequence) -> None:
+        tables = [self.manager.block_table(s) for s in seq_ids]
+        self.shared.append(len(set().union(*tables)))
+        self.unshared.append(sum(len(t) for t in tables))
+
+    def free(self, seq_ids: Sequence) -> None:
+        for seq_id in seq_ids:
+            self.manager.free(seq_id)
+
+    def release(self) -> None:
+        """Free every sequence of this request still in the manager (at the end, or on an error)."""
+        self.free([s for s in self._issued if s in self.manager])
+
+    def trace(self) -> SharingTrace:
+        """Blocks held at every forward step, with and without sharing."""
+        return SharingTrace(np.asarray(self.shared), np.asarray(self.unshared), self.copies)
+
+
+# == sampling one token =========================================================================
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to draw each token, and when to stop.
+
+    Attributes:
+        temperature: logits are divided by it; ``0`` means greedy (argmax).
+        top_k: keep only the ``top_k`` most likely tokens (``0``: all).
+        top_p: keep the fewest most likely tokens whose probability reaches ``top_p`` (nucleus
+            sampling; ``1.0``: all).
+        max_tokens: a completion stops after this many tokens.
+        stop_token_ids: a completion stops after producing one of these (it is kept).
+        seed: completion ``i`` draws from a generator seeded ``seed + i``.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+def completion_generator(params: SamplingParams, index: int) -> torch.Generator:
+    """The CPU generator completion ``index`` draws from."""
+    return torch.Generator().manual_seed(params.seed + index)
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Draw one token from ``logits [vocab]`` (float32, CPU): temperature, then top-k, then
+    top-p, then a draw from the softmax of what is left."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[0]:
+        kth_best = logits.topk(params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth_best, -torch.inf)
+    if params.top_p < 1:
+        logits = _top_p_filter(logits, params.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the most likely tokens until their total probability reaches ``top_p``; the most
+    likely token always stays."""
+    sorted_logits, order = logits.sort(descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(-1) - probs              # probability of the tokens ranked above
+    drop = order[mass_before >= top_p]
+    return logits.index_fill(0, drop, -torch.inf)
+
+
+# == parallel sampling ==========================================================================
+
+@dataclass(frozen=True)
+class Completion:
+    """One sample: its generated tokens and why it stopped (``"stop"``: a stop token, kept as
+    its last token; ``"length"``: ``max_tokens``)."""
+
+    token_ids: list[int]
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class SamplingOutput:
+    """The ``n`` completions, in sample order, and the blocks held at every step."""
+
+    completions: list[Completion]
+    trace: SharingTrace
+
+
+class ParallelSampler:
+    """``n`` completions of one prompt over a shared paged cache, one decode step at a time.
+
+    Construction prefills the prompt, forks it ``n - 1`` times and draws every sample's first
+    token; each `step` then decodes all live samples in one batch. `parallel_sample` runs it to
+    the end; stepping by hand lets you look at the block manager in between.
+
+    Args:
+        model: a `LlamaForCausalLM`.
+        prompt: the prompt's token ids.
+        n: number of completions.
+        params: how to sample and when to stop.
+        block_size: tokens per block of a private pool (ignored when ``manager`` is given).
+        manager, cache: an existing pool to run in (both, or neither).
+    """
+
+    def __init__(self, model, prompt: Sequence[int], n: int, params: SamplingParams, *, block_size: int = 16,
+                 manager: BlockManager | None = None, cache: PagedKVCache | None = None):
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        self.params = params
+        self.pool = KVPool.create(model, n, len(prompt) + params.max_tokens, block_size, manager, cache)
+        self.seq_ids = [self.pool.new_seq_id() for _ in range(n)]
+        self.generators = [completion_generator(params, i) for i in range(n)]
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.finish_reasons: list[str | None] = [None] * n
+        self.live = list(range(n))  # samples still running, by index
+
+        try:
+            logits = self.pool.prefill(self.seq_ids[0], prompt).cpu()
+            for seq_id in self.seq_ids[1:]:
+                self.pool.manager.fork(self.seq_ids[0], seq_id)  # shares every prompt block
+            self._sample_live(logits.expand(n, -1))
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def done(self) -> bool:
+        return not self.live
+
+    def step(self) -> None:
+        """Feed every live sample its last token, in one batch, and draw its next one."""
+        if self.done:
+            raise RuntimeError("every sample has finished")
+        logits = self.pool.decode([self.seq_ids[i] for i in self.live], [self.tokens[i][-1] for i in self.live])
+        self._sample_live(logits.cpu())
+
+    def _sample_live(self, logits: torch.Tensor) -> None:
+        """Draw the next token of each live sample from its row of ``logits [live, vocab]``;
+        finish (and free) those that stop."""
+        still_live = []
+        for i, row in zip(self.live, logits):
+            token = sample_token(row, self.params, self.generators[i])
+            self.tokens[i].append(token)
+            reason = self._finish_reason(self.tokens[i])
+            if reason is None:
+                still_live.append(i)
+            else:
+                self.finish_reasons[i] = reason
+                self.pool.manager.free(self.seq_ids[i])
+        self.live = still_live
+
+    def _finish_reason(self, tokens: list[int]) -> str | None:
+        if tokens[-1] in self.params.stop_token_ids:
+            return "stop"
+        if len(tokens) >= self.params.max_tokens:
+            return "length"
+        return None
+
+    def result(self) -> SamplingOutput:
+        if not self.done:
+            raise RuntimeError(f"{len(self.live)} samples are still running")
+        completions = [Completion(t, r) for t, r in zip(self.tokens, self.finish_reasons)]
+        return SamplingOutput(completions, self.pool.trace())
+
+    def abort(self) -> None:
+        """Free the blocks of the samples still running (their completions stay unfinished)."""
+        self.pool.release()
+        self.live = []
+
+
+def parallel_sample(model, prompt: Sequence[int], n: int, params: SamplingParams, *, block_size: int = 16,
+                    manager: BlockManager | None = None, cache: PagedKVCache | None = None) -> SamplingOutput:
+    """``n`` completions of ``prompt``, decoded together over shared prompt blocks (see
+    `ParallelSampler` for the arguments). Every block is freed at the end, even on an error."""
+    sampler = ParallelSampler(model, prompt, n, params, block_size=block_size, manager=manager, cache=cache)
+    try:
+        while not sampler.done:
+            sampler.step()
+    finally:
+        sampler.abort()  # a no-op unless something raised
+    return sampler.result()

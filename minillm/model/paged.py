@@ -1,0 +1,276 @@
+"""Chapter 6: the model's side of a paged KV cache: the pools, one step's batch, attention.
+
+Chapter 2's `KVCache` gave every sequence of a batch the same contiguous stretch of slots,
+so every sequence had to sit at the same position. With paging (`minillm.paged`), each
+sequence owns a list of blocks, sequences have any lengths, and forks share blocks. A forward
+step then looks like nano-vllm's:
+
+1. The scheduler (or a decoding loop) asks the `minillm.paged.BlockManager` for slots:
+   ``allocate`` a prompt, or ``append_slots`` the tokens just sampled, and performs the block
+   copies copy-on-write asks for (`PagedKVCache.copy_blocks`) before anything is written.
+2. `PagedBatch.from_manager` flattens the step's new tokens, every sequence's back to back,
+   into one batch: their ids, positions and slots, plus each sequence's block table and length.
+3. `LlamaForCausalLM.forward_paged` runs the model on that flat batch. In every layer the new
+   tokens' K and V go to their slots (`write_kv`), then each new query attends over its own
+   sequence's pages (`paged_attention`).
+
+There is no padding anywhere: a prefill of 7 tokens and three decodes of 1 token are a batch
+of 10 rows, told apart by ``cu_seqlens_q = [0, 7, 8, 9, 10]``.
+
+Layout (the `minillm.paged` contract): per layer ``k_cache, v_cache: [num_blocks, block_size,
+kv_heads, head_dim]``; slot ``block_id * block_size + offset``; block tables int32, ``-1``
+padded; slot mappings int64.
+
+Attention backends: on CUDA in fp16/bf16, the Triton kernels of
+`minillm.kernels.paged_attention` (Chapter 5); everywhere else, and whenever that module
+cannot be imported, a plain torch version that gathers each sequence's K/V through its block
+table and calls SDPA. The torch version is the readable definition; the kernels must agree
+with it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minillm.model.config import ModelConfig
+from minillm.paged import BlockManager, blocks_for, copy_blocks, flat_slot_mapping, padded_block_tables
+
+__all__ = ["PagedBatch", "PagedKVCache", "paged_attention", "paged_attention_torch", "write_kv"]
+
+# SDPA grew native GQA (`enable_gqa`) in torch 2.5; before that we repeat the KV heads.
+_SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _triton_kernels():
+    """The Chapter 5 kernel module, or ``None`` when it cannot be imported (no Triton, or the
+    module is not there): attention then falls back to torch."""
+    try:
+        from minillm.kernels import paged_attention as kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+class PagedKVCache:
+    """The K and V pools of every layer, in one tensor.
+
+    ``pool: [2, layers, num_blocks, block_size, kv_heads, head_dim]``; ``k[layer]`` and
+    ``v[layer]`` are views of it, ``[num_blocks, block_size, kv_heads, head_dim]`` each, the
+    layout the kernels read. One tensor (as nano-vllm allocates it) lets `copy_blocks` copy a
+    block in every layer, for K and for V, with a single indexing operation.
+
+    Args:
+        config: the model's config (layers, KV heads, head_dim).
+        num_blocks, block_size: the pool's shape; must match the `BlockManager`'s.
+        device, dtype: where the pool lives; the model's own, normally.
+        backend: ``"auto"`` (Triton kernels on CUDA in fp16/bf16 when importable, torch
+            otherwise), ``"torch"``, or ``"triton"`` (force the kernels; on a CPU they run in
+            Triton's interpreter, which is how the tests check them without a GPU).
+    """
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device=None, dtype=None,
+                 backend: str = "auto"):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        shape = (2, config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.pool = torch.zeros(shape, device=device, dtype=dtype)
+        self.k = list(self.pool[0])  # per layer, [num_blocks, block_size, kv_heads, head_dim]
+        self.v = list(self.pool[1])
+        self.kernels = self._pick_kernels(backend)
+
+    def _pick_kernels(self, backend: str):
+        """The kernel module if attention should use it, else ``None`` (torch)."""
+        if backend == "torch":
+            return None
+        kernels = _triton_kernels()
+        if backend == "triton":
+            if kernels is None:
+                raise ImportError("backend='triton' needs minillm.kernels.paged_attention (and Triton)")
+            return kernels
+        on_gpu = self.pool.is_cuda and self.pool.dtype in _KERNEL_DTYPES
+        return kernels if on_gpu else None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.shape[2]
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.shape[3]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block id stands for: its rows in every layer, K and V."""
+        return self.pool[:, :, 0].numel() * self.pool.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.numel() * self.pool.element_size()
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: ``block[dst] = block[src]`` for each ``(src, dst)`` pair, in every layer,
+        for K and V, in one batched index copy. Call it with `AppendResult.copies` *before*
+        the step writes its new tokens (the copied block is the one they go into)."""
+        # Viewed block-first, the whole pool is one "cache" for the reference `copy_blocks`.
+        copy_blocks([self.pool.movedim(2, 0)], copies)
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """One forward step's new tokens, every sequence's back to back (``total`` rows).
+
+    Attributes:
+        input_ids: ``[total]`` int64, the tokens to run.
+        positions: ``[total]`` int64, each token's position in its sequence (for RoPE).
+        slot_mapping: ``[total]`` int64, where each token's K and V are written.
+        cu_seqlens_q: ``[batch + 1]`` int32, sequence ``b``'s rows are ``cu[b] : cu[b + 1]``.
+        seq_lens: ``[batch]`` int32, each sequence's length *including* its new tokens (whose
+            K/V are written before attention reads them).
+        block_tables: ``[batch, max_blocks]`` int32, padded with ``-1``.
+        max_seqlen_q: the largest new-token count (1 for a pure decode step).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_seqlen_q: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def last_token_rows(self) -> torch.Tensor:
+        """``[batch]`` int64, the row of each sequence's last new token (whose logits predict
+        its next token)."""
+        return self.cu_seqlens_q[1:].long() - 1
+
+    @classmethod
+    def from_manager(cls, manager: BlockManager, seq_ids: Sequence, num_new_tokens: int | Sequence[int] = 1, *,
+                     device=None, max_blocks: int | None = None) -> PagedBatch:
+        """The batch of the last ``num_new_tokens[i]`` tokens of each sequence ``seq_ids[i]``.
+
+        The tokens must already be in the manager (``allocate`` for a prompt, ``append_slots``
+        for decoded tokens): their slots are known, and the batch only reads them. For a
+        prompt, the new tokens are those past the prefix cache's hit: ``len(prompt) - cached``.
+
+        Args:
+            manager: the block manager holding the sequences.
+            seq_ids: the sequences of this step, in batch order.
+            num_new_tokens: per sequence (or one count for all), at least 1.
+            device: where the tensors go (the model's device).
+            max_blocks: block-table width; defaults to the longest table.
+        """
+        seq_ids = list(seq_ids)
+        counts = [num_new_tokens] * len(seq_ids) if isinstance(num_new_tokens, int) else list(num_new_tokens)
+        if len(counts) != len(seq_ids):
+            raise ValueError(f"{len(seq_ids)} sequences but {len(counts)} new-token counts")
+        ids, positions, slots, tables, lens = [], [], [], [], []
+        for seq_id, n in zip(seq_ids, counts):
+            length = manager.num_tokens(seq_id)
+            if not 1 <= n <= length:
+                raise ValueError(f"sequence {seq_id!r} has {length} tokens; cannot run its last {n}")
+            start = length - n
+            ids.extend(manager.token_ids(seq_id)[start:])
+            positions.extend(range(start, length))
+            slots.append(manager.slot_mapping(seq_id, start))
+            tables.append(manager.block_table(seq_id))
+            lens.append(length)
+        cu = [0]
+        for n in counts:
+            cu.append(cu[-1] + n)
+        device = torch.device(device or "cpu")
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            slot_mapping=flat_slot_mapping(slots, device=device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            block_tables=padded_block_tables(tables, max_blocks, device=device),
+            max_seqlen_q=max(counts, default=0),
+        )
+
+
+def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' ``k, v: [total, kv_heads, head_dim]`` of ``layer`` into their slots
+    ``slot_mapping: [total]`` (``-1``: write nothing)."""
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    if cache.kernels is not None:
+        cache.kernels.write_paged_kv(k_cache, v_cache, k, v, slot_mapping)
+        return
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    # The per-layer pools are contiguous, so the flat views alias them: the writes land in the pool.
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: PagedBatch,
+                    scale: float | None = None) -> torch.Tensor:
+    """Each new query attends over its own sequence's pages, causally: ``q [total, q_heads,
+    head_dim] -> [total, q_heads, head_dim]``.
+
+    Query ``i`` of sequence ``b`` sits at position ``seq_lens[b] - q_len_b + i`` (bottom-right
+    alignment: the new tokens come last) and sees keys ``0 ..`` that position. The new tokens'
+    K/V must already be written (`write_kv`).
+    """
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    kernels = cache.kernels
+    if kernels is None:
+        return paged_attention_torch(q, k_cache, v_cache, batch, scale)
+    if batch.max_seqlen_q == 1:  # one new token per sequence: the decode kernel
+        return kernels.paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale)[0]
+    return kernels.paged_prefill_attention(q, batch.cu_seqlens_q, k_cache, v_cache, batch.block_tables,
+                                           batch.seq_lens, batch.max_seqlen_q, causal=True, scale=scale)[0]
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
+                          scale: float | None = None) -> torch.Tensor:
+    """`paged_attention` in plain torch, one sequence at a time: gather its K/V through its
+    block table, then SDPA with a bottom-right causal mask. ``q [total, q_heads, head_dim]``,
+    ``k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]``."""
+    out = torch.empty_like(q)
+    cu, lens = batch.cu_seqlens_q.tolist(), batch.seq_lens.tolist()
+    for b, (start, end, seq_len) in enumerate(zip(cu, cu[1:], lens)):
+        k = gather_sequence(k_cache, batch.block_tables[b], seq_len)                      # [S, Hkv, D]
+        v = gather_sequence(v_cache, batch.block_tables[b], seq_len)
+        out[start:end] = _causal_attention(q[start:end], k, v, scale)
+    return out
+
+
+def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` rows of one sequence, read through its ``block_table [max_blocks]``:
+    ``cache [num_blocks, block_size, ...] -> [seq_len, ...]``."""
+    blocks = block_table[:blocks_for(seq_len, cache.shape[1])].long()
+    if bool((blocks < 0).any()):  # -1 would silently read the pool's last block
+        raise ValueError(f"the block table has padding (-1) within the sequence's {seq_len} tokens")
+    return cache[blocks].flatten(0, 1)[:seq_len]
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """``q [T, H, D]`` (the last ``T`` of the ``S`` positions) over ``k, v [S, Hkv, D]`` -> ``[T, H, D]``."""
+    T, S = q.shape[0], k.shape[0]
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)                    # heads first
+    mask = None
+    if T > 1:  # query i sits at position S - T + i and sees keys up to it
+        mask = torch.arange(S, device=q.device)[None, :] <= torch.arange(S - T, S, device=q.device)[:, None]
+    group = q.shape[0] // k.shape[0]
+    gqa = {}
+    if group > 1 and _SDPA_GQA:
+        gqa = {"enable_gqa": True}
+    elif group > 1:
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **gqa)    # [H, T, D]
+    return out.transpose(0, 1)
