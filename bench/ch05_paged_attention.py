@@ -65,7 +65,8 @@ import torch.nn.functional as F
 # before Triton is imported.
 from minillm.kernels.flash_attention import flash_attention_varlen
 from minillm.kernels.paged_attention import (
-    _paged_decode, contiguous_as_paged, decode_block_n, paged_decode_attention, paged_decode_attention_bytes,
+    _blocks_per_tile, _paged_decode, contiguous_as_paged, decode_block_n, paged_decode_attention,
+    paged_decode_attention_bytes,
     paged_prefill_attention,
 )
 
@@ -250,10 +251,12 @@ def _run_decode_point(results: Results, device, gen, batch: int, q_heads: int, k
         paged_ms = timer(paged_call)
         note = "same kernel on the contiguous view of the same bytes; blocks randomly permuted"
         add("time_ms", paged_ms, "contiguous", contig_ms, note=note)
-        if bs % block_n == 0:  # the one-entry-per-tile path ran: what does it buy?
+        n_per_tile = _blocks_per_tile(bs, block_n, None)
+        if n_per_tile:  # a special tile path ran: what does it buy over the general one?
             general_ms = timer(lambda: paged_call(False))
-            add("time_ms", paged_ms, "general_path", general_ms,
-                note=f"block_size is a multiple of BLOCK_N={block_n}: one table entry per tile vs per position")
+            what = (f"block_size is a multiple of BLOCK_N={block_n}: one table entry per tile" if n_per_tile == 1
+                    else f"BLOCK_N={block_n} is {n_per_tile} whole blocks: {n_per_tile} table entries per tile")
+            add("time_ms", paged_ms, "general_path", general_ms, note=f"{what} vs one per position")
         add("bandwidth_TBps", tbps(paged_ms, bs), "contiguous", contig_tbps,
             fraction_of_ceiling=_frac(tbps(paged_ms, bs), copy_tbps),
             note="paged_decode_attention_bytes (K, V over the context; q, out, lse; table) / time")

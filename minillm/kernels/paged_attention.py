@@ -42,18 +42,21 @@ There are two ways to find a tile's rows:
   a block they repeat, and lanes reading the same entry share one cached transaction) and
   compute each row's address. This handles tiles that straddle blocks, e.g. block size 16 or 17 with
   ``BLOCK_N = 128``.
-- *one block per tile* (``TILE_IN_BLOCK``, a compile-time switch chosen by the launcher when
-  ``block_size % BLOCK_N == 0``): tiles start at multiples of ``BLOCK_N``, so each lies inside
-  one block; one scalar table load serves the whole tile, and its rows are consecutive slots.
-  No per-position division, no per-position table load. Contiguous caches
+- *one block per tile* (``BLOCKS_PER_TILE = 1``, a compile-time switch chosen by the
+  launcher when ``block_size % BLOCK_N == 0``): tiles start at multiples of ``BLOCK_N``, so
+  each lies inside one block; one scalar table load serves the whole tile, and its rows are
+  consecutive slots. No per-position division, no per-position table load. Contiguous caches
   (`contiguous_as_paged`: one block per sequence) take this path whenever ``max_len`` is a
   multiple of ``BLOCK_N``.
+- *whole blocks per tile* (``BLOCKS_PER_TILE = n >= 2``, when ``BLOCK_N = n · block_size``,
+  e.g. block size 16 with ``BLOCK_N = 128``): the tile is exactly ``n`` blocks, so ``n``
+  table entries are loaded and each is broadcast to its ``block_size`` rows in registers.
 
 Either way a tile is ``BLOCK_N`` rows of ``head_dim`` contiguous elements (one KV head of a
 token), as in a contiguous token-major cache, so coalescing within a row is unchanged; what
-paging changes is which rows follow which. Whether the one-block path is worth its second
-compiled variant is a measurement, not an assumption: `bench.ch05_paged_attention` times
-both paths on the same inputs (rows with peer ``general_path``).
+paging changes is which rows follow which. Whether the special paths are worth their extra
+compiled variants is a measurement, not an assumption: `bench.ch05_paged_attention` times
+each against the general path on the same inputs (rows with peer ``general_path``).
 
 **No TMA.** Chapter 4's forward loads K/V tiles on Hopper with TMA descriptors, which copy a
 box of one strided tensor. A paged tile that straddles blocks is not such a box, so these
@@ -189,16 +192,18 @@ def write_paged_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Te
 @triton.jit
 def _tile_rows(Table, stride_tn, start, offs_n0, n_valid, block_size, num_blocks,
                stride_kb, stride_ko, stride_vb, stride_vo,
-               TILE_IN_BLOCK: tl.constexpr, RAGGED: tl.constexpr, BLOCK_N: tl.constexpr):
+               BLOCKS_PER_TILE: tl.constexpr, RAGGED: tl.constexpr, BLOCK_N: tl.constexpr):
     """The rows of the pool holding key positions ``start + offs_n0`` of one sequence.
 
     ``Table`` points at the sequence's block-table row. Returns ``(k_rows, v_rows, row_ok)``:
     int64 ``[BLOCK_N]`` element offsets of each position's row in K and V (add the head and
     head-dim offsets to get a tile's addresses), and ``row_ok``, the positions to load.
 
-    ``TILE_IN_BLOCK``: the caller guarantees that the tile lies in one block (``start`` is a
-    multiple of ``BLOCK_N`` and ``BLOCK_N`` divides ``block_size``), so one scalar table
-    entry serves it. ``RAGGED``: positions ``>= n_valid`` may occur (the last tile of a
+    ``BLOCKS_PER_TILE``: 0 for the general path (one table entry per position); 1 when the
+    caller guarantees that the tile lies in one block (``start`` is a multiple of ``BLOCK_N``
+    and ``BLOCK_N`` divides ``block_size``), so one scalar table entry serves it; ``n >= 2``
+    when ``BLOCK_N = n · block_size`` (``start`` a multiple of ``BLOCK_N``): the tile is ``n``
+    whole blocks, ``n`` entries. ``RAGGED``: positions ``>= n_valid`` may occur (the last tile of a
     sequence); their table entries are not loaded (they may be -1, or past the table) and
     ``row_ok`` excludes them. Without it every position is ``< n_valid``, and no length mask
     is computed at all.
@@ -208,9 +213,18 @@ def _tile_rows(Table, stride_tn, start, offs_n0, n_valid, block_size, num_blocks
     makes them read as zeros instead of faulting or reading another pool's memory.
     """
     offs_n = start + offs_n0
-    if TILE_IN_BLOCK:
+    if BLOCKS_PER_TILE == 1:
         blk = tl.load(Table + (start // block_size) * stride_tn)  # one entry for the whole tile
         off = (start % block_size) + offs_n0                       # consecutive slots of that block
+    elif BLOCKS_PER_TILE > 1:
+        # n entries, then each repeated for its BLOCK_N // n rows (a register broadcast).
+        idx = start // (BLOCK_N // BLOCKS_PER_TILE) + tl.arange(0, BLOCKS_PER_TILE)
+        if RAGGED:
+            few = tl.load(Table + idx * stride_tn, mask=idx * (BLOCK_N // BLOCKS_PER_TILE) < n_valid, other=0)
+        else:
+            few = tl.load(Table + idx * stride_tn)
+        blk = tl.reshape(tl.broadcast_to(few[:, None], (BLOCKS_PER_TILE, BLOCK_N // BLOCKS_PER_TILE)), (BLOCK_N,))
+        off = offs_n0 % (BLOCK_N // BLOCKS_PER_TILE)  # a compile-time power of two: a mask, not a division
     else:
         if RAGGED:
             blk = tl.load(Table + (offs_n // block_size) * stride_tn, mask=offs_n < n_valid, other=0)
@@ -218,7 +232,7 @@ def _tile_rows(Table, stride_tn, start, offs_n0, n_valid, block_size, num_blocks
             blk = tl.load(Table + (offs_n // block_size) * stride_tn)
         off = offs_n % block_size
     blk_ok = (blk >= 0) & (blk < num_blocks)
-    if TILE_IN_BLOCK:
+    if BLOCKS_PER_TILE == 1:
         # blk_ok is one bool for the whole tile: fold it into a count of rows to load (and
         # the length into it too), so the row mask is one vector compare.
         n_ok = tl.where(blk_ok, BLOCK_N, 0)
@@ -248,7 +262,7 @@ def _paged_decode_kernel(
     stride_lb, stride_lh,
     group_size, block_size, num_blocks, max_blocks, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILE_IN_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program ``(b, kv_h)``: the ``group_size`` query heads of sequence ``b`` that read KV
     head ``kv_h``, over the first ``seq_lens[b]`` token positions of its block table.
@@ -282,7 +296,7 @@ def _paged_decode_kernel(
 
     for start in range(0, seq_len, BLOCK_N):
         k_rows, v_rows, row_ok = _tile_rows(table, stride_tn, start, offs_n0, seq_len, block_size, num_blocks,
-                                            stride_kb, stride_ko, stride_vb, stride_vo, TILE_IN_BLOCK, True, BLOCK_N)
+                                            stride_kb, stride_ko, stride_vb, stride_vo, BLOCKS_PER_TILE, True, BLOCK_N)
         k = tl.load(k_head + k_rows[:, None], mask=row_ok[:, None] & d_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GROUP_PAD, BLOCK_N], fp32
         # Past the length: -inf. (A position in an invalid block loaded a zero key: score 0.)
@@ -370,16 +384,20 @@ def _scale(head_dim: int, scale: float | None) -> float:
     return scale
 
 
-def _tile_in_block(block_size: int, block_n: int, forced: bool | None) -> bool:
-    """Whether a tile of ``block_n`` positions always lies in one block; ``forced`` (tests,
-    measurements) picks the path, but the one-block path only where it is correct."""
+def _blocks_per_tile(block_size: int, block_n: int, forced: bool | None) -> int:
+    """The tile path (`_tile_rows`): 1 if a tile of ``block_n`` positions always lies in one
+    block, ``n`` if it is exactly ``n >= 2`` whole blocks, 0 (general) otherwise. ``forced``
+    (tests, measurements): True = the one-block path (only where it is correct), False = the
+    general path, None = the best that applies."""
     fits = block_size % block_n == 0
     if forced is None:
-        return fits
+        if fits:
+            return 1
+        return block_n // block_size if block_size > 1 and block_n % block_size == 0 else 0
     if forced and not fits:
         raise ValueError(f"block_size={block_size} is not a multiple of BLOCK_N={block_n}: "
                          "a tile may straddle blocks, the one-block-per-tile path would be wrong")
-    return bool(forced)
+    return int(bool(forced))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -433,7 +451,7 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=N
         *out.stride(), *lse.stride(),
         group, block_size, num_blocks, block_tables.shape[1], scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=BLOCK_N, TILE_IN_BLOCK=_tile_in_block(block_size, BLOCK_N, tile_in_block),
+        BLOCK_N=BLOCK_N, BLOCKS_PER_TILE=_blocks_per_tile(block_size, BLOCK_N, tile_in_block),
         DOT_PRECISION=dot_precision(q.dtype), num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
     )
     return out, lse
@@ -481,7 +499,7 @@ def paged_decode_attention_bytes(seq_lens, q_heads: int, kv_heads: int, head_dim
 def _paged_fwd_tiles(acc, l_i, m_i, q, k_head, v_head, table, stride_tn,
                      stride_kb, stride_ko, stride_vb, stride_vo,
                      offs_m, offs_n0, d_ok, lo, hi, q_len, kv_len, block_size, num_blocks, qk_scale,
-                     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
+                     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     """Stream key tiles ``[lo, hi)`` of one sequence past one Q block: Chapter 4's `_fwd_tiles`
     with each tile's rows found through the block table (`_tile_rows`).
@@ -492,7 +510,7 @@ def _paged_fwd_tiles(acc, l_i, m_i, q, k_head, v_head, table, stride_tn,
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k_rows, v_rows, row_ok = _tile_rows(table, stride_tn, start_n, offs_n0, kv_len, block_size, num_blocks,
-                                            stride_kb, stride_ko, stride_vb, stride_vo, TILE_IN_BLOCK, MASKED, BLOCK_N)
+                                            stride_kb, stride_ko, stride_vb, stride_vo, BLOCKS_PER_TILE, MASKED, BLOCK_N)
         kv_ok = row_ok[:, None] & d_ok
         k = tl.load(k_head + k_rows[:, None], mask=kv_ok, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] raw scores, fp32
@@ -525,7 +543,7 @@ def _paged_prefill_kernel(
     stride_om, stride_oh, stride_od,
     stride_lh, stride_lm,
     q_heads, group, block_size, num_blocks, max_blocks, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program ``(i, b·q_heads + h)``: rows ``[i·BLOCK_M, (i+1)·BLOCK_M)`` of sequence ``b``'s new
@@ -574,15 +592,15 @@ def _paged_prefill_kernel(
     acc, l_i, m_i = _paged_fwd_tiles(acc, l_i, m_i, q, k_head, v_head, table, stride_tn,
                                      stride_kb, stride_ko, stride_vb, stride_vo, offs_m, offs_n0, d_ok,
                                      lo, full_lo, q_len, kv_len, block_size, num_blocks, qk_scale,
-                                     True, CAUSAL, TILE_IN_BLOCK, DOT_PRECISION, BLOCK_N)
+                                     True, CAUSAL, BLOCKS_PER_TILE, DOT_PRECISION, BLOCK_N)
     acc, l_i, m_i = _paged_fwd_tiles(acc, l_i, m_i, q, k_head, v_head, table, stride_tn,
                                      stride_kb, stride_ko, stride_vb, stride_vo, offs_m, offs_n0, d_ok,
                                      full_lo, full_hi, q_len, kv_len, block_size, num_blocks, qk_scale,
-                                     False, CAUSAL, TILE_IN_BLOCK, DOT_PRECISION, BLOCK_N)
+                                     False, CAUSAL, BLOCKS_PER_TILE, DOT_PRECISION, BLOCK_N)
     acc, l_i, m_i = _paged_fwd_tiles(acc, l_i, m_i, q, k_head, v_head, table, stride_tn,
                                      stride_kb, stride_ko, stride_vb, stride_vo, offs_m, offs_n0, d_ok,
                                      full_hi, hi, q_len, kv_len, block_size, num_blocks, qk_scale,
-                                     True, CAUSAL, TILE_IN_BLOCK, DOT_PRECISION, BLOCK_N)
+                                     True, CAUSAL, BLOCKS_PER_TILE, DOT_PRECISION, BLOCK_N)
 
     out = acc * (1.0 / tl.where(l_i == 0.0, 1.0, l_i))[:, None]  # a row that sees nothing: 0
     lse = (m_i + tl.math.log2(l_i)) * _LN2                          # ... and -inf
@@ -600,7 +618,9 @@ def _paged_prefill_kernel(
 #: keeps its compile count (and the engine's warm-up) small.
 PREFILL_TILES = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
 #: The same when every sequence has at most 64 new tokens (a short chunk, a few speculative
-#: tokens): 128-row blocks would be mostly empty. Chapter 4's prune rule.
+#: tokens): 128-row blocks would be mostly empty. Chapter 4's prune rule. (At head dim <= 64,
+#: 64 x 64 tiles with 3 stages crashed ptxas (SIGSEGV) on the H200 with Triton 3.6 for the
+#: general tile path; 64 x 32 with 2 stages compiles and passes.)
 PREFILL_TILES_SHORT = {64: (64, 32, 4, 2), 128: (64, 64, 4, 3), 256: (64, 32, 4, 3)}
 #: fp32 on a GPU (a testing dtype, exact IEEE dots on CUDA cores): small tiles, as Chapter 4.
 PREFILL_FP32_TILES = (32, 32, 4, 2)
@@ -683,7 +703,7 @@ def _paged_prefill(q, cu_seqlens_q, k_cache, v_cache, block_tables, seq_lens, ma
         *out.stride(), *lse.stride(),
         q_heads, q_heads // kv_heads, block_size, num_blocks, block_tables.shape[1], scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), CAUSAL=bool(causal),
-        TILE_IN_BLOCK=_tile_in_block(block_size, bn, tile_in_block), DOT_PRECISION=dot_precision(q.dtype),
+        BLOCKS_PER_TILE=_blocks_per_tile(block_size, bn, tile_in_block), DOT_PRECISION=dot_precision(q.dtype),
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
     )
     return out, lse
