@@ -31,6 +31,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("ch04_flash_attention", "bench.ch04_flash_attention"),
     ("ch04_ablations", "bench.ch04_ablations"),
     ("ch05_paged_attention", "bench.ch05_paged_attention"),
+    ("ch06_sharing", "bench.ch06_sharing"),
 ]
 
 

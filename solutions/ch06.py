@@ -1,0 +1,130 @@
+"""Chapter 6 solutions. Try the exercises in ``exercises/ch06.py`` first."""
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+# == Exercise 6.1 ===============================================================================
+
+@dataclass
+class BlockTables:
+    """The state of a miniature block manager (the same as in ``exercises/ch06.py``)."""
+
+    num_blocks: int
+    block_size: int
+    tables: dict = field(default_factory=dict)
+    lengths: dict = field(default_factory=dict)
+    ref_counts: list = field(init=False)
+    free_list: deque = field(init=False)
+
+    def __post_init__(self):
+        self.ref_counts = [0] * self.num_blocks
+        self.free_list = deque(range(self.num_blocks))
+
+    def allocate_block(self) -> int:
+        if not self.free_list:
+            raise RuntimeError("out of blocks")
+        block = self.free_list.popleft()
+        self.ref_counts[block] = 1
+        return block
+
+    def add_sequence(self, seq_id, num_tokens: int) -> None:
+        if seq_id in self.tables or num_tokens < 1:
+            raise ValueError(f"cannot add sequence {seq_id!r} of {num_tokens} tokens")
+        self.tables[seq_id] = [self.allocate_block() for _ in range(-(-num_tokens // self.block_size))]
+        self.lengths[seq_id] = num_tokens
+
+
+def fork(bt: BlockTables, parent, child) -> None:
+    """Exercise 6.1: the child points at the parent's blocks; each gains one reference."""
+    table = bt.tables[parent]
+    for block in table:
+        bt.ref_counts[block] += 1
+    bt.tables[child] = list(table)
+    bt.lengths[child] = bt.lengths[parent]
+
+
+def append_slot(bt: BlockTables, seq_id) -> tuple[int, tuple[int, int] | None]:
+    """Exercise 6.1: copy a shared, partly filled last block first; open a block when the last
+    one is full; the token goes to the next offset."""
+    table, n, bs = bt.tables[seq_id], bt.lengths[seq_id], bt.block_size
+    copy = None
+    if n % bs != 0 and bt.ref_counts[table[-1]] > 1:
+        src, dst = table[-1], bt.allocate_block()
+        bt.ref_counts[src] -= 1          # still >= 1: the other sequences keep it
+        table[-1] = dst
+        copy = (src, dst)
+    elif n % bs == 0:
+        table.append(bt.allocate_block())
+    bt.lengths[seq_id] = n + 1
+    return table[-1] * bs + n % bs, copy
+
+
+def free(bt: BlockTables, seq_id) -> None:
+    """Exercise 6.1: drop one reference per block, last block first; at zero, back to the pool."""
+    for block in reversed(bt.tables.pop(seq_id)):
+        bt.ref_counts[block] -= 1
+        if bt.ref_counts[block] == 0:
+            bt.free_list.append(block)
+    del bt.lengths[seq_id]
+
+
+# == Exercise 6.2 ===============================================================================
+
+def beam_search_step(logprobs: np.ndarray, sum_logprobs: np.ndarray, num_beams: int, eos_token_ids: Sequence[int],
+                     length_penalty: float, new_len: int, at_max_length: bool = False):
+    """Exercise 6.2: rank every one-token extension, keep the top 2k (more with several eos
+    ids), finish the eos candidates among the top k, continue with the best k others."""
+    num_candidates = max(2, 1 + len(eos_token_ids)) * num_beams
+    vocab = logprobs.shape[1]
+    totals = (logprobs.astype(np.float32) + sum_logprobs.astype(np.float32)[:, None]).ravel()
+    ranked = np.argsort(-totals, kind="stable")[:num_candidates]
+    parents, tokens, sums = ranked // vocab, ranked % vocab, totals[ranked]
+    ends = [at_max_length or int(t) in eos_token_ids for t in tokens]
+    finished = [(int(parents[r]), int(tokens[r]), float(sums[r] / np.float32(new_len ** length_penalty)))
+                for r in range(min(num_beams, len(ranked))) if ends[r]]
+    go_on = [] if at_max_length else [r for r, end in enumerate(ends) if not end][:num_beams]
+    return parents[go_on].astype(np.int64), tokens[go_on].astype(np.int64), sums[go_on], finished
+
+
+# == Exercise 6.3 ===============================================================================
+
+HashFn = Callable[["bytes | None", Sequence[int]], bytes]
+
+
+def chain_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Exercise 6.3: BLAKE2b-128 of the parent key (nothing for the first block) and the
+    block's tokens as little-endian int32."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"")
+    h.update(np.asarray(token_ids, dtype="<i4").tobytes())
+    return h.digest()
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, hash_fn: HashFn | None = None) -> list[bytes]:
+    """Exercise 6.3: one key per full block, each hashing the previous key."""
+    hash_fn = hash_fn or chain_hash
+    keys: list[bytes] = []
+    for i in range(len(token_ids) // block_size):
+        keys.append(hash_fn(keys[-1] if keys else None, list(token_ids[i * block_size:(i + 1) * block_size])))
+    return keys
+
+
+def cached_prefix_tokens(token_ids: Sequence[int], cache: dict, block_size: int,
+                         hash_fn: HashFn | None = None) -> int:
+    """Exercise 6.3: walk the full blocks, stop at the first miss or failed verification, and
+    never serve the block of the last token."""
+    keys = block_keys(token_ids, block_size, hash_fn)
+    hits = 0
+    for i in range((len(token_ids) - 1) // block_size):
+        entry = cache.get(keys[i])
+        block = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        if entry is None or entry[0] != (keys[i - 1] if i else None) or tuple(entry[1]) != block:
+            break
+        hits += 1
+    return hits * block_size
