@@ -617,7 +617,7 @@ def _paged_prefill_kernel(
 #: Fixed rather than autotuned: the paged kernel has no TMA path, and one config per head dim
 #: keeps its compile count (and the engine's warm-up) small.
 #: (At head dim <= 64, 128 x 64 tiles with 3 stages crashed ptxas (SIGSEGV) on the H200 with
-#: Triton 3.6 for blocks of 16; with 2 stages every block size compiled.)
+#: Triton 3.6 for blocks of 16; with 2 stages it compiled in every case we tried.)
 PREFILL_TILES = {64: (128, 64, 8, 2), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
 #: The same when every sequence has at most 64 new tokens (a short chunk, a few speculative
 #: tokens): 128-row blocks would be mostly empty. Chapter 4's prune rule. (At head dim <= 64,
