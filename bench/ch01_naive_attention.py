@@ -51,7 +51,7 @@ from minillm.kernels.naive_attention import (
     row_softmax,
 )
 
-from bench.common import Results, attempt, time_ms
+from bench.common import Results, attempt, rel_err, time_ms
 
 BENCHMARK = "ch01_naive_attention"
 BATCH, HEADS = 1, 16
@@ -143,12 +143,6 @@ def run_passes(q, k, v, causal: bool) -> dict[str, float]:
         "pv": lambda: probs_times_values(p, v, out=o),
     }
     return {name: time_ms(fn, warmup=PASS_WARMUP_MS, rep=PASS_REP_MS) for name, fn in fns.items()}
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖ours − ref‖ / ‖ref‖ in fp32."""
-    ref = ref.float()
-    return float((ours.float() - ref).norm() / ref.norm())
 
 
 def run(results: Results, device) -> None:

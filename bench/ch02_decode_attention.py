@@ -55,7 +55,7 @@ import torch.nn.functional as F
 # before Triton is imported.
 from minillm.kernels.kv_cache import decode_attention, decode_attention_bytes, write_kv
 
-from bench.common import Results, attempt, free_memory, time_ms
+from bench.common import Results, TimeBudget, attempt, free_memory, rel_err, time_ms
 
 BENCHMARK = "ch02_decode_attention"
 Q_HEADS, HEAD_DIM = 32, 128
@@ -80,12 +80,6 @@ def budget_s() -> float:
 def cache_bytes(batch: int, kv_heads: int, context: int, head_dim: int, elem_bytes: int = 2) -> int:
     """Bytes of the K and V caches of one layer: ``2·B·Hkv·L·D·elem_bytes``."""
     return 2 * batch * kv_heads * context * head_dim * elem_bytes
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖ours − ref‖ / ‖ref‖ in fp32."""
-    ref = ref.float()
-    return float((ours.float() - ref).norm() / ref.norm())
 
 
 def _frac(value, ceiling):
@@ -166,14 +160,7 @@ def sweep(results: Results, device, q_heads: int = Q_HEADS, kv_heads_list=KV_HEA
     copy_tbps = (results.ceilings or {}).get("copy_TBps")
     gen = torch.Generator(device=device)
     gen.manual_seed(0)
-    start, budget = time.perf_counter(), budget_s()
-
-    def out_of_time() -> bool:
-        if time.perf_counter() - start <= budget:
-            return False
-        print(f"  [{BENCHMARK}] time budget of {budget:.0f} s spent: stopping early", flush=True)
-        results.set_status(BENCHMARK, f"partial: time budget {budget:.0f} s spent")
-        return True
+    out_of_time = TimeBudget(results, BENCHMARK, budget_s()).spent
 
     for kv_heads in kv_heads_list:
         for batch in batches:

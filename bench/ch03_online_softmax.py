@@ -63,7 +63,7 @@ from minillm.kernels.tiled_attention import tiled_attention, tiled_attention_tra
 from minillm.reference.online_softmax import total_bytes
 
 from bench.ch01_naive_attention import attention_flops
-from bench.common import Results, attempt, free_memory, time_ms
+from bench.common import Results, TimeBudget, attempt, free_memory, rel_err, time_ms
 
 BENCHMARK = "ch03_online_softmax"
 ROWS = 4096
@@ -87,12 +87,6 @@ PEERS = ("sdpa_math", "sdpa_flash")
 def budget_s() -> float:
     """Seconds after which no new point is started: ``MINILLM_CH03_BUDGET_S`` (default 120)."""
     return float(os.environ.get("MINILLM_CH03_BUDGET_S", "120"))
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖ours − ref‖ / ‖ref‖ in fp32."""
-    ref = ref.float()
-    return float((ours.float() - ref).norm() / ref.norm())
 
 
 def _frac(value, ceiling):
@@ -132,14 +126,7 @@ def sweep(results: Results, device, rows: int = ROWS, cols_list=COLS, softmax_dt
     copy_tbps, mm_tflops = ceil.get("copy_TBps"), ceil.get("bf16_matmul_TFLOPs")
     gen = torch.Generator(device=device)
     gen.manual_seed(0)
-    start, budget = time.perf_counter(), budget_s()
-
-    def out_of_time() -> bool:
-        if time.perf_counter() - start <= budget:
-            return False
-        print(f"  [{BENCHMARK}] time budget of {budget:.0f} s spent: stopping early", flush=True)
-        results.set_status(BENCHMARK, f"partial: time budget {budget:.0f} s spent")
-        return True
+    out_of_time = TimeBudget(results, BENCHMARK, budget_s()).spent
 
     for dtype in softmax_dtypes:
         for cols in cols_list:

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 # before Triton is imported.
 from minillm.kernels.flash_attention import Packing, attention_flops, flash_attention, use_tma
 
-from bench.common import Results, attempt, free_memory, time_ms
+from bench.common import Results, TimeBudget, attempt, free_memory, rel_err, time_ms
 
 BENCHMARK = "ch04_flash_attention"
 TOKENS = 16384
@@ -74,12 +74,6 @@ WARMUP_MS, REP_MS = 25, 100
 def budget_s() -> float:
     """Seconds after which no new point is started: ``MINILLM_CH04_BUDGET_S`` (default 240)."""
     return float(os.environ.get("MINILLM_CH04_BUDGET_S", "240"))
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖ours − ref‖ / ‖ref‖ in fp32."""
-    ref = ref.float()
-    return float((ours.float() - ref).norm() / ref.norm())
 
 
 def _backend(name: str):
@@ -141,16 +135,14 @@ def sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, toke
     mm_tflops = (results.ceilings or {}).get("bf16_matmul_TFLOPs")
     gen = torch.Generator(device=device)
     gen.manual_seed(0)
-    start, budget = time.perf_counter(), budget_s()
+    out_of_time = TimeBudget(results, BENCHMARK, budget_s()).spent
 
     for dtype in dtypes:
         for head_dim in head_dims:
             for causal in causals:
                 for pass_ in passes:
                     for n in seq_lens:
-                        if time.perf_counter() - start > budget:
-                            print(f"  [{BENCHMARK}] time budget of {budget:.0f} s spent: stopping early", flush=True)
-                            results.set_status(BENCHMARK, f"partial: time budget {budget:.0f} s spent")
+                        if out_of_time():
                             return
                         t0 = time.perf_counter()
                         _run_point(results, device, gen, max(1, tokens // n), hidden // head_dim, n, head_dim,

@@ -70,7 +70,8 @@ from minillm.kernels.paged_attention import (
     paged_prefill_attention,
 )
 
-from bench.common import Results, attempt, free_memory, time_ms
+from bench.ch02_decode_attention import cache_bytes
+from bench.common import Results, TimeBudget, attempt, free_memory, rel_err, time_ms
 
 BENCHMARK = "ch05_paged_attention"
 Q_HEADS, HEAD_DIM = 32, 128
@@ -97,17 +98,6 @@ WARMUP_MS, REP_MS = 25, 100
 def budget_s() -> float:
     """Seconds after which no new point is started: ``MINILLM_CH05_BUDGET_S`` (default 300)."""
     return float(os.environ.get("MINILLM_CH05_BUDGET_S", "300"))
-
-
-def cache_bytes(batch: int, kv_heads: int, context: int, head_dim: int, elem_bytes: int = 2) -> int:
-    """Bytes of the K and V caches of one layer: ``2·B·Hkv·L·D·elem_bytes``."""
-    return 2 * batch * kv_heads * context * head_dim * elem_bytes
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖ours − ref‖ / ‖ref‖ in fp32."""
-    ref = ref.float()
-    return float((ours.float() - ref).norm() / ref.norm())
 
 
 def visible_pairs(cached: int, new: int) -> int:
@@ -160,14 +150,7 @@ def sweep(results: Results, device, q_heads: int = Q_HEADS, kv_heads_list=KV_HEA
     ceilings = results.ceilings or {}
     gen = torch.Generator(device=device)
     gen.manual_seed(0)
-    start, budget = time.perf_counter(), budget_s()
-
-    def out_of_time() -> bool:
-        if time.perf_counter() - start <= budget:
-            return False
-        print(f"  [{BENCHMARK}] time budget of {budget:.0f} s spent: stopping early", flush=True)
-        results.set_status(BENCHMARK, f"partial: time budget {budget:.0f} s spent")
-        return True
+    out_of_time = TimeBudget(results, BENCHMARK, budget_s()).spent
 
     for kv_heads in kv_heads_list:
         for batch in batches:

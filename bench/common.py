@@ -23,7 +23,7 @@ from typing import Any, Callable
 from minillm.results import gpu_slug, markdown_table, format_value
 
 __all__ = ["measure_ceilings", "time_ms", "cpu_time_ms", "Results", "metric_direction", "gpu_slug",
-           "environment", "is_oom", "DEFAULT_OUT"]
+           "environment", "is_oom", "DEFAULT_OUT", "rel_err", "TimeBudget"]
 
 #: Where ``Results.save`` writes by default (relative to the repository root).
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -376,3 +376,29 @@ def _clean(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return None
     return x
+
+
+def rel_err(ours, ref) -> float:
+    """‖ours − ref‖ / ‖ref‖ of two tensors, in fp32."""
+    ref = ref.float()
+    return float((ours.float() - ref).norm() / ref.norm())
+
+
+class TimeBudget:
+    """A sweep's time budget: after ``seconds``, `spent` says so (once, in the log and in
+    the benchmark's status, "partial") and the sweep starts no new point."""
+
+    def __init__(self, results: "Results", benchmark: str, seconds: float):
+        import time
+
+        self._clock = time.perf_counter
+        self.results, self.benchmark, self.seconds = results, benchmark, float(seconds)
+        self.start = self._clock()
+
+    def spent(self) -> bool:
+        if self._clock() - self.start <= self.seconds:
+            return False
+        if not str(self.results.status.get(self.benchmark, "")).startswith("partial"):
+            print(f"  [{self.benchmark}] time budget of {self.seconds:.0f} s spent: stopping early", flush=True)
+            self.results.set_status(self.benchmark, f"partial: time budget {self.seconds:.0f} s spent")
+        return True

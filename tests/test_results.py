@@ -617,3 +617,22 @@ def test_traffic_run_orchestrates_ncu(monkeypatch, tmp_path, capsys):
     tr.run(r, None)
     out = capsys.readouterr().out
     assert r.rows == [] and "ncu failed (exit 1)" in out and "ERR_NVGPUCTRPERM" in out
+
+
+def test_time_budget_marks_the_benchmark_partial_once(capsys):
+    results = Results("dry run", ceilings={}, env={})
+    assert not common.TimeBudget(results, "bench_x", 3600).spent()
+    assert "bench_x" not in results.status
+    budget = common.TimeBudget(results, "bench_x", 0)
+    budget.start -= 1.0  # one second ago: the budget of 0 s is spent
+    assert budget.spent() and budget.spent()
+    assert results.status["bench_x"] == "partial: time budget 0 s spent"
+    assert capsys.readouterr().out.count("time budget of 0 s spent") == 1
+
+
+def test_rel_err():
+    import torch
+
+    ref = torch.tensor([3.0, 4.0])
+    assert common.rel_err(ref, ref) == 0.0
+    assert common.rel_err(torch.tensor([3.0, 4.5]), ref) == pytest.approx(0.1)
