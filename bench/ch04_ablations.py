@@ -36,7 +36,7 @@ from minillm.kernels.flash_attention import (
 )
 from minillm.kernels.tiled_attention import tiled_attention
 
-from bench.common import Results, attempt, free_memory, time_ms
+from bench.common import Results, attempt, free_memory, rel_err, time_ms
 
 BENCHMARK = "ch04_ablations"
 HEADS, SEQ_LEN, HEAD_DIM = 16, 4096, 128
@@ -85,7 +85,7 @@ def _ablations(results: Results, device, gen, batch: int, causal: bool) -> None:
     for name, fn in variants.items():
         res, status = attempt(lambda: (fn()[0], time_ms(fn)), allow_errors=True)
         peer_ms = res[1] if res else None
-        err = float((res[0].float() - ours_out.float()).norm() / ours_out.float().norm()) if res else None
+        err = rel_err(res[0], ours_out) if res else None
         row_note = f"{note}; max rel. difference to ours {err:.1e}" if err is not None else (status or note)
         params = _params(batch, causal)
         results.add(BENCHMARK, params, "time_ms", ours_ms, name, peer_ms, note=row_note)

@@ -43,6 +43,16 @@ def _is_parametrized(metafunc, name: str) -> bool:
     return any(name in m.args[0] for m in metafunc.definition.iter_markers("parametrize"))
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Run a module's tests with one torch thread: on tiny models threads only add
+    synchronisation (each SDPA call took ~100x longer with 2 threads on a shared 2-core CI box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def device() -> torch.device:
     return default_device()

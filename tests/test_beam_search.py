@@ -36,13 +36,8 @@ MAX_NEW = 10
 BUNDLED = Path(__file__).resolve().parents[1] / "minillm" / "checkpoints" / "shakespeare"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: threads only add synchronisation (and this CPU is shared)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny models: one torch thread for this module (see `one_torch_thread` in conftest.py).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @torch.no_grad()

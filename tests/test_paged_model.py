@@ -24,13 +24,8 @@ from minillm.paged import BlockManager, OutOfBlocks
 VOCAB = 97
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: threads only add synchronisation (and this CPU is shared)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny models: one torch thread for this module (see `one_torch_thread` in conftest.py).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_model(dtype=torch.float32, seed: int = 0, kv_heads: int = 2) -> LlamaForCausalLM:

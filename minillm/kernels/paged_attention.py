@@ -82,21 +82,18 @@ Shapes and units are documented per function; any strides are accepted (no copie
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from minillm.kernels.flash_attention import (
-    LN2, LOG2E, _head_dim_offsets, _interpreting, _kv_segments, _visible, block_d, dot_precision,
+    _LN2, LOG2E, _head_dim_offsets, _interpreting, _kv_segments, _scale_and_window, _visible, block_d,
+    dot_precision,
 )
 
 __all__ = ["write_paged_kv", "paged_decode_attention", "paged_prefill_attention", "contiguous_as_paged",
            "paged_decode_attention_bytes", "decode_block_n", "prefill_config"]
-
-_LN2 = tl.constexpr(LN2)
-
 
 # ----------------------------------------------------------------------------------------
 # Writing new tokens into the pool
@@ -377,13 +374,6 @@ def _check_paged(q, k_cache, v_cache, block_tables, seq_lens, batch: int) -> tup
     return num_blocks, block_size, kv_heads, head_dim, q_heads
 
 
-def _scale(head_dim: int, scale: float | None) -> float:
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    if not scale > 0:  # log2(e) is folded into it, and row maxima are taken of scaled scores
-        raise ValueError(f"scale must be > 0, got {scale}")
-    return scale
-
-
 def _blocks_per_tile(block_size: int, block_n: int, forced: bool | None) -> int:
     """The tile path (`_tile_rows`): 1 if a tile of ``block_n`` positions always lies in one
     block, ``n`` if it is exactly ``n >= 2`` whole blocks, 0 (general) otherwise. ``forced``
@@ -435,7 +425,7 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=N
     batch = q.shape[0]
     num_blocks, block_size, kv_heads, head_dim, q_heads = _check_paged(q, k_cache, v_cache, block_tables,
                                                                         seq_lens, batch)
-    scale = _scale(head_dim, scale)
+    scale, _ = _scale_and_window(head_dim, scale, None)
     if out is None:
         out = torch.empty(batch, q_heads, head_dim, device=q.device, dtype=q.dtype)
     if lse is None:
@@ -687,7 +677,7 @@ def _paged_prefill(q, cu_seqlens_q, k_cache, v_cache, block_tables, seq_lens, ma
                                                                         seq_lens, batch)
     if cu_seqlens_q.device != q.device:
         raise ValueError("cu_seqlens_q must be on q's device")
-    scale = _scale(head_dim, scale)
+    scale, _ = _scale_and_window(head_dim, scale, None)
     total_q = q.shape[0]
     if out is None:
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
