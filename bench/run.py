@@ -32,6 +32,8 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("ch04_ablations", "bench.ch04_ablations"),
     ("ch05_paged_attention", "bench.ch05_paged_attention"),
     ("ch06_sharing", "bench.ch06_sharing"),
+    ("ch07_flash_decoding", "bench.ch07_flash_decoding"),
+    ("ch08_flat_gemm", "bench.ch08_flat_gemm"),
 ]
 
 

@@ -65,11 +65,15 @@ def gpu_slug(device_name: str) -> str:
 
 
 def available(directory: str | os.PathLike | None = None) -> list[str]:
-    """Slugs of the GPUs with a results file, sorted by name (``[]`` when there are none)."""
+    """Slugs of the GPUs with a results file, sorted by name (``[]`` when there are none).
+
+    A results file is ``<slug>.json``; other JSON files of the folder have a second suffix
+    (``<slug>.flat_gemm.json``, Chapter 8's dispatch table) and are not results. Slugs never
+    contain a dot (`gpu_slug`)."""
     d = Path(directory) if directory is not None else results_dir()
     if not d.is_dir():
         return []
-    return sorted(p.stem for p in d.glob("*.json"))
+    return sorted(p.stem for p in d.glob("*.json") if "." not in p.stem)
 
 
 def load_results(slug: str | None = None, directory: str | os.PathLike | None = None) -> dict | None:

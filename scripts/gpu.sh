@@ -13,6 +13,11 @@
 #   PYTHON          interpreter (default python3)
 #   OUT             folder for logs and copies of the results (optional)
 #   TEST_TIMEOUT    seconds for the GPU tests (default 300)
+#   TEST_PATHS      what pytest collects (default "tests"; e.g. "tests/test_kernels_ch07.py")
+#   TEST_JOBS       pytest processes run side by side (default 1). The GPU tests spend most
+#                   of their time compiling kernels on the CPU, so on a many-core host 4
+#                   processes (test files dealt round-robin) finish several times sooner
+#   SKIP_TESTS      1: benchmarks only
 #   BENCH_ONLY      space-separated benchmark names or prefixes (default: all), e.g. "ch02"
 #   BENCH_TIMEOUT   seconds for bench.run (default 360; on timeout the results measured so far
 #                   are saved, marked "partial")
@@ -61,9 +66,38 @@ else
 fi
 
 echo
-echo "== GPU tests: $PY -m pytest -m 'not slow' tests -q (timeout ${TEST_TIMEOUT}s)"
-timeout -k 10 "$TEST_TIMEOUT" "$PY" -m pytest -m "not slow" tests -q -p no:cacheprovider 2>&1 | tee "$LOG/pytest_gpu.log"
-test_rc=${PIPESTATUS[0]}
+TEST_PATHS=${TEST_PATHS:-tests}
+TEST_JOBS=${TEST_JOBS:-1}
+echo "== GPU tests: $PY -m pytest -m 'not slow' $TEST_PATHS -q, $TEST_JOBS process(es) (timeout ${TEST_TIMEOUT}s)"
+if [ "${SKIP_TESTS:-0}" = 1 ]; then
+    echo "(skipped: SKIP_TESTS=1)"
+    test_rc=0
+elif [ "$TEST_JOBS" -le 1 ]; then
+    # shellcheck disable=SC2086  # TEST_PATHS is a list of paths
+    timeout -k 10 "$TEST_TIMEOUT" "$PY" -m pytest -m "not slow" $TEST_PATHS -q -p no:cacheprovider 2>&1 \
+        | tee "$LOG/pytest_gpu.log"
+    test_rc=${PIPESTATUS[0]}
+else
+    # Deal the test files round-robin to TEST_JOBS processes; each writes its own log.
+    # shellcheck disable=SC2086
+    mapfile -t files < <(find $TEST_PATHS -name 'test_*.py' | sort)
+    pids=()
+    for ((j = 0; j < TEST_JOBS; j++)); do
+        group=()
+        for ((i = j; i < ${#files[@]}; i += TEST_JOBS)); do group+=("${files[i]}"); done
+        [ ${#group[@]} -gt 0 ] || continue
+        timeout -k 10 "$TEST_TIMEOUT" "$PY" -m pytest -m "not slow" "${group[@]}" -q -p no:cacheprovider \
+            > "$LOG/pytest_gpu.$j.log" 2>&1 &
+        pids+=($!)
+    done
+    test_rc=0
+    for pid in "${pids[@]}"; do
+        wait "$pid"; rc=$?
+        # 5 (nothing collected) is fine for one group; keep the worst other code.
+        if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then test_rc=$rc; fi
+    done
+    for log in "$LOG"/pytest_gpu.*.log; do echo "-- $log"; tail -n 15 "$log"; done | tee "$LOG/pytest_gpu.log"
+fi
 case $test_rc in
     0) test_msg="passed" ;;
     5) test_msg="no GPU tests collected (pytest exit 5), not counted as a failure"; test_rc=0 ;;

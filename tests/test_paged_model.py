@@ -229,6 +229,25 @@ def test_triton_backend_matches_torch(dtype, device):
         assert rel_err(got, want) <= tol
 
 
+@pytest.mark.parametrize("phi", [0.0, 200.0], ids=["phi-fits", "phi-far-fallback"])
+def test_decode_with_async_softmax_matches_torch(phi, device):
+    """Decode steps through Chapter 7's asynchronized softmax (`softmax_phi`) give the torch
+    backend's logits, whether φ fits the scores or is so far off that every split falls back."""
+    pytest.importorskip("minillm.kernels.flash_decoding")
+    model, rng = tiny_model(torch.float32).to(device), np.random.default_rng(5)
+    prompts = {"a": random_tokens(9, rng), "b": random_tokens(4, rng)}
+    logits = []
+    for backend, softmax_phi in (("torch", None), ("triton", phi)):
+        manager = BlockManager(12, 3)
+        cache = model.new_paged_cache(12, 3, backend=backend, softmax_phi=softmax_phi)
+        for s, p in prompts.items():
+            manager.allocate(s, p)
+        run(model, manager, cache, list(prompts), [9, 4])
+        manager.append_slots(list(prompts), [1, 2])
+        logits.append(torch.stack(run(model, manager, cache, list(prompts), [1, 1], last_only=True)))
+    assert rel_err(logits[1], logits[0]) <= 1e-5
+
+
 def test_backend_auto_is_torch_on_cpu():
     cache = PagedKVCache(tiny_model().config, 4, 2)
     assert cache.kernels is None

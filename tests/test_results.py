@@ -195,6 +195,9 @@ def test_save_keeps_gpus_apart(tmp_path):
     b.save(tmp_path)
     assert mr.available(tmp_path) == ["nvidia-h100-80gb-hbm3", "nvidia-h200"]
     assert mr.rows(mr.load_results("nvidia-h200", tmp_path))[0]["ours"] == 2.0
+    # Other JSON files of the folder (Chapter 8's dispatch table) are not a GPU's results.
+    (tmp_path / "nvidia-h200.flat_gemm.json").write_text('{"kind": "flat_gemm_dispatch"}')
+    assert mr.available(tmp_path) == ["nvidia-h100-80gb-hbm3", "nvidia-h200"]
 
 
 def test_saved_json_is_strict(tmp_path):

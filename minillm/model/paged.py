@@ -21,11 +21,12 @@ Layout (the `minillm.paged` contract): per layer ``k_cache, v_cache: [num_blocks
 kv_heads, head_dim]``; slot ``block_id * block_size + offset``; block tables int32, ``-1``
 padded; slot mappings int64.
 
-Attention backends: on CUDA in fp16/bf16, the Triton kernels of
-`minillm.kernels.paged_attention` (Chapter 5); everywhere else, and whenever that module
-cannot be imported, a plain torch version that gathers each sequence's K/V through its block
-table and calls SDPA. The torch version is the readable definition; the kernels must agree
-with it.
+Attention backends: on CUDA in fp16/bf16, the Triton kernels: decode steps (one new token
+per sequence) run Chapter 7's flash-decoding (`minillm.kernels.flash_decoding`, each sequence
+split over several programs), steps with longer chunks Chapter 5's paged prefill kernel
+(`minillm.kernels.paged_attention`). Everywhere else, and whenever those modules cannot be
+imported, a plain torch version that gathers each sequence's K/V through its block table and
+calls SDPA. The torch version is the readable definition; the kernels must agree with it.
 """
 from __future__ import annotations
 
@@ -46,14 +47,24 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 BACKENDS = ("auto", "torch", "triton")
 
 
-def _triton_kernels():
-    """The Chapter 5 kernel module, or ``None`` when it cannot be imported (no Triton, or the
-    module is not there): attention then falls back to torch."""
+class _Kernels:
+    """The Triton kernels the paged model runs: Chapter 5's cache write and prefill, Chapter
+    7's flash-decoding."""
+
+    def __init__(self):
+        from minillm.kernels import flash_decoding, paged_attention
+        self.write_paged_kv = paged_attention.write_paged_kv
+        self.paged_prefill_attention = paged_attention.paged_prefill_attention
+        self.flash_decode_attention = flash_decoding.flash_decode_attention
+
+
+def _triton_kernels() -> _Kernels | None:
+    """The kernels, or ``None`` when they cannot be imported (no Triton): attention then falls
+    back to torch."""
     try:
-        from minillm.kernels import paged_attention as kernels
+        return _Kernels()
     except ImportError:
         return None
-    return kernels
 
 
 class PagedKVCache:
@@ -71,10 +82,14 @@ class PagedKVCache:
         backend: ``"auto"`` (Triton kernels on CUDA in fp16/bf16 when importable, torch
             otherwise), ``"torch"``, or ``"triton"`` (force the kernels; on a CPU they run in
             Triton's interpreter, which is how the tests check them without a GPU).
+        softmax_phi: FlashDecoding++'s unified max for the decode kernel (Chapter 7; natural-log
+            units of the scaled score, see `minillm.model.softmax_stats.choose_phi`), or
+            ``None`` for the exact online softmax. Either gives the same outputs (the kernel
+            falls back to the exact path where φ does not fit); only the speed may differ.
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device=None, dtype=None,
-                 backend: str = "auto"):
+                 backend: str = "auto", softmax_phi: float | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         shape = (2, config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
@@ -82,6 +97,7 @@ class PagedKVCache:
         self.k = list(self.pool[0])  # per layer, [num_blocks, block_size, kv_heads, head_dim]
         self.v = list(self.pool[1])
         self.kernels = self._pick_kernels(backend)
+        self.softmax_phi = softmax_phi
 
     def _pick_kernels(self, backend: str):
         """The kernel module if attention should use it, else ``None`` (torch)."""
@@ -90,7 +106,7 @@ class PagedKVCache:
         kernels = _triton_kernels()
         if backend == "triton":
             if kernels is None:
-                raise ImportError("backend='triton' needs minillm.kernels.paged_attention (and Triton)")
+                raise ImportError("backend='triton' needs minillm.kernels (and Triton)")
             return kernels
         on_gpu = self.pool.is_cuda and self.pool.dtype in _KERNEL_DTYPES
         return kernels if on_gpu else None
@@ -133,6 +149,8 @@ class PagedBatch:
             K/V are written before attention reads them).
         block_tables: ``[batch, max_blocks]`` int32, padded with ``-1``.
         max_seqlen_q: the largest new-token count (1 for a pure decode step).
+        max_seq_len: the largest of ``seq_lens``, as a Python int (sizes the decode kernel's
+            splits without reading the lengths back from the device); ``None``: unknown.
     """
 
     input_ids: torch.Tensor
@@ -142,6 +160,7 @@ class PagedBatch:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     max_seqlen_q: int
+    max_seq_len: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -200,6 +219,7 @@ class PagedBatch:
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
             block_tables=padded_block_tables(tables, max_blocks, device=device),
             max_seqlen_q=max(counts, default=0),
+            max_seq_len=max(lens, default=0),
         )
 
 
@@ -230,8 +250,9 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: Pag
     kernels = cache.kernels
     if kernels is None:
         return paged_attention_torch(q, k_cache, v_cache, batch, scale)
-    if batch.max_seqlen_q == 1:  # one new token per sequence: the decode kernel
-        return kernels.paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale)[0]
+    if batch.max_seqlen_q == 1:  # one new token per sequence: flash-decoding
+        return kernels.flash_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale,
+                                              max_seq_len=batch.max_seq_len, phi=cache.softmax_phi)[0]
     return kernels.paged_prefill_attention(q, batch.cu_seqlens_q, k_cache, v_cache, batch.block_tables,
                                            batch.seq_lens, batch.max_seqlen_q, causal=True, scale=scale)[0]
 

@@ -1,9 +1,11 @@
 """The Llama-family decoder in PyTorch: batched, device-agnostic, with a contiguous KV cache.
 
 Module and parameter names mirror Hugging Face's (``model.layers.0.self_attn.q_proj``, ...)
-so a checkpoint's state dict loads as is. Attention uses
-``torch.nn.functional.scaled_dot_product_attention`` for now; later chapters swap in our
-Triton kernels.
+so a checkpoint's state dict loads as is. With the contiguous cache, attention uses
+``torch.nn.functional.scaled_dot_product_attention``; with the paged cache, on a GPU, the
+book's Triton kernels (`minillm.model.paged`). The linear layers are `Linear`: on a GPU in
+fp16/bf16 they go through Chapter 8's heuristic dataflow (GEMV, flat GEMM or cuBLAS by the
+number of rows), elsewhere they are ``nn.Linear``.
 
 Two caches: Chapter 2's contiguous `KVCache` (every sequence of the batch at the same
 position), and Chapter 6's `minillm.model.paged.PagedKVCache`, run through `forward_paged` on
@@ -16,6 +18,8 @@ all sequences together.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +29,32 @@ from minillm.model.paged import PagedBatch, PagedKVCache, paged_attention, write
 
 # SDPA grew native GQA (`enable_gqa`) in torch 2.5; before that we repeat the KV heads.
 _SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+@functools.cache
+def _flat_gemm_linear():
+    """Chapter 8's dispatcher `minillm.kernels.flat_gemm.linear`, or ``None`` when it cannot be
+    imported (no Triton). Imported on first use: a model on a CPU never needs Triton."""
+    try:
+        from minillm.kernels.flat_gemm import linear
+    except ImportError:
+        return None
+    return linear
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state-dict keys) whose forward on a CUDA tensor in
+    fp16/bf16 is Chapter 8's `minillm.kernels.flat_gemm.linear`: decode steps have a handful
+    of rows, for which a GEMV or a flat GEMM reads the weights faster than cuBLAS's tiles.
+    The dispatcher picks per call from the GPU's measured table, so prefill batches still go
+    to cuBLAS."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and self.weight.dtype == x.dtype:
+            dispatch = _flat_gemm_linear()
+            if dispatch is not None:
+                return dispatch(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class KVCache:
@@ -81,10 +111,10 @@ class Attention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.qkv_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        self.q_proj = Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
 
     def forward(self, x, cos, sin, start_pos: int | PagedBatch, cache: KVCache | PagedKVCache | None, layer: int):
         """``x [B, T, hidden]`` at positions ``start_pos .. start_pos+T-1`` -> ``[B, T, hidden]``.
@@ -141,9 +171,9 @@ class MLP(nn.Module):
 
     def __init__(self, c: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -179,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self):
@@ -190,10 +220,12 @@ class LlamaForCausalLM(nn.Module):
         p = self.lm_head.weight
         return KVCache(self.config, batch, max_len, device=p.device, dtype=p.dtype)
 
-    def new_paged_cache(self, num_blocks: int, block_size: int, backend: str = "auto") -> PagedKVCache:
+    def new_paged_cache(self, num_blocks: int, block_size: int, backend: str = "auto",
+                        softmax_phi: float | None = None) -> PagedKVCache:
         """A zeroed paged pool on the model's device and dtype (see `PagedKVCache`)."""
         p = self.lm_head.weight
-        return PagedKVCache(self.config, num_blocks, block_size, device=p.device, dtype=p.dtype, backend=backend)
+        return PagedKVCache(self.config, num_blocks, block_size, device=p.device, dtype=p.dtype, backend=backend,
+                            softmax_phi=softmax_phi)
 
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None) -> torch.Tensor:
         """``input_ids [B, T]`` at positions ``start_pos ..`` -> logits ``[B, T, vocab]``.
