@@ -26,8 +26,11 @@ serve: $(VENV)
 	@echo "minillm: serving the book at http://$(HOST):$(PORT)/ (Ctrl-C to stop)"
 	.venv/bin/mkdocs serve -a $(HOST):$(PORT)
 
+# One pytest worker per core (pytest-xdist): the interpreter-run kernel tests and the
+# notebooks are CPU bound. PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= auto
 test: $(VENV)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(PYTEST_WORKERS)
 
 book: $(VENV)
 	.venv/bin/jupyter lab chapters/

@@ -37,8 +37,12 @@ blocks = "shuffled", num_splits = the S that ``ours`` used; split_sweep rows add
 
 ====================  =======================================================================
 ``oom``               True when a point's inputs did not fit (nothing else recorded for it)
-``time_ms``           decode: `flash_decode_attention` with the default heuristic, one row
-                      per peer (sdpa_flash, sdpa_cudnn, ch05_unsplit): ratio = peer/ours.
+``time_ms``           decode: `flash_decode_attention` with the default heuristic and the
+                      default merge (`FUSED_MERGE`: in stage 1's last program, one launch),
+                      one row per peer (sdpa_flash, sdpa_cudnn, ch05_unsplit): ratio =
+                      peer/ours; and one row with peer ``two_launch``: the same call with the
+                      merge in a second launch (stage 2, `_reduce_splits`), ratio > 1: the
+                      one-launch merge is faster (equal calls with one split: no merge).
                       long_context: peer ch05_unsplit. split_sweep: ours = the time with
                       ``num_splits`` splits, peer ``num_splits_1`` (the same kernel unsplit)
 ``bandwidth_TBps``    `paged_decode_attention_bytes` (K, V, q, out, lse, table: the useful
@@ -48,10 +52,12 @@ blocks = "shuffled", num_splits = the S that ``ours`` used; split_sweep rows add
 ``rel_err``           ‖ours − ref‖ / ‖ref‖ (fp32): peer ``sdpa_fp32 (sequence 0)`` (SDPA in
                       fp32 on sequence 0's gathered K/V), and peer ``sdpa`` (the whole batch
                       against the first SDPA backend that ran)
-``reduce_time_ms``    stage 2 alone (`_reduce_splits` on the workspace stage 1 filled); 0
-                      with one split (no stage 2)
-``reduce_share``      reduce_time_ms / time of the whole call
-``graph_time_ms``     as time_ms (one row per peer; split_sweep: peer num_splits_1), per call
+``reduce_time_ms``    stage 2 alone (`_reduce_splits` on the partials stage 1 left in the
+                      workspace); 0 with one split (no stage 2)
+``reduce_share``      reduce_time_ms / time of the whole two-launch call (what the second
+                      launch costs; the one-launch merge removes it)
+``graph_time_ms``     as time_ms (one row per peer, two_launch included; split_sweep: peer
+                      num_splits_1), per call
                       replaying a CUDA graph of ``GRAPH_REPEATS`` calls: the GPU's time
                       without launch overhead. Decode points of at most
                       ``GRAPH_MAX_CACHE_BYTES`` of cache, and every split_sweep row; CUDA only
@@ -72,7 +78,7 @@ import torch
 # before Triton is imported.
 from minillm.kernels.flash_decoding import (
     VLLM_PARTITION, _flash_decode, _reduce_splits, fa2_num_splits, num_sms, num_splits_heuristic, partition_splits,
-    split_workspace,
+    split_counters, split_workspace,
 )
 from minillm.kernels.paged_attention import decode_block_n, paged_decode_attention, paged_decode_attention_bytes
 
@@ -314,11 +320,15 @@ def _run_decode_point(results: Results, device, batch: int, kv_heads: int, conte
     q, k_pool, v_pool, tables, lens = inputs
     out = torch.empty(batch, q_heads, head_dim, device=device, dtype=dtype)
     lse = torch.empty(batch, q_heads, device=device, dtype=torch.float32)
-    workspace = split_workspace(batch, q_heads, splits, head_dim, device) if splits > 1 else None
+    workspace = ((*split_workspace(batch, q_heads, splits, head_dim, device), split_counters(batch, q_heads, device))
+                 if splits > 1 else None)
 
-    def ours(phi=None, fallbacks=None):
+    def ours(phi=None, fallbacks=None, fused_merge=None):  # None: the default merge (FUSED_MERGE)
         return _flash_decode(q, k_pool, v_pool, tables, lens, out=out, lse=lse, num_splits=splits, phi=phi,
-                             workspace=workspace, fallbacks=fallbacks)
+                             workspace=workspace, fallbacks=fallbacks, fused_merge=fused_merge)
+
+    def two_launch():
+        return ours(fused_merge=False)
 
     def ch05():
         return paged_decode_attention(q, k_pool, v_pool, tables, lens, out=out, lse=lse)
@@ -327,15 +337,18 @@ def _run_decode_point(results: Results, device, batch: int, kv_heads: int, conte
     err_seq0 = _decode_error(q, k_pool, v_pool, tables, context, out)
     err_sdpa = rel_err(out, sdpa_out[1]) if sdpa_out else None
     ours_ms = timer(ours)
+    two_launch()
+    two_ms = timer(two_launch)
     ch05()
     ch05_ms = timer(ch05)
-    if splits > 1:  # stage 2 alone, on the workspace the last call filled
+    if splits > 1:  # stage 2 alone, on the partials the last call left in the workspace
         ours()
         reduce_ms = timer(lambda: _reduce_splits(workspace[0], workspace[1], out, lse))
     else:
         reduce_ms = 0.0
     if use_graphs:
         graph_ms["ours"] = graph_time_ms(ours, timer, GRAPH_REPEATS)
+        graph_ms["two_launch"] = graph_time_ms(two_launch, timer, GRAPH_REPEATS)
         graph_ms["ch05_unsplit"] = graph_time_ms(ch05, timer, GRAPH_REPEATS)
     flags = torch.zeros(batch, kv_heads, splits, dtype=torch.int32, device=device)
     ours(PHI, flags)
@@ -351,15 +364,19 @@ def _run_decode_point(results: Results, device, batch: int, kv_heads: int, conte
         add("bandwidth_TBps", tbps(ours_ms), peer, tbps(peer_ms[peer]), fraction_of_ceiling=_frac(tbps(ours_ms),
                                                                                                   copy_tbps),
             note="paged_decode_attention_bytes (K, V, q, out, lse, table) / time; workspace not counted")
+    merge_note = (f"ours: stage 2 merged in stage 1's last program (one launch); peer: stage 2 as a second launch"
+                  if splits > 1 else "one split: no merge, both are the same call")
+    add("time_ms", ours_ms, "two_launch", two_ms, note=merge_note)
     if use_graphs:
-        for peer in PEERS:
+        for peer in (*PEERS, "two_launch"):
             add("graph_time_ms", graph_ms["ours"], peer, graph_ms.get(peer),
                 note=f"per call, replaying a CUDA graph of {GRAPH_REPEATS} calls")
     add("rel_err", err_seq0, "sdpa_fp32 (sequence 0)", None)
     add("rel_err", err_sdpa, "sdpa", None,
         note=f"whole batch against {sdpa_out[0]}" if sdpa_out else "no SDPA backend ran")
     add("reduce_time_ms", reduce_ms, note=None if splits > 1 else "one split: no stage 2")
-    add("reduce_share", reduce_ms / ours_ms if ours_ms else None, note="reduce_time_ms / time_ms")
+    add("reduce_share", reduce_ms / two_ms if two_ms else None,
+        note="reduce_time_ms / time_ms of the two-launch call")
     add("async_time_ms", async_ms, "exact", ours_ms, note=f"phi={PHI}; {fell_back:.1%} of programs fell back")
     add("fallback_fraction", fell_back, note=f"phi={PHI}; {batch}x{kv_heads}x{splits} stage-1 programs")
 
@@ -464,7 +481,7 @@ def summary(results: Results | dict) -> str:
         elif r["metric"] == "async_time_ms":
             row["async"] = r["ratio"]
     lines = [f"{'Hkv':>4} {'B':>3} {'L':>6} {'S':>4} {'ours ms':>8} " + " ".join(f"{p:>12}" for p in PEERS)
-             + f" {'TB/s':>5} {'of copy':>7} {'reduce':>6} {'exact/async':>11}   (peer_ms / ours_ms)"]
+             + f" {'TB/s':>5} {'of copy':>7} {'reduce':>6} {'2-launch':>8} {'exact/async':>11}   (peer_ms / ours_ms)"]
     for key in sorted(pts):
         row = pts[key]
         if row.get("oom"):
@@ -473,7 +490,8 @@ def summary(results: Results | dict) -> str:
         lines.append(f"{key[0]:>4} {key[1]:>3} {key[2]:>6} {f(row.get('S'), '{}'):>4} {f(row.get('ours')):>8} "
                      + " ".join(f"{f(row.get(p), '{:.2f}'):>12}" for p in PEERS)
                      + f" {f(row.get('tbps'), '{:.2f}'):>5} {f(row.get('frac'), '{:.0%}'):>7} "
-                       f"{f(row.get('reduce_share'), '{:.0%}'):>6} {f(row.get('async'), '{:.3f}'):>11}")
+                       f"{f(row.get('reduce_share'), '{:.0%}'):>6} {f(row.get('two_launch'), '{:.2f}'):>8} "
+                       f"{f(row.get('async'), '{:.3f}'):>11}")
     for r in select(data, BENCHMARK, "time_ms", kind="long_context"):
         p = r["params"]
         lines.append(f"\nlong context B={p['batch']} Hkv={p['kv_heads']} L={p['context']} S={p['num_splits']}: "

@@ -84,6 +84,54 @@ def time_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
         return float(q[0] if isinstance(q, (list, tuple)) else q)
 
 
+#: Calls captured per CUDA graph by `graph_time_ms` (its timings are per call).
+GRAPH_REPEATS = 20
+
+
+def graph_time_ms(fn, repeats: int = GRAPH_REPEATS, timer: Callable[[Callable[[], Any]], float] | None = None
+                  ) -> float:
+    """Milliseconds per call of ``fn`` when ``repeats`` calls are captured in one CUDA graph
+    and the graph is replayed: the GPU's time without the host's launch overhead, which is
+    what an engine that captures its decode step in a graph pays.
+
+    ``fn`` is a callable, or a sequence of callables captured in turn (call ``i`` is
+    ``fn[i % len(fn)]``; ``repeats`` is rounded up to a multiple of the length): give one
+    per copy of the operands when one call's operands fit in the L2 cache, so each call
+    reads them from HBM as it would in a model whose other layers evict them.
+
+    ``timer(f) -> ms`` times the replay; by default median CUDA-event timings of 10
+    replays after one warm-up replay (no L2 flush: with the copies, there is nothing to
+    flush, and a flush would not reach inside the graph anyway). Each callable is called
+    once on a side stream first (compilation, tuning, allocation happen outside the capture,
+    as capture requires)."""
+    import torch
+
+    fns = list(fn) if isinstance(fn, (list, tuple)) else [fn]
+    calls = -(-repeats // len(fns)) * len(fns)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    if timer is not None:
+        return timer(graph.replay) / calls
+    graph.replay()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2] / calls
+
+
 def cpu_time_ms(fn: Callable[[], Any], warmup: int = 2, min_reps: int = 5, min_time_s: float = 0.25,
                 max_reps: int = 1000) -> float:
     """Median wall time of ``fn()`` in milliseconds on the CPU (``time_ms`` needs CUDA).

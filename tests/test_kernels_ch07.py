@@ -34,7 +34,7 @@ import torch
 from minillm.kernels.flash_decoding import (
     ASYNC_WINDOW_FP16, ASYNC_WINDOW_WIDE, CPU_NUM_SMS, MAX_SPLITS, MIN_TILES_PER_SPLIT, SPLIT_PROGRAMS_PER_SM,
     _flash_decode, _reduce_splits, async_window, fa2_num_splits, flash_decode_attention,
-    flash_decode_attention_bytes, num_sms, num_splits_heuristic, partition_splits, split_workspace,
+    flash_decode_attention_bytes, num_sms, num_splits_heuristic, partition_splits, split_counters, split_workspace,
     split_workspace_bytes,
 )
 from minillm.kernels.paged_attention import decode_block_n, paged_decode_attention, paged_decode_attention_bytes
@@ -59,15 +59,17 @@ def reference_partials(q, pool: Pool, num_splits, block_n=BLOCK_N, scale=None, p
 
 
 def run(q, pool: Pool, num_splits, dtype, device, **kwargs):
-    """`_flash_decode` into NaN-poisoned output, lse and workspace; returns them all."""
+    """`_flash_decode` into NaN-poisoned output, lse and workspace (with its own arrival
+    counters, which must be back to zero after the call); returns out, lse, (o_part, lse_part)."""
     batch, q_heads, head_dim = q.shape
     out, lse = poisoned(q.shape, dtype, device), poisoned((batch, q_heads), torch.float32, device)
     workspace = (poisoned((batch, q_heads, num_splits, head_dim), torch.float32, device),
-                 poisoned((batch, q_heads, num_splits), torch.float32, device))
+                 poisoned((batch, q_heads, num_splits), torch.float32, device), split_counters(batch, q_heads, device))
     got = _flash_decode(q, pool.k, pool.v, pool.tables, pool.lens(device), out=out, lse=lse, num_splits=num_splits,
                         block_n=kwargs.pop("block_n", BLOCK_N), workspace=workspace, **kwargs)
     assert got[0] is out and got[1] is lse
-    return out, lse, workspace
+    assert not workspace[2].any(), "the arrival counters must be back to zero after the call"
+    return out, lse, workspace[:2]
 
 
 # ----------------------------------------------------------------------------------------
@@ -168,15 +170,17 @@ def _case_id(c):
     return f"h{c[0]}-kv{c[1]}-d{c[2]}-bs{c[3]}-L{'_'.join(map(str, c[4]))}-S{c[5]}"
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_launch"])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,seq_lens,num_splits",
                          [pytest.param(*c, id=_case_id(c)) for c in SMALL])
-def test_flash_decode_attention(q_heads, kv_heads, head_dim, block_size, seq_lens, num_splits, dtype, device, gen,
-                                seed):
-    """Output, lse and the workspace of partials against the reference (stage 1 and stage 2
-    each checked); with one split the workspace is never touched."""
+def test_flash_decode_attention(q_heads, kv_heads, head_dim, block_size, seq_lens, num_splits, fused, dtype, device,
+                                gen, seed):
+    """Output, lse and the workspace of partials against the reference (stage 1 and the
+    merge each checked), with the merge in stage 1's last program (fused) and in a second
+    launch; with one split the workspace is never touched."""
     pool = Pool(seq_lens, block_size, kv_heads, head_dim, dtype, device, gen)
     q = random_tensor((len(seq_lens), q_heads, head_dim), dtype, device, gen)
-    out, lse, (o_part, lse_part) = run(q, pool, num_splits, dtype, device)
+    out, lse, (o_part, lse_part) = run(q, pool, num_splits, dtype, device, fused_merge=fused)
     want_o, want_l, _ = reference_partials(q, pool, num_splits)
     ref_out, ref_lse = ref.merge_partials(want_o, want_l)
     assert_close(out, ref_out, dtype, "out", seed)
@@ -199,11 +203,11 @@ def test_flash_decode_attention_long(q_heads, kv_heads, head_dim, block_size, se
     pool = Pool(seq_lens, block_size, kv_heads, head_dim, dtype, device, gen)
     q = random_tensor((len(seq_lens), q_heads, head_dim), dtype, device, gen)
     want_out, want_lse = ref.merge_partials(*reference_partials(q, pool, 1, decode_block_n(head_dim, dtype))[:2])
-    for phi in (None, 0.0):
-        out, lse = flash_decode_attention(q, pool.k, pool.v, pool.tables, pool.lens(device), num_splits=num_splits,
-                                          max_seq_len=max(seq_lens), phi=phi)
-        assert_close(out, want_out, dtype, f"out (phi={phi})", seed)
-        assert_close(lse, want_lse, dtype, f"lse (phi={phi})", seed)
+    for phi, fused in ((None, True), (0.0, True), (None, False)):
+        out, lse = _flash_decode(q, pool.k, pool.v, pool.tables, pool.lens(device), num_splits=num_splits,
+                                 max_seq_len=max(seq_lens), phi=phi, fused_merge=fused)
+        assert_close(out, want_out, dtype, f"out (phi={phi}, fused={fused})", seed)
+        assert_close(lse, want_lse, dtype, f"lse (phi={phi}, fused={fused})", seed)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -285,8 +289,8 @@ def test_follows_strides(device, gen, seed):
 
 
 def test_agrees_with_chapter_5_and_default_splits(dtype, device, gen, seed):
-    """The public function with its default heuristic splits a 200-token sequence (three
-    splits of 4+ tiles on the CPU), and agrees with Chapter 5's unsplit kernel."""
+    """The public function with its default heuristic splits a 200-token sequence (six
+    splits of 2+ tiles on the CPU), and agrees with Chapter 5's unsplit kernel."""
     pool = Pool([200, 31], 16, 2, 64, dtype, device, gen)
     q = random_tensor((2, 8, 64), dtype, device, gen)
     if decode_block_n(64, dtype) == 16:  # the interpreter: the heuristic sees 13 tiles
@@ -342,7 +346,8 @@ def test_async_equals_exact_without_fallback(dtype, device, gen, seed):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter, before falling back
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_async_fallback_fires_where_it_must(dtype, device, gen, seed):
+@pytest.mark.parametrize("lanes", [False, True], ids=["row-sums", "lane-tiles"])
+def test_async_fallback_fires_where_it_must(lanes, dtype, device, gen, seed):
     """KV head 1's scores are all >= 50 nats (72 binades, past both windows) above φ = 0, KV
     head 0's random ones within a few nats of it: exactly head 1's non-empty splits fall back
     (as the reference says), and the output is still exact. Then φ = ±500 (exp would overflow
@@ -362,7 +367,8 @@ def test_async_fallback_fires_where_it_must(dtype, device, gen, seed):
         expected = nonempty[:, None, :] & np.array(heads_falling)[None, :, None]
         assert np.array_equal(want_fell, expected), "the reference's fallbacks"
         flags = torch.full((3, kv_heads, splits), -1, dtype=torch.int32, device=device)
-        out, lse, (o_part, _) = run(q, pool, splits, dtype, device, phi=phi, fallbacks=flags)
+        out, lse, (o_part, _) = run(q, pool, splits, dtype, device, phi=phi, fallbacks=flags,
+                                    config=dict(ASYNC_LANES=lanes))
         assert np.array_equal(flags.cpu().numpy(), expected.astype(np.int32)), \
             f"phi={phi}: fallbacks {flags.cpu().tolist()}, expected {expected.astype(int).tolist()}"
         ref_out, ref_lse = ref.merge_partials(want_o, want_l)
@@ -486,23 +492,94 @@ def test_fa2_num_splits_hand_checked():
 
 
 def test_num_splits_heuristic():
-    """Ours: about SPLIT_PROGRAMS_PER_SM programs per SM, splits of at least
-    MIN_TILES_PER_SPLIT tiles, at most MAX_SPLITS; 1 when the batch fills the GPU."""
+    """Ours: as many splits as fit in one wave of SPLIT_PROGRAMS_PER_SM programs per SM,
+    splits of at least MIN_TILES_PER_SPLIT tiles, at most MAX_SPLITS; 1 when the batch fills
+    the wave."""
     sms, bn = 132, 128
-    target = SPLIT_PROGRAMS_PER_SM * sms
+    wave = SPLIT_PROGRAMS_PER_SM * sms
     assert num_splits_heuristic(32, 32, 131072, sms, bn) == 1  # 1024 programs already
     assert num_splits_heuristic(1, 8, 100, sms, bn) == 1        # one tile
     assert num_splits_heuristic(1, 8, 0, sms, bn) == 1
-    for batch in (1, 2, 8, 32):
+    # The H200 sweep's optima (bench.tune_flash_decoding): 256-264 programs, never 320.
+    assert [num_splits_heuristic(b, h, 32768, sms, bn) for b, h in ((1, 8), (1, 32), (8, 8), (16, 8), (32, 8))] \
+        == [33, 8, 4, 2, 1]
+    for batch in (1, 2, 3, 8, 32):
         for kv_heads in (1, 8, 32):
             for L in (1, 127, 128, 4096, 32768, 65536, 131072):
                 s = num_splits_heuristic(batch, kv_heads, L, sms, bn)
                 tiles = -(-L // bn)
                 assert 1 <= s <= MAX_SPLITS
                 assert s == 1 or tiles // s >= MIN_TILES_PER_SPLIT, (batch, kv_heads, L, s)
-                capped = s in (MAX_SPLITS, tiles // MIN_TILES_PER_SPLIT)
-                assert capped or s == 1 or s * batch * kv_heads >= target > (s - 1) * batch * kv_heads
-                assert s == 1 or (s - 1) * batch * kv_heads < target  # no more splits than it takes
+                assert s == 1 or s * batch * kv_heads <= wave  # one wave, never a partial second one
+                capped = s in (MAX_SPLITS, max(1, tiles // MIN_TILES_PER_SPLIT))
+                assert capped or (s + 1) * batch * kv_heads > wave  # and as full as it gets
+
+
+def test_cached_workspace(dtype, device, gen, seed):
+    """Without a workspace the launcher reuses one per shape (same tensors on the next call),
+    and a second call on other values of that shape is still right (nothing stale)."""
+    from minillm.kernels import flash_decoding as fd
+
+    pool = Pool([70, 33], 16, 2, 32, dtype, device, gen)
+    fd._WORKSPACES.clear()
+    for _ in range(2):
+        q = random_tensor((2, 4, 32), dtype, device, gen)
+        out, _ = _flash_decode(q, pool.k, pool.v, pool.tables, pool.lens(device), num_splits=3, block_n=BLOCK_N)
+        want, _ = paged_decode_attention(q, pool.k, pool.v, pool.tables, pool.lens(device))
+        assert_close(out, to_numpy(want), dtype, "out with the cached workspace", seed)
+    assert sorted(fd._WORKSPACES, key=str) == sorted([(q.device, 2, 4, 3, 32), ("counters", q.device, 2, 4)], key=str)
+    o_part, lse_part, counters = fd._WORKSPACES[(q.device, 2, 4, 3, 32)]
+    assert o_part.shape == (2, 4, 3, 32) and lse_part.shape == (2, 4, 3) and o_part.is_contiguous()
+    assert counters is fd._WORKSPACES[("counters", q.device, 2, 4)] and counters.shape == (2, 4)
+    assert not counters.any(), "the arrival counters must be back to zero after each call"
+
+
+@pytest.mark.parametrize("phi", [None, 0.0])
+def test_fused_merge_equals_two_launches(phi, dtype, device, gen, seed):
+    """The one-launch merge against the two-launch path and the reference, on one batch with
+    odd lengths, a length 0 and a sequence shorter than its splits (empty splits, which must
+    still count themselves in), GQA 3:1, an invalid block, and the asynchronized softmax with
+    a KV head forced to fall back; called three times on the same buffers (the counters,
+    reset by the last program, are reused) and through the cached workspace."""
+    from minillm.kernels import flash_decoding as fd
+
+    skip_fp32_on_gpu(dtype, device)
+    q_heads, kv_heads, head_dim, splits = 6, 2, 32, 5
+    pool = Pool([83, 0, 7, 50], 8, kv_heads, head_dim, dtype, device, gen)
+    q = random_tensor((4, q_heads, head_dim), dtype, device, gen)
+    if phi is not None:
+        q[:, 3:] *= 40.0  # KV head 1's scores leave the window: its non-empty splits fall back
+    k, v, tables = pool.numpy()
+    hole = int(tables[3, 2])  # sequence 3: positions 16-23 in a block past the pool, read as zeros
+    k, v, tables = k.copy(), v.copy(), tables.copy()
+    k[hole], v[hole] = 0.0, 0.0
+    pool.tables[3, 2] = pool.k.shape[0] + 5
+    want_o, want_l, _ = ref.flash_decode_partials(to_numpy(q), k, v, tables, pool.seq_lens, splits, BLOCK_N, None,
+                                                  phi, async_window(dtype))
+    ref_out, ref_lse = ref.merge_partials(want_o, want_l)
+    counters = split_counters(4, q_heads, device)
+    o_ws = poisoned((4, q_heads, splits, head_dim), torch.float32, device)
+    l_ws = poisoned((4, q_heads, splits), torch.float32, device)
+    results = {}
+    for fused in (True, False, True, True):
+        out, lse = poisoned(q.shape, dtype, device), poisoned((4, q_heads), torch.float32, device)
+        flags = torch.full((4, kv_heads, splits), -1, dtype=torch.int32, device=device) if phi is not None else None
+        _flash_decode(q, pool.k, pool.v, pool.tables, pool.lens(device), out=out, lse=lse, num_splits=splits,
+                      block_n=BLOCK_N, phi=phi, fallbacks=flags, workspace=(o_ws, l_ws, counters), fused_merge=fused)
+        assert not counters.any(), f"counters not reset (fused={fused})"
+        assert_close(out, ref_out, dtype, f"out (fused={fused})", seed)
+        assert_close(lse, ref_lse, dtype, f"lse (fused={fused})", seed)
+        if phi is not None:
+            assert flags[:, 1].sum() > 0 and not flags[:, 0].any()
+        results[fused] = (out, lse)
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[True][1], results[False][1], rtol=1e-5, atol=1e-5)
+    fd._WORKSPACES.clear()
+    for _ in range(2):  # the cached workspace and counters
+        out, lse = _flash_decode(q, pool.k, pool.v, pool.tables, pool.lens(device), num_splits=splits,
+                                 block_n=BLOCK_N, phi=phi)
+        assert_close(out, ref_out, dtype, "out (cached workspace)", seed)
+        assert not fd._WORKSPACES[("counters", q.device, 4, q_heads)].any()
 
 
 def test_partition_splits_and_num_sms(device):
@@ -549,7 +626,8 @@ def test_benchmark_dry_run(device):
         return sum(r["metric"] == metric and all(r["params"].get(a) == b for a, b in params.items()) for r in rows)
 
     points = 2  # batches 1, 2 at one (kv_heads, context)
-    assert count("time_ms", kind="decode") == points * len(bench.PEERS)
+    assert count("time_ms", kind="decode") == points * (len(bench.PEERS) + 1)  # + the two-launch merge
+    assert sum(r["metric"] == "time_ms" and r["peer"] == "two_launch" for r in rows) == points
     assert count("bandwidth_TBps", kind="decode") == points * len(bench.PEERS)
     assert count("rel_err", kind="decode") == points * 2
     assert count("reduce_share", kind="decode") == points

@@ -424,3 +424,38 @@ def test_benchmark_dry_run(device, tmp_path):
     assert bw["fraction_of_ceiling"] == pytest.approx(bw["ours"])  # the stand-in ceiling is 1 TB/s
     assert results.status[bench.BENCHMARK] == "complete"
     assert len(bench.summary(results).splitlines()) == 2 + len(ms) + 2
+
+
+# ----------------------------------------------------------------------------------------
+# The flat GEMM with W as the A operand, the one-launch split-K, the launch plans
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_flat_gemm_with_w_as_a(split_k, device, gen, seed):
+    """``w_as_a`` (``yᵀ = W xᵀ``): the same product, ragged M, N and K, bias, into a NaN-poisoned
+    ``out``, with and without split-K (the last program of each tile adds the partials)."""
+    dtype = torch.float16
+    x, w, b = operands(5, 70, 200, dtype, device, gen)
+    cfg = TileConfig(block_m=16, block_n=32, block_k=32, w_as_a=True)
+    got = flat_gemm(x, w, b, out=poisoned((5, 70), dtype, device), config=cfg, split_k=split_k)
+    assert_close(got, expected(x, w, b), dtype, f"flat_gemm w_as_a split {split_k}", seed)
+    assert "wA" in cfg.describe()
+
+
+@pytest.mark.parametrize("kind", list(KERNELS))
+def test_split_k_tickets_are_reset(kind, device, gen, seed):
+    """The split-K tickets are left at zero by every launch (the last program resets them), so
+    the plan's workspace serves the next call: three calls in a row, same bits; then a call
+    with other data through the same plan is right too. One plan per shape, made once."""
+    dtype = torch.float32
+    x, w, b = operands(4, 48, 200, dtype, device, gen)
+    cfg = TileConfig(block_m=4 if kind == "gemv" else 16, block_n=16, block_k=32, split_k=4)
+    first = KERNELS[kind](x, w, b, config=cfg)
+    plans = len(fg._PLANS)
+    for _ in range(2):
+        assert torch.equal(KERNELS[kind](x, w, b, config=cfg), first)
+    assert len(fg._PLANS) == plans, "the second call reuses the plan"
+    plan = next(p for key, p in fg._PLANS.items() if key[0] == kind and key[1] == cfg and key[2:5] == (4, 48, 200))
+    assert plan.grid[2] == 4 and plan.partials.shape == (4, 4, 48)
+    assert not plan.counters.any(), "every ticket back at zero"
+    x2 = random_tensor((4, 200), dtype, device, gen)
+    assert_close(KERNELS[kind](x2, w, b, config=cfg), expected(x2, w, b), dtype, f"{kind} reused plan", seed)

@@ -27,9 +27,48 @@ FlashAttention-2, arXiv 2307.08691; vLLM's PagedAttention V2) cuts each sequence
    split of a row is empty (length 0) the row gets ``out = 0`` and ``lse = −∞``.
 
 The price is the workspace: ``S`` fp32 partial outputs and logsumexps per query head, written
-by stage 1 and read back by stage 2 (`split_workspace_bytes`), and a second launch. With
+by stage 1 and read back by stage 2 (`split_workspace_bytes`), and a second launch (which the
+default path avoids: "One launch" below). With
 ``S = 1`` there is nothing to merge: stage 1 writes the final output and lse directly and
 stage 2 is not launched, so large batches, which fill the GPU without splitting, pay nothing.
+
+**One launch: the last program merges.** Stage 2 as a second kernel costs a launch (~35 µs
+of host time per call on the H200 with Triton's launcher), and at batch 1 the GPU work of a
+whole call is 10-60 µs, so small decode steps are launch-bound. The standard fix (the
+"semaphore" or "last block" pattern of split-K GEMMs and CUB's single-pass reductions) folds
+stage 2 into stage 1 (``FUSED_MERGE``, the default): each (sequence ``b``, KV head ``j``)
+has an int32 **arrival counter** in a small zero-initialised buffer (`split_counters`,
+cached with the workspace). Program ``(b, j, s)`` writes its partials, then adds 1 to the
+counter; the program that reads back ``S − 1`` is the last of the ``S`` to finish, so every
+partial of the group is written: it merges them (the same code as stage 2, `_merge_rows`, all
+of the group's query heads at once), writes the final ``out``/``lse``, and sets the counter
+back to 0, so the buffer needs no clearing between calls and works inside a CUDA graph
+(each replay finds it zero). A split past its sequence's end still writes its empty partial
+(``lse = −∞``) and counts itself in: the count is always ``S``. With ``S = 1`` nothing
+changes (no workspace, no counter, direct write).
+
+*Why it is correct* (the memory-ordering argument). Three things must hold for the last
+program to read every partial. (i) A program's partial stores are made by all of its
+threads, but the atomic by one: a CTA barrier (`tl.debug_barrier`) before the atomic orders
+every thread's stores before it. (ii) The atomic is ``acq_rel`` at GPU scope: its release
+half (cumulative: it covers the stores the barrier ordered before it) makes the partials
+visible GPU-wide before the incremented count is; its acquire half, in the program that reads
+``S − 1``, orders that program's later loads after every earlier increment, hence after every
+other program's partial stores (the increments form one modification order, each a release).
+(iii) The SMs' L1 caches are not coherent: a line of the workspace cached in the last
+program's L1 from earlier could be stale, so its loads of the partials use ``.cg`` (cache in
+L2 only, the GPU's point of coherence). Nothing is assumed about scheduling: programs of a
+group may run in any order or on any SM, and no program waits for another (no spin-wait, so
+no deadlock when the grid exceeds one wave). Under Triton's interpreter the programs run one
+after another, so the last in grid order merges, and the tests exercise the fused path on the
+CPU too. The two-launch path (`_reduce_splits`) stays, behind ``fused_merge=False``, for the
+benchmark's ``reduce_share`` row and the ``two_launch`` comparison. Measured on the H200 (CUDA
+graphs, bf16): equal or 1-4 % faster at every point (batch 1 x 8 KV heads: 9.8 against 10.3
+µs at 4k tokens, 42.2 against 43.7 µs at 32k), and 17-50 µs less host time per eager call.
+A first version that merged the group's query heads one after another in a loop ran 30-45 %
+*slower* at batch 1 x 8 KV heads: the last program's dependent L2 round trips, times the
+group size, sat on the critical path; merging the group as one ``[group, BLOCK_S, head_dim]``
+tile fixed it.
 
 **Where the splits fall.** A sequence of ``n`` keys has ``T = ⌈n / BLOCK_N⌉`` tiles; each of
 its ``S`` splits gets ``⌈T / S⌉`` consecutive tiles, so split boundaries are multiples of
@@ -43,11 +82,11 @@ splits than tiles) reads nothing and writes an empty partial (``o = 0``, ``lse =
 
 **How many splits.** Three rules, all plain Python, compared by the Chapter 7 benchmark:
 
-- `num_splits_heuristic` (ours, the default): decode is memory bound, so the goal is enough
-  programs in flight on every SM to keep HBM busy, not one perfectly full wave of compute.
-  Ask for about `SPLIT_PROGRAMS_PER_SM` programs per SM, but keep each split at least
-  `MIN_TILES_PER_SPLIT` tiles long (a program needs a few tiles in flight before its loads
-  overlap, and every split costs a partial result), and at most `MAX_SPLITS`.
+- `num_splits_heuristic` (ours, the default): as many splits as fit in **one wave** of
+  resident programs (`SPLIT_PROGRAMS_PER_SM` per SM, set by stage 1's register use), so
+  every SM streams its share and no short second wave trails behind (measured on the H200:
+  256 programs beat 320 by 25-30 %), at least `MIN_TILES_PER_SPLIT` tiles per split, at most
+  `MAX_SPLITS`.
 - `fa2_num_splits`: FlashAttention-2's `num_splits_heuristic` (flash_api.cpp), which
   maximises *wave efficiency*, the fraction of the last wave of programs that is occupied.
 - `partition_splits`: vLLM V2's fixed partitions of 512 tokens (split count grows with the
@@ -64,9 +103,10 @@ rescale, and partial results that need no rescaling against each other (each spl
 ``φ``, so FlashDecoding++ merges them by plain sums). This kernel writes the same partials
 (``o_s``, ``lse_s = φ + log Σ p``) in both modes, so one stage 2 serves both; with a unified
 max its weights ``e^{lse_s − M}`` are just the splits' sums relative to the largest. The
-kernel keeps two ``[group, BLOCK_N]`` register tiles, the running elementwise
-maximum of the scores and the running sum of ``p``, and reduces them once after the loop, so
-the loop body has **no reduction at all**.
+kernel keeps the running sum of ``p`` and the running max of the scores (for the window
+check only, off the critical path) as one row reduction per tile; a variant keeps them as
+``[group, BLOCK_N]`` lane tiles reduced once after the loop (``ASYNC_LANES``), which the
+H200 measured no faster (see `SPLIT_WARPS`).
 
 It is only safe if ``e^{x − φ}`` neither overflows nor underflows where it matters, which
 depends on the dtype ``p`` is rounded to for the tensor-core dot with ``V`` (`async_window`):
@@ -96,7 +136,12 @@ at about 20 % of attention time in the designs it compares against. In this kern
 attention is bound by HBM bandwidth, and the work the unified max removes (a row max per tile,
 a ``[group, head_dim]`` rescale, the rescaling in the merge) runs while the next tile's loads
 are in flight, so the gain is expected to be small or zero. The Chapter 7 benchmark measures
-it (the async/exact time ratio at every point) rather than assuming it.
+it (the async/exact time ratio at every point) rather than assuming it. Measured on the H200:
+0.99-1.00x at the large points (within noise), up to 1.1x at batch 1. One trap: with 8 warps
+the fallback loop compiled into the kernel raised its registers from 92 to 167 a thread,
+halving the programs per SM and making async 13-25 % *slower*; without the fallback code it
+was 0-4 % faster. With 4 warps (`SPLIT_WARPS`) both kernels need ~210 registers and the
+fallback costs nothing while it does not fire, so it stays in the kernel.
 
 Layouts and contract: exactly those of `paged_decode_attention` (`minillm.paged`'s pool
 ``[num_blocks, block_size, kv_heads, head_dim]``, int32 block tables padded with -1, any block
@@ -109,6 +154,7 @@ kernel reads the same bytes with a stride).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -120,11 +166,12 @@ from minillm.kernels.flash_attention import (
     _LN2, LOG2E, _head_dim_offsets, _scale_and_window, block_d, dot_precision,
 )
 from minillm.kernels.paged_attention import (
-    DECODE_STAGES, DECODE_WARPS, _blocks_per_tile, _check_paged, _paged_fwd_tiles, _tile_rows, decode_block_n,
+    _blocks_per_tile, _check_paged, _paged_fwd_tiles, _tile_rows, decode_block_n,
     paged_decode_attention_bytes,
 )
 
 __all__ = ["flash_decode_attention", "flash_decode_attention_bytes", "split_workspace", "split_workspace_bytes",
+           "split_counters", "FUSED_MERGE",
            "num_splits_heuristic", "fa2_num_splits", "partition_splits", "num_sms", "async_window",
            "SPLIT_PROGRAMS_PER_SM", "MIN_TILES_PER_SPLIT", "MAX_SPLITS", "CPU_NUM_SMS", "VLLM_PARTITION",
            "ASYNC_WINDOW_FP16", "ASYNC_WINDOW_WIDE"]
@@ -135,23 +182,25 @@ _LOG2E = tl.constexpr(LOG2E)
 # ----------------------------------------------------------------------------------------
 # How many splits (plain Python)
 # ----------------------------------------------------------------------------------------
-#: Programs per SM that `num_splits_heuristic` asks for. Decode is memory bound: what an SM
-#: needs is enough bytes in flight, not a full wave of arithmetic. One decode program (8 warps,
-#: 3 pipeline stages of 128-key K and V tiles, 32 KB each in bf16 at head dim 128) already
-#: keeps tens of KB of loads outstanding, and its buffers and registers let only one or two
-#: run on an SM at a time. Two per SM keeps every SM busy for the whole call and gives a
-#: second chance to balance the tail (programs of a wave finish at different times); more
-#: shorten each program and add partial results. Not measured yet: to be tuned from the
-#: split sweep of `bench.ch07_flash_decoding`.
+#: Stage-1 programs resident per SM, the size of one wave `num_splits_heuristic` fills. On
+#: the H200 (bf16, head dim 128, ``BLOCK_N = 128``, 4 warps, 3 stages) a program uses 207-211
+#: registers per thread and 73.7 KB of shared memory: 128 x 211 = 27k of an SM's 64k
+#: registers, so two programs fit per SM (shared memory would allow three). The split sweep
+#: of `bench.tune_flash_decoding` (L = 32k, CUDA-graph times) shows the wave at work: every
+#: batch x heads is fastest at the S that gives 256-264 programs and clearly slower just past
+#: it: batch 1 x 8 KV heads 0.044 ms at S = 32 (256 programs, 72 % of copy bandwidth), 0.048 at
+#: 24, 0.051 at 48; 1 x 32: 0.132 at S = 8 (256), 0.172 at 10 (320); 8 x 8: 0.255 at S = 4,
+#: 0.332 at 5 (320: 2.4 waves, the old heuristic's pick), 0.257 at 8 (512, two whole waves);
+#: 16 x 8: 0.497 at S = 2, 0.567 at 3. One full wave of resident programs, not "more programs".
 SPLIT_PROGRAMS_PER_SM = 2
 #: The shortest split `num_splits_heuristic` makes, in tiles of ``BLOCK_N`` keys. The
 #: workspace is not what limits it: a split writes and stage 2 reads ``2·(head_dim + 1)·4``
 #: bytes per query head, against ``2·BLOCK_N·head_dim·elem`` bytes of K/V per tile and KV
-#: head, i.e. ``≈ 4·group / (tiles·BLOCK_N·elem)`` of the traffic: 6 % for one 128-key bf16
-#: tile at GQA 4:1, 1.6 % per tile at MHA. What a short split loses is the pipeline: with
-#: ``num_stages = 3`` a program spends its first tiles filling the queue of loads, so a
-#: split should be a few times longer than that.
-MIN_TILES_PER_SPLIT = 4
+#: head, i.e. ``≈ 4·group / (tiles·BLOCK_N·elem)`` of the traffic. On the H200 at batch 1,
+#: 8 KV heads, 4k tokens (32 tiles of 128), CUDA-graph times: S = 4 (8 tiles each) 18.0 µs,
+#: S = 8 (4 tiles) 12.5 µs, S = 16 (2 tiles) 11.2 µs, S = 32 (1 tile) 11.9 µs: two tiles per
+#: split is where splitting further stops paying.
+MIN_TILES_PER_SPLIT = 2
 #: The most splits any rule picks (FlashAttention-2's limit too): beyond it, stage 2's
 #: per-row work grows and no GPU has that many SMs per sequence to feed.
 MAX_SPLITS = 128
@@ -164,8 +213,13 @@ VLLM_PARTITION = 512
 
 def num_sms(device) -> int:
     """Streaming multiprocessors of ``device``: the CUDA device's ``multi_processor_count``,
-    or `CPU_NUM_SMS` for a CPU (the interpreter), so the heuristics behave as on an H200."""
-    device = torch.device(device)
+    or `CPU_NUM_SMS` for a CPU (the interpreter), so the heuristics behave as on an H200.
+    Cached per device: it is asked on every decode call, and the answer never changes."""
+    return _num_sms(device if isinstance(device, torch.device) else torch.device(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).multi_processor_count)
     return CPU_NUM_SMS
@@ -174,16 +228,20 @@ def num_sms(device) -> int:
 def num_splits_heuristic(batch: int, kv_heads: int, max_seq_len: int, num_sms: int, block_n: int) -> int:
     """Splits per sequence for a decode step (ours; the default of `flash_decode_attention`).
 
-    Unsplit, the kernel runs ``batch · kv_heads`` programs. Aim for ``SPLIT_PROGRAMS_PER_SM ·
-    num_sms`` programs, so split each sequence ``⌈target / (batch · kv_heads)⌉`` ways, but no
-    split shorter than `MIN_TILES_PER_SPLIT` tiles of ``block_n`` keys of the longest
-    sequence (``max_seq_len``), and at most `MAX_SPLITS`. Returns 1 (no stage 2) when the
-    batch alone fills the target or the sequences are too short to split.
+    Unsplit, the kernel runs ``batch · kv_heads`` programs, and ``SPLIT_PROGRAMS_PER_SM ·
+    num_sms`` of them fit on the GPU at once (one *wave*). Split each sequence into as many
+    pieces as still fit in that one wave, ``⌊wave / (batch · kv_heads)⌋``: every SM gets its
+    full complement of programs, all of the same length, and no program is left for a second,
+    mostly empty wave (a wave and a bit costs nearly two waves of short programs: on the H200
+    320 programs, 2.4 waves of 132, ran 30 % slower than 256). Then at most one split per
+    `MIN_TILES_PER_SPLIT` tiles of ``block_n`` keys of the longest sequence (``max_seq_len``)
+    and at most `MAX_SPLITS`. Returns 1 (no stage 2) when the batch alone fills a wave or the
+    sequences are too short to split.
     """
     base = max(1, batch * kv_heads)
-    wanted = -(-SPLIT_PROGRAMS_PER_SM * num_sms // base)
+    fits = SPLIT_PROGRAMS_PER_SM * num_sms // base
     tiles = -(-max(0, max_seq_len) // block_n)
-    return max(1, min(wanted, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(fits, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
 def fa2_num_splits(batch_heads: int, n_blocks: int, num_sms: int, max_splits: int = MAX_SPLITS) -> int:
@@ -284,17 +342,18 @@ def _exact_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stri
 
 
 @triton.jit
-def _async_tiles(acc, l_tile, x_max, q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb,
+def _async_tiles(acc, l_run, x_max, q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb,
                  stride_vo, offs_n0, d_ok, lo, hi, seq_len, block_size, num_blocks, qk_scale, phi2,
                  MASKED: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 BLOCK_N: tl.constexpr, LANES: tl.constexpr):
     """Key tiles ``[lo, hi)`` with the unified max ``phi2`` (log2 units): ``p = 2^(x − φ)``.
 
-    No max and no rescale: ``acc`` accumulates ``p·v``; ``l_tile`` and ``x_max`` are
-    ``[GROUP_PAD, BLOCK_N]`` register tiles holding, per lane, the running sum of ``p`` and
-    the running max of the scores, reduced once by the caller after the last tile (the max
-    is only needed to check the window). ``MASKED``: positions ``>= seq_len`` may occur (the
-    last tile): they score ``−inf``, so ``p = 0``."""
+    No running max and no rescale: ``acc`` accumulates ``p·v``. ``l_run`` and ``x_max`` are
+    the running sum of ``p`` and the running max of the scores (the max only checks the
+    window). ``LANES``: they are ``[GROUP_PAD, BLOCK_N]`` register tiles, updated elementwise
+    and reduced once by the caller (no reduction in the loop at all); else ``[GROUP_PAD]``
+    rows, updated with one ``tl.sum``/``tl.max`` per tile. ``MASKED``: positions ``>=
+    seq_len`` may occur (the last tile): they score ``−inf``, so ``p = 0``."""
     for start in range(lo, hi, BLOCK_N):
         k_rows, v_rows, row_ok = _tile_rows(table, stride_tn, start, offs_n0, seq_len, block_size, num_blocks,
                                             stride_kb, stride_ko, stride_vb, stride_vo, BLOCKS_PER_TILE, MASKED,
@@ -304,17 +363,21 @@ def _async_tiles(acc, l_tile, x_max, q, k_head, v_head, table, stride_tn, stride
         x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
         if MASKED:
             x = tl.where((start + offs_n0 < seq_len)[None, :], x, float("-inf"))
-        x_max = tl.maximum(x_max, x)
         p = tl.math.exp2(x - phi2)
-        l_tile += p
+        if LANES:
+            x_max = tl.maximum(x_max, x)
+            l_run += p
+        else:
+            x_max = tl.maximum(x_max, tl.max(x, axis=1))
+            l_run += tl.sum(p, axis=1)
         v = tl.load(v_head + v_rows[:, None], mask=kv_ok, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, l_tile, x_max
+    return acc, l_run, x_max
 
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, BlockTables, SeqLens, O, LSE, Fallbacks,
+    Q, K, V, BlockTables, SeqLens, O, LSE, Fallbacks, Out, OutLse, Counters,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_ko, stride_kh, stride_kd,
     stride_vb, stride_vo, stride_vh, stride_vd,
@@ -322,10 +385,15 @@ def _split_kernel(
     stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_lh, stride_ls,
     stride_fb, stride_fh, stride_fs,
+    stride_outb, stride_outh, stride_outd,
+    stride_olb, stride_olh,
+    stride_cb, stride_ch,
     group_size, block_size, num_blocks, max_blocks, qk_scale, phi2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr, ASYNC: tl.constexpr,
     WINDOW_LO: tl.constexpr, WINDOW_HI: tl.constexpr, TRACK_FALLBACKS: tl.constexpr,
+    ASYNC_LANES: tl.constexpr, FALLBACK: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr,
+MERGE_BLOCK_S: tl.constexpr,
 ):
     """Program ``(b, kv_h, s)``: split ``s`` of sequence ``b``'s keys, for the ``group_size``
     query heads that read KV head ``kv_h``.
@@ -335,7 +403,13 @@ def _split_kernel(
     launcher passes them with a split stride of 0). ``ASYNC``: the unified max ``phi2``
     (log2 units) instead of the online softmax, with the in-kernel fallback when a row's max
     leaves ``[phi2 + WINDOW_LO, phi2 + WINDOW_HI]``; ``TRACK_FALLBACKS``: store 1 (fell back)
-    or 0 at ``Fallbacks[b, kv_h, s]``."""
+    or 0 at ``Fallbacks[b, kv_h, s]``.
+
+    ``FUSED_MERGE`` ("last program merges"): after writing its partials the program counts
+    itself in at ``Counters[b, kv_h]``; the last of the group's ``S`` programs to arrive merges
+    the ``S`` partials of the group's query heads (`_merge_rows`, stage 2's code) into ``Out[b,
+    h, :]`` and ``OutLse[b, h]``, and puts the counter back to 0 (module docstring: the memory
+    ordering)."""
     b, kv_h, split = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
     num_splits = tl.num_programs(2)
 
@@ -362,27 +436,37 @@ def _split_kernel(
 
     if ASYNC:
         acc = tl.zeros((GROUP_PAD, BLOCK_D), dtype=tl.float32)
-        l_tile = tl.zeros((GROUP_PAD, BLOCK_N), dtype=tl.float32)
-        x_max = tl.full((GROUP_PAD, BLOCK_N), float("-inf"), dtype=tl.float32)
-        acc, l_tile, x_max = _async_tiles(acc, l_tile, x_max, q, k_head, v_head, table, stride_tn, stride_kb,
-                                          stride_ko, stride_vb, stride_vo, offs_n0, d_ok, lo, full_hi, seq_len,
-                                          block_size, num_blocks, qk_scale, phi2, False, BLOCKS_PER_TILE,
-                                          DOT_PRECISION, BLOCK_N)
-        acc, l_tile, x_max = _async_tiles(acc, l_tile, x_max, q, k_head, v_head, table, stride_tn, stride_kb,
-                                          stride_ko, stride_vb, stride_vo, offs_n0, d_ok, full_hi, hi, seq_len,
-                                          block_size, num_blocks, qk_scale, phi2, True, BLOCKS_PER_TILE,
-                                          DOT_PRECISION, BLOCK_N)
-        l = tl.sum(l_tile, axis=1)
+        if ASYNC_LANES:
+            l_run = tl.zeros((GROUP_PAD, BLOCK_N), dtype=tl.float32)
+            x_max = tl.full((GROUP_PAD, BLOCK_N), float("-inf"), dtype=tl.float32)
+        else:
+            l_run = tl.zeros((GROUP_PAD,), dtype=tl.float32)
+            x_max = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
+        acc, l_run, x_max = _async_tiles(acc, l_run, x_max, q, k_head, v_head, table, stride_tn, stride_kb,
+                                         stride_ko, stride_vb, stride_vo, offs_n0, d_ok, lo, full_hi, seq_len,
+                                         block_size, num_blocks, qk_scale, phi2, False, BLOCKS_PER_TILE,
+                                         DOT_PRECISION, BLOCK_N, ASYNC_LANES)
+        acc, l_run, x_max = _async_tiles(acc, l_run, x_max, q, k_head, v_head, table, stride_tn, stride_kb,
+                                         stride_ko, stride_vb, stride_vo, offs_n0, d_ok, full_hi, hi, seq_len,
+                                         block_size, num_blocks, qk_scale, phi2, True, BLOCKS_PER_TILE,
+                                         DOT_PRECISION, BLOCK_N, ASYNC_LANES)
+        if ASYNC_LANES:
+            l = tl.sum(l_run, axis=1)
+            row_max = tl.max(x_max, axis=1)
+        else:
+            l = l_run
+            row_max = x_max
         m = tl.zeros((GROUP_PAD,), dtype=tl.float32) + phi2
         # The window check, once per program: how far each real row's largest score lies from φ.
-        offset = tl.max(x_max, axis=1) - phi2
+        offset = row_max - phi2
         outside = in_g & ((offset < WINDOW_LO) | (offset > WINDOW_HI))
         fell_back = (hi > lo) & (tl.max(outside.to(tl.int32), axis=0) > 0)
-        if fell_back:  # recompute this split exactly (its K/V are read a second time)
-            acc, l, m = _exact_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb,
-                                     stride_vo, offs_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len,
-                                     block_size, num_blocks, qk_scale, BLOCKS_PER_TILE, DOT_PRECISION, GROUP_PAD,
-                                     BLOCK_D, BLOCK_N)
+        if FALLBACK:
+            if fell_back:  # recompute this split exactly (its K/V are read a second time)
+                acc, l, m = _exact_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb,
+                                         stride_vo, offs_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len,
+                                         block_size, num_blocks, qk_scale, BLOCKS_PER_TILE, DOT_PRECISION,
+                                         GROUP_PAD, BLOCK_D, BLOCK_N)
         if TRACK_FALLBACKS:
             tl.store(Fallbacks + b * stride_fb + kv_h * stride_fh + split * stride_fs, fell_back.to(tl.int32))
     else:
@@ -398,10 +482,81 @@ def _split_kernel(
              out.to(O.dtype.element_ty), mask=in_g[:, None] & d_ok)
     tl.store(LSE + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=in_g)
 
+    if FUSED_MERGE:
+        # Memory ordering (module docstring, "One launch"): the barrier orders every thread's
+        # partial stores above before the atomic, whose release half (acq_rel, gpu scope; it is
+        # cumulative) publishes them to the whole GPU before the count; the program that sees
+        # S - 1 has, by the acquire half, every other program's release before it, so their
+        # partials are in L2 when it reads them, bypassing its own (incoherent) L1 with `.cg`.
+        tl.debug_barrier()
+        counter = Counters + b * stride_cb + kv_h * stride_ch
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:  # the last of the S programs of (b, kv_h): merge the group
+            h0 = kv_h * group_size
+            o_g, lse_g = _merge_rows(O + b * stride_ob + h0 * stride_oh, LSE + b * stride_lb + h0 * stride_lh,
+                                     stride_oh, stride_os, stride_od, stride_lh, stride_ls, group_size, num_splits,
+                                     offs_d, d_ok, MERGE_ROWS, MERGE_BLOCK_S, ".cg")
+            offs_r = tl.arange(0, MERGE_ROWS)
+            r_ok = offs_r < group_size
+            tl.store(Out + b * stride_outb + (h0 + offs_r[:, None]) * stride_outh + offs_d[None, :] * stride_outd,
+                     o_g.to(Out.dtype.element_ty), mask=r_ok[:, None] & d_ok)
+            tl.store(OutLse + b * stride_olb + (h0 + offs_r) * stride_olh, lse_g, mask=r_ok)
+            # Back to zero for the next call (which a later launch on the stream, or the next
+            # replay of a CUDA graph, orders after this one).
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
 
 # ----------------------------------------------------------------------------------------
 # Stage 2: merge the splits of one (sequence, query head)
 # ----------------------------------------------------------------------------------------
+@triton.jit
+def _merge_rows(o_rows, lse_rows, stride_ph, stride_ps, stride_pd, stride_qh, stride_qs, n_rows, num_splits,
+                offs_d, d_ok, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
+    """Merge the ``num_splits`` partials of ``n_rows <= ROWS`` query heads of one sequence:
+    head ``r``'s split ``s`` is ``o_rows + r·stride_ph + s·stride_ps + d·stride_pd`` and
+    ``lse_rows + r·stride_qh + s·stride_qs`` (fp32, natural log). Returns ``(out, lse)``,
+    ``[ROWS, BLOCK_D]`` and ``[ROWS]`` fp32: ``out = Σ_s w_s o_s / Σ_s w_s`` and ``lse = M +
+    log Σ_s w_s`` with ``w_s = e^{lse_s − M}``, ``M = max_s lse_s``, ``BLOCK_S`` splits of all
+    rows at a time (``[ROWS, BLOCK_S, BLOCK_D]`` tiles: the rows' loads are independent, so
+    merging a GQA group costs one row's latency, not ``group`` of them).
+
+    Two passes over the lse (``S`` floats a row, from cache the second time), one over the
+    outputs. An empty split's output is not even read (its weight is 0; masked load); padding
+    rows get ``out = 0``, ``lse = −∞`` (the caller does not store them). ``CACHE``: the loads'
+    cache modifier: ``""`` in stage 2 (a later launch: every partial is visible), ``".cg"``
+    (cache in L2 only, i.e. bypass L1) when stage 1's last program merges partials other
+    programs wrote during the same launch."""
+    offs_r = tl.arange(0, ROWS)
+    r_ok = (offs_r < n_rows)[:, None]
+    offs_s0 = tl.arange(0, BLOCK_S)
+    lse_base = lse_rows + offs_r[:, None] * stride_qh
+    m_lanes = tl.full((ROWS, BLOCK_S), float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + offs_s0
+        m_lanes = tl.maximum(m_lanes, tl.load(lse_base + offs_s[None, :] * stride_qs,
+                                              mask=r_ok & (offs_s < num_splits)[None, :], other=float("-inf"),
+                                              cache_modifier=CACHE))
+    m = tl.max(m_lanes, axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights e^{-inf} = 0, no NaN
+
+    o_base = o_rows + offs_r[:, None, None] * stride_ph + offs_d[None, None, :] * stride_pd
+    acc = tl.zeros((ROWS, offs_d.shape[0]), dtype=tl.float32)
+    w_lanes = tl.zeros((ROWS, BLOCK_S), dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + offs_s0
+        lse_s = tl.load(lse_base + offs_s[None, :] * stride_qs, mask=r_ok & (offs_s < num_splits)[None, :],
+                        other=float("-inf"), cache_modifier=CACHE)
+        w = tl.math.exp2((lse_s - m[:, None]) * _LOG2E)  # e^{lse_s - M}, in (0, 1]; 0 when empty
+        o_s = tl.load(o_base + offs_s[None, :, None] * stride_ps,
+                      mask=(lse_s > float("-inf"))[:, :, None] & d_ok[None, :, :], other=0.0,
+                      cache_modifier=CACHE)
+        acc += tl.sum(w[:, :, None] * o_s, axis=1)
+        w_lanes += w
+    w_sum = tl.sum(w_lanes, axis=1)
+    out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
+    return out, m + tl.math.log2(w_sum) * _LN2
+
+
 @triton.jit
 def _merge_splits_kernel(
     OP, LP, O, LSE, num_splits,
@@ -411,46 +566,48 @@ def _merge_splits_kernel(
     stride_lb, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Program ``(b, h)``: ``out = Σ_s w_s o_s / Σ_s w_s`` and ``lse = M + log Σ_s w_s`` with
-    ``w_s = e^{lse_s − M}``, ``M = max_s lse_s``, over the partials ``OP[b, h, :, :]`` and
-    ``LP[b, h, :]``, ``BLOCK_S`` splits at a time.
-
-    Two passes over the lse (``S`` floats, from L1/L2 the second time), one over the outputs.
-    An empty split's output is not even read (its weight is 0; masked load)."""
+    """Program ``(b, h)``: `_merge_rows` over the partials ``OP[b, h, :, :]`` and ``LP[b, h, :]``
+    into ``O[b, h, :]`` and ``LSE[b, h]`` (the two-launch path; `_split_kernel` with
+    ``FUSED_MERGE`` runs the same merge in its last program instead)."""
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    offs_s0 = tl.arange(0, BLOCK_S)
     offs_d, d_ok = _head_dim_offsets(HEAD_DIM, BLOCK_D)
-    lse_row = LP + b * stride_qb + h * stride_qh
-    o_row = OP + b * stride_pb + h * stride_ph
-
-    m_lanes = tl.full((BLOCK_S,), float("-inf"), dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        offs_s = s0 + offs_s0
-        m_lanes = tl.maximum(m_lanes, tl.load(lse_row + offs_s * stride_qs, mask=offs_s < num_splits,
-                                              other=float("-inf")))
-    m = tl.max(m_lanes, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights e^{-inf} = 0, no NaN
-
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    w_lanes = tl.zeros((BLOCK_S,), dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        offs_s = s0 + offs_s0
-        lse_s = tl.load(lse_row + offs_s * stride_qs, mask=offs_s < num_splits, other=float("-inf"))
-        w = tl.math.exp2((lse_s - m) * _LOG2E)  # e^{lse_s - M}, in (0, 1]; 0 when empty
-        o_s = tl.load(o_row + offs_s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
-                      mask=(lse_s > float("-inf"))[:, None] & d_ok, other=0.0)
-        acc += tl.sum(w[:, None] * o_s, axis=0)
-        w_lanes += w
-    w_sum = tl.sum(w_lanes, axis=0)
-    out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)
+    out, lse = _merge_rows(OP + b * stride_pb + h * stride_ph, LP + b * stride_qb + h * stride_qh, 0, stride_ps,
+                           stride_pd, 0, stride_qs, 1, num_splits, offs_d, d_ok, 1, BLOCK_S, "")
     # (Not `offs_d < HEAD_DIM`: the padding columns' offsets are clamped onto the last real one.)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(O.dtype.element_ty),
-             mask=tl.arange(0, BLOCK_D) < HEAD_DIM)
-    tl.store(LSE + b * stride_lb + h * stride_lh, m + tl.math.log2(w_sum) * _LN2)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
+             mask=tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM)
+    tl.store(LSE + b * stride_lb + h * stride_lh + tl.arange(0, 1), lse)
 
+
+#: Warps and pipeline stages of stage 1 (``BLOCK_N = 128``, `decode_block_n`). Chosen on the
+#: H200 by `bench.tune_flash_decoding` (bf16, head dim 128, CUDA-graph times at the best S of
+#: six points from batch 1 x 8 KV heads x 4k to batch 32 x 8 x 32k; BLOCK_N 64/128 x warps 4/8
+#: x stages 2/3/4). For the exact softmax 4 and 8 warps are within 1-3 % of each other (4
+#: warps: 11.2 against 11.9 µs at 1 x 8 x 4k, 0.135 against 0.136 ms at 1 x 8 x 128k, 0.969
+#: against 0.985 ms at 32 x 8 x 32k); BLOCK_N = 64 is 5-15 % slower with 8 warps and at best
+#: equal with 4. What decides is the asynchronized softmax: with 8 warps its kernel needs 167
+#: registers a thread against the exact one's 92 (the fallback loop is compiled into it), so
+#: one program fits per SM instead of two and it ran 13-25 % slower; with 4 warps both kernels
+#: need 207-211 registers, two programs per SM, and async ran at 1.00-1.10x the exact speed.
+#: Stages: 2 and 3 tie at small points; 2 lost 5-10 % at some (batch 8 x 8, S = 8), so 3.
+SPLIT_WARPS, SPLIT_STAGES = 4, 3
+#: Stage 1's launch options (``config`` of `_flash_decode` overrides them, for measurements):
+#: warps, pipeline stages, ``ASYNC_LANES`` (the asynchronized softmax's running sum and max
+#: as ``[group, BLOCK_N]`` lane tiles instead of per-tile row reductions) and ``FALLBACK``
+#: (compile the in-kernel exact fallback; False is for measuring its cost only: a split
+#: outside the window is then wrong).
+_STAGE1_DEFAULTS = dict(num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES, ASYNC_LANES=False, FALLBACK=True)
+
+#: Merge the splits inside stage 1 (its last program per (sequence, KV head); one launch) by
+#: default, instead of in a second launch (`_reduce_splits`). See the module docstring.
+FUSED_MERGE = True
 
 #: Splits merged per step by stage 2 (``[BLOCK_S, head_dim]`` fp32 tiles; 16 x 128 is 8 KB).
 MERGE_BLOCK_S = 16
+#: The one-launch merge's tile is ``[group, BLOCK_S, head_dim]`` (all of a GQA group's query
+#: heads at once): at most this many (head, split) rows per step (64 x 128 fp32 = 32 KB, 64
+#: registers a thread at 4 warps).
+MERGE_TILE_ROWS = 64
 MERGE_WARPS = 4
 
 
@@ -460,10 +617,66 @@ MERGE_WARPS = 4
 def split_workspace(batch: int, q_heads: int, num_splits: int, head_dim: int, device
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The partials stage 1 writes and stage 2 reads: ``(o_part, lse_part)``, fp32,
-    ``[batch, q_heads, num_splits, head_dim]`` and ``[batch, q_heads, num_splits]``."""
-    o_part = torch.empty(batch, q_heads, num_splits, head_dim, device=device, dtype=torch.float32)
-    lse_part = torch.empty(batch, q_heads, num_splits, device=device, dtype=torch.float32)
-    return o_part, lse_part
+    ``[batch, q_heads, num_splits, head_dim]`` and ``[batch, q_heads, num_splits]``, both
+    contiguous views of one allocation (one allocator call instead of two)."""
+    n_o = batch * q_heads * num_splits * head_dim
+    buf = torch.empty(n_o + batch * q_heads * num_splits, device=device, dtype=torch.float32)
+    return buf[:n_o].view(batch, q_heads, num_splits, head_dim), buf[n_o:].view(batch, q_heads, num_splits)
+
+
+#: ``(device, batch, q_heads, S, head_dim) -> (o_part, lse_part)``: the workspaces
+#: `flash_decode_attention` reuses when the caller gives none (`_cached_workspace`).
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, ...] | torch.Tensor] = {}
+#: Shapes kept in `_WORKSPACES` before it is emptied (an engine's batch size changes from
+#: step to step; each entry is ``batch · q_heads · S · (head_dim + 1) · 4`` bytes, 0.5 MB at
+#: batch 1 with 32 heads and 33 splits).
+WORKSPACE_CACHE_SIZE = 64
+
+
+def split_counters(batch: int, q_heads: int, device) -> torch.Tensor:
+    """The arrival counters of the one-launch merge (``FUSED_MERGE``): int32 ``[batch,
+    q_heads]``, zero (entry ``[b, kv_h]`` counts the finished splits of sequence ``b``, KV
+    head ``kv_h``; ``q_heads`` columns so that one buffer serves any number of KV heads). The
+    kernel leaves them zero again after every call."""
+    return torch.zeros(batch, q_heads, device=device, dtype=torch.int32)
+
+
+def _cached_counters(batch: int, q_heads: int, device) -> torch.Tensor:
+    """`split_counters` reused across calls (as `_cached_workspace`, and not cached while a
+    CUDA graph is being captured: then the zero fill is captured with the graph and every
+    replay starts from zero)."""
+    key = ("counters", device, batch, q_heads)
+    counters = _WORKSPACES.get(key)
+    if counters is None:
+        counters = split_counters(batch, q_heads, device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if len(_WORKSPACES) >= WORKSPACE_CACHE_SIZE:
+                _WORKSPACES.clear()
+            _WORKSPACES[key] = counters
+    return counters
+
+
+def _cached_workspace(batch: int, q_heads: int, num_splits: int, head_dim: int, device
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A workspace reused across calls of one shape on one device.
+
+    Allocating it per call cost a few microseconds of the ~15-50 µs a small decode step takes
+    (it is host time: at batch 1 and 4k tokens the GPU work is ~14 µs). Reuse is safe for calls
+    ordered on one stream, which is how a decode loop runs: the next call's stage 1 cannot
+    overwrite the partials before this call's stage 2 has read them. Callers that run decode
+    steps of the same shape concurrently on several streams must pass their own workspaces
+    (``workspace`` of `_flash_decode`). Not cached while a CUDA graph is being captured:
+    memory allocated during capture belongs to the graph's private pool."""
+    key = (device, batch, q_heads, num_splits, head_dim)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = (*split_workspace(batch, q_heads, num_splits, head_dim, device),
+              _cached_counters(batch, q_heads, device))
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if len(_WORKSPACES) >= WORKSPACE_CACHE_SIZE:
+                _WORKSPACES.clear()
+            _WORKSPACES[key] = ws
+    return ws
 
 
 def split_workspace_bytes(batch: int, q_heads: int, num_splits: int, head_dim: int) -> int:
@@ -527,16 +740,21 @@ def flash_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def _flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=None, lse=None, *,
                   num_splits: int | None = None, max_seq_len: int | None = None, phi: float | None = None,
                   block_n: int | None = None, tile_in_block: bool | None = None,
-                  workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  fallbacks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  workspace: tuple[torch.Tensor, ...] | None = None,
+                  fallbacks: torch.Tensor | None = None, config: dict | None = None,
+                  fused_merge: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`flash_decode_attention` with the knobs of tests and measurements:
 
     - ``block_n``: keys per tile (default `decode_block_n`); ``tile_in_block``: the tile path
       of `_tile_rows` (True = one table entry per tile, False = the general path, None = the
       best that applies);
     - ``workspace``: ``(o_part, lse_part)`` as `split_workspace` makes them for this
-      ``num_splits`` (else allocated per call when ``num_splits > 1``); after the call it holds
-      the partials, which tests compare and the benchmark merges again with `_reduce_splits`;
+      ``num_splits``, optionally with a third member, the int32 arrival counters
+      (`split_counters`; else cached ones); without it a cached workspace
+      (`_cached_workspace`) when ``num_splits > 1``. After the call it holds the partials,
+      which tests compare and the benchmark merges again with `_reduce_splits`;
+    - ``fused_merge``: merge the splits in stage 1's last program (one launch; True) or in
+      the separate stage-2 launch (`_reduce_splits`; False); None = `FUSED_MERGE`;
     - ``fallbacks``: int32 ``[batch, kv_heads, num_splits]``, written with 1 where a program
       of the asynchronized softmax fell back to the exact loop, else 0 (needs ``phi``).
     """
@@ -550,16 +768,21 @@ def _flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=N
         return out, lse
     if num_splits == 1:  # nothing to merge: stage 1 writes the final output (split stride 0)
         _split_attention(q, k_cache, v_cache, block_tables, seq_lens, out[:, :, None], lse[:, :, None], scale,
-                         phi, block_n, tile_in_block, fallbacks, dims)
+                         phi, block_n, tile_in_block, fallbacks, dims, config)
         return out, lse
     if workspace is None:
-        workspace = split_workspace(batch, q_heads, num_splits, head_dim, q.device)
-    o_part, lse_part = workspace
+        workspace = _cached_workspace(batch, q_heads, num_splits, head_dim, q.device)
+    o_part, lse_part = workspace[:2]
     if o_part.dim() != 4 or o_part.shape[2] != num_splits:
         raise ValueError(f"workspace {tuple(o_part.shape)} was made for another number of splits than {num_splits}")
-    _split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale, phi, block_n,
-                     tile_in_block, fallbacks, dims)
-    _reduce_splits(o_part, lse_part, out, lse)
+    if FUSED_MERGE if fused_merge is None else fused_merge:
+        counters = workspace[2] if len(workspace) > 2 else _cached_counters(batch, q_heads, q.device)
+        _split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale, phi, block_n,
+                         tile_in_block, fallbacks, dims, config, merge_into=(out, lse, counters))
+    else:
+        _split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale, phi, block_n,
+                         tile_in_block, fallbacks, dims, config)
+        _reduce_splits(o_part, lse_part, out, lse)
     return out, lse
 
 
@@ -583,8 +806,11 @@ def _plan(q, k_cache, v_cache, block_tables, seq_lens, num_splits, max_seq_len, 
 
 
 def _split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale=None, phi=None,
-                     block_n=None, tile_in_block=None, fallbacks=None, dims=None) -> None:
-    """Stage 1 alone: write the partials of ``S = o_part.shape[2]`` splits per sequence.
+                     block_n=None, tile_in_block=None, fallbacks=None, dims=None, config=None, merge_into=None):
+    """Stage 1: write the partials of ``S = o_part.shape[2]`` splits per sequence, and with
+    ``merge_into = (out, lse, counters)`` also merge them in the same launch (``FUSED_MERGE``:
+    the last program of each (sequence, KV head) writes ``out``/``lse`` of its query heads;
+    ``counters``: int32, at least ``[batch, kv_heads]``, all zero, left zero).
 
     ``o_part: [batch, q_heads, S, head_dim]`` (fp32 workspace, or the final output viewed
     with a split axis of 1), ``lse_part: [batch, q_heads, S]`` fp32; any strides. ``dims``:
@@ -612,16 +838,33 @@ def _split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_pa
     flag_strides = fallbacks.stride() if track else (0, 0, 0)
     window_lo, window_hi = async_window(q.dtype)
     group = q_heads // kv_heads
+    fused = merge_into is not None and num_splits > 1
+    if fused:
+        out, lse, counters = merge_into
+        if tuple(out.shape) != (batch, q_heads, head_dim) or tuple(lse.shape) != (batch, q_heads):
+            raise ValueError(f"out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match q {tuple(q.shape)}")
+        if (counters.dim() != 2 or counters.dtype != torch.int32 or counters.shape[0] < batch
+                or counters.shape[1] < kv_heads):
+            raise ValueError(f"counters must be int32 [>= {batch}, >= {kv_heads}], got {tuple(counters.shape)} "
+                             f"{counters.dtype}")
+        out_strides, lse_strides, counter_strides = out.stride(), lse.stride(), counters.stride()
+    else:  # placeholders, never touched
+        out, lse, counters = o_part, lse_part, seq_lens
+        out_strides, lse_strides, counter_strides = (0, 0, 0), (0, 0), (0, 0)
     BLOCK_N = block_n or decode_block_n(head_dim, q.dtype)
-    _split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, flags,
+    return _split_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, flags, out, lse, counters,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), seq_lens.stride(0),
-        *o_part.stride(), *lse_part.stride(), *flag_strides,
+        *o_part.stride(), *lse_part.stride(), *flag_strides, *out_strides, *lse_strides, *counter_strides,
         group, block_size, num_blocks, block_tables.shape[1], scale * LOG2E, 0.0 if phi is None else phi * LOG2E,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_N=BLOCK_N, BLOCKS_PER_TILE=_blocks_per_tile(block_size, BLOCK_N, tile_in_block),
         DOT_PRECISION=dot_precision(q.dtype), ASYNC=phi is not None, WINDOW_LO=window_lo, WINDOW_HI=window_hi,
-        TRACK_FALLBACKS=track, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
+        TRACK_FALLBACKS=track, FUSED_MERGE=fused,
+        MERGE_ROWS=triton.next_power_of_2(group) if fused else 1,
+        MERGE_BLOCK_S=(min(MERGE_BLOCK_S, triton.next_power_of_2(num_splits),
+                           max(1, MERGE_TILE_ROWS // triton.next_power_of_2(group))) if fused else 1),
+        **{**_STAGE1_DEFAULTS, **(config or {})},
     )
 
 

@@ -52,14 +52,23 @@ several programs per SM and wide tiles instead.
 **Split-K.** ``N / BLOCK_N`` programs may not fill the GPU (``N = 4096``, ``BLOCK_N = 64``:
 64 programs on 132 SMs). Split-K cuts the ``K`` loop into ``split_k`` runs of whole tiles
 (`minillm.reference.flat_gemm.split_k_ranges`), one program each, so ``split_k`` times as
-many programs stream the weights; each writes an fp32 partial ``[M, BLOCK_N]``, and a second
-small kernel adds the partials **in split order**, adds the bias and casts. The choice
-between that second pass and ``tl.atomic_add`` into an fp32 buffer: atomics would need the
-buffer zeroed first and a cast to fp16/bf16 after (two extra launches, against one), and
-their result depends on the order in which programs finish (not reproducible run to run).
-The partials cost ``2·split_k·M·N·4`` extra bytes (written, then read back); `split_k_for`
-keeps them under `MAX_PARTIALS_FRACTION` (5 %) of the weights' ``N·K·e``, and every run at
-least `MIN_K_TILES_PER_SPLIT` tiles long.
+many programs stream the weights; each writes an fp32 partial ``[M, BLOCK_N]``, and the
+**last** program of each output tile to finish (a ticket taken with an atomic counter) adds
+the partials **in split order**, adds the bias and casts (`_store_result`): one launch, no
+second reduction kernel. The alternatives measured worse or are worse: a second pass costs
+a launch (~2-4 µs of start-up and tail on a 10-30 µs kernel); ``tl.atomic_add`` into an fp32
+buffer needs it zeroed first and cast after (two extra launches), and its result depends on
+the order in which programs finish (not reproducible run to run). The partials cost
+``2·split_k·M·N·4`` extra bytes (mostly in L2); `split_k_for` keeps them under
+`MAX_PARTIALS_FRACTION` (5 %) of the weights' ``N·K·e``, and every run at least
+`MIN_K_TILES_PER_SPLIT` tiles long; `pick_config` times a few splits within those limits.
+
+**Host overhead.** A decode GEMM of Llama-2-7B runs 10-40 µs on an H200: a Python launcher
+that is slower than that shows in an eager loop. Everything that depends only on the call's
+shapes (tile, split, grid, meta-parameters, split-K workspace) is computed once and cached
+(`pick_config`'s answers, `_PLANS`), so a call is a look-up, the operand checks and one
+Triton launch, with no allocation after the first (the output aside, when not given). A
+CUDA graph removes even that: the benchmark reports both timings.
 
 **The heuristic dataflow.** Which kernel is fastest depends on ``M`` and on the layer's
 ``[N, K]``: GEMV for the smallest batches, flat GEMM in the middle, the library's GEMM
@@ -121,8 +130,6 @@ PROGRAMS_PER_SM = 2
 MIN_K_TILES_PER_SPLIT = 4
 MAX_SPLIT_K = 16
 MAX_PARTIALS_FRACTION = 0.05
-#: Elements per program of the split-K reduction pass.
-REDUCE_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -137,50 +144,60 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 1
     split_k: int = 1
+    w_as_a: bool = False
 
     def describe(self) -> str:
-        """Short text for logs and benchmark rows, e.g. ``"16x64x128 w4 s4 k2"``."""
+        """Short text for logs and benchmark rows, e.g. ``"16x64x128 w4 s4 k2"`` (``" wA"``
+        appended for a flat GEMM that computes ``yᵀ = W xᵀ``, `_flat_gemm_kernel`'s ``W_AS_A``)."""
         return (f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} "
-                f"k{self.split_k}")
+                f"k{self.split_k}" + (" wA" if self.w_as_a else ""))
 
 
 #: GEMV candidates on a GPU, as ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``. A program
 #: holds one ``[BLOCK_N, BLOCK_K]`` tile of W in registers (converted to fp32) and multiplies
-#: it by each of its rows of x in turn, so the tile is sized for registers, not for shared
-#: memory: 4096-8192 weights per program, 32 per thread, in 16-byte loads. What separates
-#: the candidates is the reduction along K: Triton spreads a row of the tile over
-#: ``BLOCK_K / 8`` lanes, so every row of x costs ``log2(BLOCK_K / 8)`` shuffles per feature
-#: per step. Compiled for sm_90 at 8 rows of x, the shuffles per FMA are 1.25 for 16 x 256,
-#: 0.75 for 64 x 64 and 0.5 for 128 x 32 (no spills; 128-150 registers). Narrow-K tiles
-#: reduce cheaply but make few programs along N (more split-K); 16 x 256 makes the most.
-#: Whatever the tile, the instructions per weight grow with the rows (conversion, product,
-#: sums: about 3 per row), which is what hands the larger batches over to the tensor cores.
-#: ``num_stages`` is 1: Triton software-pipelines the loads that feed a ``tl.dot`` (the flat
-#: GEMM's), not these; the bytes in flight come from several programs per SM instead. Three
-#: candidates only: each row count (1-16) is a kernel variant of its own, so the tuning of
-#: the GEMV compiles ``3 x (row counts used)`` kernels, about a second each.
-GEMV_TILES = [(16, 256, 4, 1), (64, 64, 4, 1), (128, 32, 4, 1)]
-#: Flat GEMM candidates on a GPU, as ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``,
-#: pruned per call to ``BLOCK_M <= max(16, M rounded up to a power of two)`` (at M <= 16:
-#: the first four). Per stage a tile moves ``(BLOCK_M + BLOCK_N)·BLOCK_K`` elements, 16-40 KB
-#: in fp16, and 3-4 stages are in flight: the ~30 KB per SM that hide HBM latency. Compiled
-#: for sm_90 (fp16), every candidate pipelines its loads (cp.async) without spilling, in
-#: 61-98 registers and 54-80 KB of shared memory (Hopper has 227 KB per SM: two or three
-#: programs per SM); the 16- and 32-row tiles use ``mma.sync``, the 64-row ones ``wgmma``.
-#: ``BLOCK_N`` 64-128 makes ``N / BLOCK_N`` programs (with split-K when too few); the 32- and
-#: 64-row tiles serve batches past 16 rows, where re-reading the weights once per 16 rows
-#: (from L2: the M tiles of one N tile are neighbours in the grid) starts to cost. Seven
-#: candidates, each compiled once per dtype (and once more with split-K), about a second
-#: each: the first call of a new shape tunes in a few seconds, later ones reuse the kernels.
-FLAT_GEMM_TILES = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (16, 128, 64, 4, 4),
-                   (32, 64, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 8, 3)]
+#: it by each of its rows of x in turn: 4096 weights per step, 32 per thread of 4 warps, in
+#: 16-byte loads. What separates the candidates is the reduction along K: Triton spreads a
+#: row of the tile over ``BLOCK_K / 8`` lanes, so every row of x costs ``log2(BLOCK_K / 8)``
+#: shuffles per feature per step, and the programs: ``N / BLOCK_N`` of them. Tuned on an H200
+#: (`bench/tune_flat_gemm.py`, CUDA graphs, Llama-2-7B shapes, fp16): at M = 1, 16 x 256
+#: streams 3.85 TB/s on [12288, 4096] (768 programs), 4 x 1024 3.12 on [4096, 4096] and
+#: 2-4 x 1024 3.9 on [4096, 11008]: the narrow, long tiles make 1024-2048 programs without
+#: split-K, each reading whole 2 KB runs of a row. (Wider tiles, 64 x 64 and 128 x 32, lost
+#: everywhere.) Past M = 2 the GEMV is compute bound whatever the tile (about 3 instructions
+#: per weight per row: conversion, product, sums), and 16 x 256 with split-K is its best.
+#: ``num_stages`` is 1: 3 measured the same (Triton software-pipelines the loads that feed a
+#: ``tl.dot``, not these); the bytes in flight come from several programs per SM. Three
+#: candidates only: each row count (1-16) is a kernel variant of its own.
+GEMV_TILES = [(16, 256, 4, 1), (4, 1024, 4, 1), (8, 1024, 8, 1)]
+#: Flat GEMM candidates on a GPU, as ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages,
+#: w_as_a)``, pruned per call to ``BLOCK_M <= max(16, M rounded up to a power of two)`` (at
+#: M <= 16: the first four). Per stage a tile moves ``(BLOCK_M + BLOCK_N)·BLOCK_K`` elements,
+#: 20-40 KB in fp16, and 4-6 stages are in flight: the ~30 KB per SM that hide HBM latency,
+#: and more. The 16-row tiles compute ``yᵀ = W xᵀ`` (``w_as_a``: the weights are ``wgmma``'s
+#: A operand, `_flat_gemm_kernel`): on an H200 (`bench/tune_flat_gemm.py`, CUDA graphs, fp16,
+#: M = 1-16) 16 x 64 x 128 with 4 stages moved 3.8-3.9 TB/s on [12288, 4096] and [11008,
+#: 4096], 6 stages 2.9 on [4096, 4096] and 3.6 on [4096, 11008] (with split-K 2), against
+#: 3.7-3.8 and 2.8-3.6 for the best tiles with x as the A operand (``mma.sync``), and 3.5-3.7
+#: / 2.5 / 3.2 for cuBLAS. ``BLOCK_N = 64`` won almost everywhere (more programs than 128);
+#: 256-wide K with 4 stages was within 1-2 %. The 32- and 64-row tiles serve batches past 16
+#: rows, where re-reading the weights once per 16 rows (from L2: the M tiles of one N tile
+#: are neighbours in the grid) starts to cost; they were not re-tuned. Each candidate is
+#: compiled once per dtype (and once more with split-K), about a second each.
+FLAT_GEMM_TILES = [(16, 64, 128, 4, 4, True), (16, 64, 128, 4, 6, True), (16, 64, 256, 4, 4, True),
+                   (16, 128, 128, 4, 4, True), (32, 64, 128, 4, 4, True), (64, 64, 64, 4, 4, False),
+                   (64, 128, 64, 8, 3, False)]
+#: Split-K values `pick_config` times each candidate tile with, besides `split_k_for`'s
+#: (those that fit its limits: runs of `MIN_K_TILES_PER_SPLIT` tiles, partials under
+#: `MAX_PARTIALS_FRACTION`). The rule alone is a poor guess: on the H200 the 64-program
+#: grids of [4096, K] were fastest at split 2 (128 programs), not at the 8 it gives.
+TUNE_SPLITS = (1, 2, 4)
 #: fp32 on a GPU (a testing dtype: IEEE products on CUDA cores, slow to compile): one small tile each.
 FP32_GEMV_TILE = (32, 128, 4, 1)
-FP32_FLAT_GEMM_TILE = (16, 32, 32, 4, 2)
+FP32_FLAT_GEMM_TILE = (16, 32, 32, 4, 2, False)
 #: Under the interpreter: small tiles (fast on a CPU) that still leave ragged N and K edges
 #: and several tiles along N and K at the test shapes.
 INTERPRET_GEMV_TILE = (32, 64, 4, 1)
-INTERPRET_FLAT_GEMM_TILE = (16, 32, 32, 4, 1)
+INTERPRET_FLAT_GEMM_TILE = (16, 32, 32, 4, 1, False)
 #: Timing of one candidate while tuning (ms of warm-up and of repetitions for do_bench).
 TUNE_WARMUP_MS, TUNE_REP_MS = 5, 20
 
@@ -189,19 +206,40 @@ TUNE_WARMUP_MS, TUNE_REP_MS = 5, 20
 # Kernels
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _store_result(acc, offs_m, offs_n, m_ok, n_ok, Bias, Out, Partials, pid_k, M, N, stride_om, stride_on,
+def _store_result(acc, offs_m, offs_n, m_ok, n_ok, Bias, Out, Partials, Counters, M, N, stride_om, stride_on,
                   HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
     """Write a program's fp32 tile ``acc[i, j]`` (row ``offs_m[i]``, feature ``offs_n[j]``,
-    broadcast shapes) where it belongs: with ``SPLIT``, its split's partial sums into
-    ``Partials: [split_k, M, N]`` (fp32, contiguous; bias and cast are the second pass's
-    business); else, plus the bias, cast to the output's dtype, into ``Out``. Padding rows
-    and columns are masked off: they are computed, never written."""
+    broadcast shapes) where it belongs: plus the bias, cast to the output's dtype, into
+    ``Out``. Padding rows and columns are masked off: they are computed, never written.
+
+    With ``SPLIT`` (the grid's third axis runs over the splits of K), the tile is first
+    parked in ``Partials: [splits, M, N]`` (fp32, contiguous), and the **last** program of
+    the output tile to arrive adds all the splits' partials, in split order 0, 1, … (so the
+    result does not depend on which program finished last: reproducible bit for bit), then
+    adds the bias and stores. Who is last is settled by a ticket, ``Counters[tile]``
+    incremented atomically (acq_rel, GPU scope) after a barrier (every thread's partial is
+    written before the increment publishes them); the last one resets it to 0 for the next
+    launch. One launch, no second reduction kernel: on a ~10-30 µs decode GEMM a second
+    launch (and its ~2-4 µs of start-up and tail) is a visible fraction of the time."""
     mask = m_ok & n_ok
     m64 = offs_m.to(tl.int64)
     n64 = offs_n.to(tl.int64)
     if SPLIT:
-        base = Partials + pid_k.to(tl.int64) * M * N
-        tl.store(base + m64 * N + n64, acc, mask=mask)
+        idx = m64 * N + n64
+        tl.store(Partials + tl.program_id(2).to(tl.int64) * M * N + idx, acc, mask=mask)
+        tl.debug_barrier()
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        splits = tl.num_programs(2)
+        ticket = tl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == splits - 1:
+            acc = tl.zeros_like(acc)
+            for s in range(0, splits):
+                # .cg: from L2, where the other SMs' partials are, never from a stale L1 line.
+                acc += tl.load(Partials + s * M * N + idx, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(Counters + tile, 0, sem="relaxed", scope="gpu")
+            if HAS_BIAS:
+                acc += tl.load(Bias + n64, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(Out + m64 * stride_om + n64 * stride_on, acc.to(Out.dtype.element_ty), mask=mask)
     else:
         if HAS_BIAS:
             acc += tl.load(Bias + n64, mask=n_ok, other=0.0).to(tl.float32)
@@ -209,7 +247,7 @@ def _store_result(acc, offs_m, offs_n, m_ok, n_ok, Bias, Out, Partials, pid_k, M
 
 
 @triton.jit
-def _gemv_kernel(X, W, Bias, Out, Partials, M, N, K, k_per_split,
+def _gemv_kernel(X, W, Bias, Out, Partials, Counters, M, N, K, k_per_split,
                  stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                  ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -260,25 +298,33 @@ def _gemv_kernel(X, W, Bias, Out, Partials, M, N, K, k_per_split,
 
     offs_m = m0 + cols
     _store_result(acc, offs_m[None, :], offs_n[:, None], (cols < ROWS)[None, :] & (offs_m < M)[None, :],
-                  n_ok[:, None], Bias, Out, Partials, pid_k, M, N, stride_om, stride_on, HAS_BIAS, SPLIT)
+                  n_ok[:, None], Bias, Out, Partials, Counters, M, N, stride_om, stride_on, HAS_BIAS, SPLIT)
 
 
 @triton.jit
-def _flat_gemm_kernel(X, W, Bias, Out, Partials, M, N, K, k_per_split,
+def _flat_gemm_kernel(X, W, Bias, Out, Partials, Counters, M, N, K, k_per_split,
                       stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, W_AS_A: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program ``(i, j, s)``: the output tile ``[BLOCK_M, BLOCK_N]`` at rows ``i·BLOCK_M``,
     features ``j·BLOCK_N``, summed over the ``s``-th run of K.
 
     Each step loads a ``[BLOCK_M, BLOCK_K]`` tile of x (rows past M read as zeros: the
-    padding of the flat GEMM) and a ``[BLOCK_N, BLOCK_K]`` tile of W, and accumulates
-    ``x_tile @ w_tileᵀ`` on the tensor cores in fp32. The loop is software-pipelined by
-    Triton: with ``num_stages = S`` the loads of the next ``S − 1`` tiles are in flight while
-    this one is multiplied (double buffering, for S = 2). The grid's first axis is M, so
-    the programs that share a tile of W are launched side by side and read it from HBM
-    once (from L2 after the first)."""
+    padding of the flat GEMM) and a ``[BLOCK_N, BLOCK_K]`` tile of W, and accumulates their
+    product on the tensor cores in fp32. The loop is software-pipelined by Triton: with
+    ``num_stages = S`` the loads of the next ``S − 1`` tiles are in flight while this one is
+    multiplied (double buffering, for S = 2). The grid's first axis is M, so the programs
+    that share a tile of W are launched side by side and read it from HBM once (from L2
+    after the first).
+
+    ``W_AS_A`` picks the orientation of the product. False: ``acc[BLOCK_M, BLOCK_N] += x ·
+    wᵀ``, the batch on the MMA's M side: Triton then uses Ampere-style ``mma.sync`` (Hopper's
+    ``wgmma`` needs an A operand of 64 rows, and x has 16). True: ``accᵀ[BLOCK_N, BLOCK_M]
+    += w · xᵀ`` (compute ``yᵀ = W xᵀ``): the 64 or 128 features are the A operand's rows and
+    the 16 rows of x the B operand's columns, a shape ``wgmma`` takes (m64 n16), so the
+    weights go from shared memory into the tensor cores asynchronously, without a trip
+    through registers (FlashDecoding++'s flat GEMM pads M to 8 on the N side the same way)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -291,7 +337,10 @@ def _flat_gemm_kernel(X, W, Bias, Out, Partials, M, N, K, k_per_split,
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if W_AS_A:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = (k_lo + offs_k0).to(tl.int64)[None, :]
     x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + k_start * stride_xk
     w_ptrs = W + w_rows[:, None] * stride_wn + k_start * stride_wk
@@ -303,31 +352,19 @@ def _flat_gemm_kernel(X, W, Bias, Out, Partials, M, N, K, k_per_split,
             k_ok = (k + offs_k0 < K)[None, :]
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
             w = tl.load(w_ptrs, mask=k_ok, other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if W_AS_A:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
-    _store_result(acc, offs_m[:, None], offs_n[None, :], m_ok[:, None], n_ok[None, :], Bias, Out, Partials,
-                  pid_k, M, N, stride_om, stride_on, HAS_BIAS, SPLIT)
-
-
-@triton.jit
-def _split_k_reduce_kernel(Partials, Bias, Out, M, N, split_k, stride_om, stride_on,
-                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """The second pass of split-K: ``out = Σ_s partials[s] (+ bias)``, ``BLOCK`` outputs per
-    program, the splits added in order 0, 1, … (deterministic: no atomics)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < M * N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    ptrs = Partials + offs
-    for _ in range(0, split_k):
-        acc += tl.load(ptrs, mask=ok, other=0.0)
-        ptrs += M * N  # the next split's partials
-    m = offs // N
-    n = offs % N
-    if HAS_BIAS:
-        acc += tl.load(Bias + n, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Out + m * stride_om + n * stride_on, acc.to(Out.dtype.element_ty), mask=ok)
+    if W_AS_A:
+        _store_result(acc, offs_m[None, :], offs_n[:, None], m_ok[None, :], n_ok[:, None], Bias, Out, Partials,
+                      Counters, M, N, stride_om, stride_on, HAS_BIAS, SPLIT)
+    else:
+        _store_result(acc, offs_m[:, None], offs_n[None, :], m_ok[:, None], n_ok[None, :], Bias, Out, Partials,
+                      Counters, M, N, stride_om, stride_on, HAS_BIAS, SPLIT)
 
 
 # ----------------------------------------------------------------------------------------
@@ -388,28 +425,66 @@ def _k_per_split(K: int, block_k: int, split_k: int) -> tuple[int, int]:
     return tiles_per_split * block_k, triton.cdiv(k_tiles, tiles_per_split)
 
 
+@dataclass
+class _Plan:
+    """Everything a launch needs that depends only on the call's shapes, not on its data:
+    the kernel, grid and meta-parameters, and the split-K workspace. Built once per
+    (kind, config, M, N, K, dtype, device, bias or not, strides of x and W), kept for the
+    process (`_PLANS`), so that a call costs one dictionary look-up and one Triton launch.
+
+    The workspace (``partials``, fp32 ``[splits, M, N]``, and ``counters``, int32 tickets
+    that the kernel leaves at zero) is the plan's own, never freed: a CUDA graph that
+    captured a launch keeps using these addresses. Calls with the same plan must therefore
+    not run concurrently on two streams (a decode loop runs its layers one after another)."""
+    kernel: object
+    grid: tuple[int, int, int]
+    k_per_split: int
+    meta: dict
+    partials: torch.Tensor | None
+    counters: torch.Tensor | None
+
+
+#: `_launch`'s cache of plans.
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _make_plan(kind: str, x: torch.Tensor, weight: torch.Tensor, has_bias: bool, cfg: TileConfig) -> _Plan:
+    M, K = x.shape
+    N = weight.shape[0]
+    k_per_split, split = _k_per_split(K, cfg.block_k, cfg.split_k)
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), split)
+    partials = counters = None
+    if split > 1:
+        partials = torch.empty(split, M, N, device=x.device, dtype=torch.float32)
+        counters = torch.zeros(grid[0] * grid[1], device=x.device, dtype=torch.int32)
+    meta = dict(HAS_BIAS=has_bias, SPLIT=split > 1, EVEN_K=K % cfg.block_k == 0, BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if kind == "gemv":
+        kernel = _gemv_kernel
+        meta.update(ROWS=cfg.block_m, BLOCK_M=triton.next_power_of_2(cfg.block_m))
+    else:
+        kernel = _flat_gemm_kernel
+        meta.update(DOT_PRECISION=dot_precision(x.dtype), W_AS_A=cfg.w_as_a, BLOCK_M=cfg.block_m)
+    return _Plan(kernel, grid, k_per_split, meta, partials, counters)
+
+
 def _launch(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             cfg: TileConfig) -> torch.Tensor:
-    """Run ``kind`` ("gemv" or "flat_gemm") with ``cfg`` on checked operands; returns out."""
+    """Run ``kind`` ("gemv" or "flat_gemm") with ``cfg`` on checked operands; returns out.
+    One kernel launch (split-K included, `_store_result`), no allocation after the first
+    call of a plan."""
     M, K = x.shape
     N = weight.shape[0]
     if M == 0 or N == 0:
         return out
     if K == 0:  # an empty sum: the bias, or zeros
         return out.copy_(bias.expand(M, N)) if bias is not None else out.zero_()
-    k_per_split, split = _k_per_split(K, cfg.block_k, cfg.split_k)
-    partials = torch.empty(split, M, N, device=x.device, dtype=torch.float32) if split > 1 else None
-    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), split)
-    args = (x, weight, bias, out, partials, M, N, K, k_per_split, *x.stride(), *weight.stride(), *out.stride())
-    meta = dict(HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=K % cfg.block_k == 0, BLOCK_N=cfg.block_n,
-                BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if kind == "gemv":
-        _gemv_kernel[grid](*args, ROWS=cfg.block_m, BLOCK_M=triton.next_power_of_2(cfg.block_m), **meta)
-    else:
-        _flat_gemm_kernel[grid](*args, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=cfg.block_m, **meta)
-    if split > 1:
-        _split_k_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
-            partials, bias, out, M, N, split, *out.stride(), HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK)
+    key = (kind, cfg, M, N, K, x.dtype, x.device, bias is not None, x.stride(), weight.stride())
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _make_plan(kind, x, weight, bias is not None, cfg)
+    plan.kernel[plan.grid](x, weight, bias, out, plan.partials, plan.counters, M, N, K, plan.k_per_split,
+                           *x.stride(), *weight.stride(), *out.stride(), **plan.meta)
     return out
 
 
@@ -421,10 +496,15 @@ def _tiles(kind: str, M: int, dtype: torch.dtype) -> list[TileConfig]:
         tiles = [INTERPRET_GEMV_TILE] if _interpreting() else [FP32_GEMV_TILE] if dtype == torch.float32 else GEMV_TILES
         return [TileConfig(rows, *t) for t in tiles]
     if _interpreting():
-        return [TileConfig(*INTERPRET_FLAT_GEMM_TILE)]
+        return [_flat_tile(INTERPRET_FLAT_GEMM_TILE)]
     if dtype == torch.float32:
-        return [TileConfig(*FP32_FLAT_GEMM_TILE)]
-    return [TileConfig(*t) for t in FLAT_GEMM_TILES if t[0] <= rows_bucket(kind, M)]
+        return [_flat_tile(FP32_FLAT_GEMM_TILE)]
+    return [_flat_tile(t) for t in FLAT_GEMM_TILES if t[0] <= rows_bucket(kind, M)]
+
+
+def _flat_tile(t: tuple) -> TileConfig:
+    """A `TileConfig` from a ``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, w_as_a)`` entry."""
+    return TileConfig(*t[:5], w_as_a=t[5])
 
 
 def _with_split(cfg: TileConfig, M: int, N: int, K: int, x: torch.Tensor) -> TileConfig:
@@ -441,10 +521,12 @@ def rows_bucket(kind: str, M: int) -> int:
     return max(1, min(M, GEMV_MAX_ROWS)) if kind == "gemv" else max(16, triton.next_power_of_2(max(M, 1)))
 
 
-#: Tuned tiles: (kind, dtype, rows bucket, N, K, device index) -> index into `_tiles`.
-_TUNED: dict[tuple, int] = {}
+#: Tuned configs: (kind, dtype, rows bucket, N, K, device index) -> the fastest (tile, split).
+_TUNED: dict[tuple, TileConfig] = {}
 #: The timings behind each tuned entry: key -> {config description: ms} (inspection, benchmarks).
 TUNING_TIMES: dict[tuple, dict[str, float]] = {}
+#: `pick_config`'s answers per exact call shape, so a call after the first costs one look-up.
+_PICKED: dict[tuple, TileConfig] = {}
 
 
 def pick_config(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -452,40 +534,59 @@ def pick_config(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """The config ``kind`` ("gemv" or "flat_gemm") runs with on these operands.
 
     Under the interpreter and for fp32: one fixed small tile. On a GPU: every candidate tile
-    is timed once on these operands (`triton.testing.do_bench`, cold L2, median; each with
-    its split-K) and the fastest kept for this (kind, dtype, `rows_bucket`, N, K, device),
-    for the life of the process; candidates that do not fit the GPU (shared memory) are
-    skipped. With ``MINILLM_FLAT_GEMM_AUTOTUNE=0``, the first candidate, untimed. The split
-    is recomputed for each M (`split_k_for`). (Tuning runs kernels: make the first call of a
+    is timed once on these operands at each split of K in `TUNE_SPLITS` and at
+    `split_k_for`'s (`triton.testing.do_bench`, cold L2, median; the splits that break the
+    rule's limits are skipped), and the fastest (tile, split) kept for this (kind, dtype,
+    `rows_bucket`, N, K, device), for the life of the process; candidates that do not fit
+    the GPU (shared memory) are skipped. With ``MINILLM_FLAT_GEMM_AUTOTUNE=0``, the first
+    candidate with the rule's split, untimed. (Tuning runs kernels: make the first call of a
     shape before capturing a CUDA graph, as with any autotuner.)"""
     M, K = x.shape
     N = weight.shape[0]
+    autotune = os.environ.get("MINILLM_FLAT_GEMM_AUTOTUNE", "1") != "0"
+    fast_key = (kind, x.dtype, M, N, K, x.device, autotune)
+    cfg = _PICKED.get(fast_key)
+    if cfg is not None:
+        return cfg
     tiles = _tiles(kind, M, x.dtype)
-    if (len(tiles) == 1 or not x.is_cuda or min(M, N, K) == 0
-            or os.environ.get("MINILLM_FLAT_GEMM_AUTOTUNE", "1") == "0"):
-        return _with_split(tiles[0], M, N, K, x)
-    key = (kind, x.dtype, rows_bucket(kind, M), N, K, x.device.index)
-    if key not in _TUNED:
-        from triton.runtime.errors import OutOfResources
-        from triton.testing import do_bench
+    if len(tiles) == 1 or not x.is_cuda or min(M, N, K) == 0 or not autotune:
+        cfg = _with_split(tiles[0], M, N, K, x)
+    else:
+        key = (kind, x.dtype, rows_bucket(kind, M), N, K, x.device.index)
+        if key not in _TUNED:
+            _TUNED[key], TUNING_TIMES[key] = _tune(kind, tiles, x, weight, bias)
+        cfg = _TUNED[key]
+    _PICKED[fast_key] = cfg
+    return cfg
 
-        out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-        times: dict[str, float] = {}
-        best, best_ms = None, math.inf
-        for i, tile in enumerate(tiles):
-            cfg = _with_split(tile, M, N, K, x)
+
+def _tune(kind: str, tiles: list[TileConfig], x, weight, bias) -> tuple[TileConfig, dict[str, float]]:
+    """Time every (tile, split) candidate of `pick_config`; returns the fastest and the times."""
+    from triton.runtime.errors import OutOfResources
+    from triton.testing import do_bench
+
+    M, K = x.shape
+    N = weight.shape[0]
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    times: dict[str, float] = {}
+    best, best_ms = None, math.inf
+    for tile in tiles:
+        rule = _with_split(tile, M, N, K, x)
+        limit = split_k_for(M, N, K, replace(tile, block_n=1), x.element_size(), 1 << 30)  # the limits alone
+        splits = sorted({rule.split_k} | {s for s in TUNE_SPLITS if s <= limit})
+        for split in splits:
+            cfg = replace(tile, split_k=split)
             try:
                 ms = float(do_bench(lambda cfg=cfg: _launch(kind, x, weight, bias, out, cfg),
                                     warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, return_mode="median"))
             except OutOfResources:  # e.g. a deep pipeline on a GPU with less shared memory than Hopper
-                continue
+                break
             times[cfg.describe()] = ms
             if ms < best_ms:
-                best, best_ms = i, ms
-        if best is None:
-            raise RuntimeError(f"no {kind} config fits this GPU for M={M}, N={N}, K={K}")
-        _TUNED[key], TUNING_TIMES[key] = best, times
-    return _with_split(tiles[_TUNED[key]], M, N, K, x)
+                best, best_ms = cfg, ms
+    if best is None:
+        raise RuntimeError(f"no {kind} config fits this GPU for M={M}, N={N}, K={K}")
+    return best, times
 
 
 def _run(kind: str, x, weight, bias, out, config, split_k) -> torch.Tensor:
