@@ -55,7 +55,7 @@ import torch.nn.functional as F
 # before Triton is imported.
 from minillm.kernels.kv_cache import decode_attention, decode_attention_bytes, write_kv
 
-from bench.common import Results, TimeBudget, attempt, free_memory, rel_err, time_ms
+from bench.common import Results, TimeBudget, attempt, free_memory, graph_time_ms, rel_err, time_ms
 
 BENCHMARK = "ch02_decode_attention"
 Q_HEADS, HEAD_DIM = 32, 128
@@ -120,21 +120,6 @@ def pinned_peer(q, k, v, timer: Callable) -> tuple[str, tuple[float, torch.Tenso
     res, status2 = attempt(lambda: time_sdpa(q, k, v, SDPBackend.EFFICIENT_ATTENTION, timer), allow_errors=True)
     note = f"flash refused ({status})" + (f"; efficient {status2}" if status2 else "")
     return "sdpa_efficient", res, note
-
-
-def graph_time_ms(fn: Callable[[], Any], timer: Callable, repeats: int = GRAPH_REPEATS) -> float:
-    """Milliseconds per call of ``fn`` when ``repeats`` calls are captured in one CUDA graph
-    and the graph is replayed (timed by ``timer``): the GPU's time without launch overhead."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compile/allocate outside the capture, as graph capture requires
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    return timer(graph.replay) / repeats
 
 
 # ----------------------------------------------------------------------------------------
@@ -271,9 +256,9 @@ def _run_write_point(results: Results, device, gen, batch: int, kv_heads: int, h
         peer_ms, status = attempt(lambda: timer(fn), allow_errors=True)
         results.add(BENCHMARK, params, "write_kv_time_ms", ours_ms, name, peer_ms, note=status)
     if torch.device(device).type == "cuda":  # CUDA graphs: GPU time without the launch
-        ours_graph_ms, ours_status = attempt(lambda: graph_time_ms(ours, timer), allow_errors=True)
+        ours_graph_ms, ours_status = attempt(lambda: graph_time_ms(ours, GRAPH_REPEATS, timer), allow_errors=True)
         for name, fn in peers:
-            peer_ms, status = attempt(lambda: graph_time_ms(fn, timer), allow_errors=True)
+            peer_ms, status = attempt(lambda: graph_time_ms(fn, GRAPH_REPEATS, timer), allow_errors=True)
             note = "; ".join(f"{who} {st}" for who, st in (("ours", ours_status), (name, status)) if st) or None
             results.add(BENCHMARK, params, "write_kv_graph_time_ms", ours_graph_ms, name, peer_ms, note=note)
     del k_cache, v_cache, k_flat, v_flat

@@ -82,9 +82,9 @@ from minillm.kernels.flash_decoding import (
 )
 from minillm.kernels.paged_attention import decode_block_n, paged_decode_attention, paged_decode_attention_bytes
 
-from bench.ch02_decode_attention import cache_bytes, graph_time_ms, time_sdpa
+from bench.ch02_decode_attention import cache_bytes, time_sdpa
 from bench.ch05_paged_attention import _decode_error, shuffled_tables
-from bench.common import Results, TimeBudget, attempt, free_memory, rel_err, time_ms
+from bench.common import Results, TimeBudget, attempt, free_memory, graph_time_ms, rel_err, time_ms
 
 BENCHMARK = "ch07_flash_decoding"
 Q_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 128, 16
@@ -208,7 +208,7 @@ def _sdpa_graph_ms(q, k, v, backend, timer) -> float:
 
     q4, gqa = q[:, :, None], q.shape[1] != k.shape[1]
     with sdpa_kernel(backend):
-        return graph_time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=gqa), timer, GRAPH_REPEATS)
+        return graph_time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=gqa), GRAPH_REPEATS, timer)
 
 
 # ----------------------------------------------------------------------------------------
@@ -347,9 +347,9 @@ def _run_decode_point(results: Results, device, batch: int, kv_heads: int, conte
     else:
         reduce_ms = 0.0
     if use_graphs:
-        graph_ms["ours"] = graph_time_ms(ours, timer, GRAPH_REPEATS)
-        graph_ms["two_launch"] = graph_time_ms(two_launch, timer, GRAPH_REPEATS)
-        graph_ms["ch05_unsplit"] = graph_time_ms(ch05, timer, GRAPH_REPEATS)
+        graph_ms["ours"] = graph_time_ms(ours, GRAPH_REPEATS, timer)
+        graph_ms["two_launch"] = graph_time_ms(two_launch, GRAPH_REPEATS, timer)
+        graph_ms["ch05_unsplit"] = graph_time_ms(ch05, GRAPH_REPEATS, timer)
     flags = torch.zeros(batch, kv_heads, splits, dtype=torch.int32, device=device)
     ours(PHI, flags)
     fell_back = float(flags.float().mean())
@@ -438,7 +438,7 @@ def _run_split_sweep(results: Results, device, batch: int, kv_heads: int, contex
             fn = lambda: _flash_decode(q, k_pool, v_pool, tables, lens, out=out, lse=lse,  # noqa: E731
                                        num_splits=splits, workspace=ws)
             fn()
-            times[splits] = (timer(fn), graph_time_ms(fn, timer, GRAPH_REPEATS) if use_graphs else None)
+            times[splits] = (timer(fn), graph_time_ms(fn, GRAPH_REPEATS, timer) if use_graphs else None)
         return times[splits]
 
     unsplit, unsplit_graph = time_of(1)

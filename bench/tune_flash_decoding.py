@@ -3,7 +3,7 @@ split count, the asynchronized softmax's variants and the host overhead of one c
 
 Run on a GPU: ``python -m bench.tune_flash_decoding [part ...]`` (parts: overhead, config,
 async, splits, fused; default all). Prints compact tables; times are per call replaying a CUDA
-graph of 16 calls (`bench.ch02_decode_attention.graph_time_ms`) unless marked eager."""
+graph of 16 calls (`bench.common.graph_time_ms`) unless marked eager."""
 from __future__ import annotations
 
 import sys
@@ -14,7 +14,7 @@ import torch
 from minillm.kernels import flash_decoding as fd
 from minillm.kernels.paged_attention import paged_decode_attention_bytes
 
-from bench.ch02_decode_attention import graph_time_ms
+from bench.common import graph_time_ms
 from bench.ch07_flash_decoding import paged_cache
 from bench.common import time_ms
 
@@ -64,7 +64,7 @@ def overhead():
             fn()
         cpu = (time.perf_counter() - t0) / n * 1e6
         torch.cuda.synchronize()
-        print(f"S={s:3}: cpu-side {cpu:6.1f}  eager {timer(fn) * 1e3:6.1f}  graph {graph_time_ms(fn, timer) * 1e3:6.1f}")
+        print(f"S={s:3}: cpu-side {cpu:6.1f}  eager {timer(fn) * 1e3:6.1f}  graph {graph_time_ms(fn, 16, timer) * 1e3:6.1f}")
     n = 2000
     parts = {
         "_plan": lambda: fd._plan(q, k, v, tables, lens, None, None, None),
@@ -104,7 +104,7 @@ def config():
                 try:
                     fn = caller(inp, s, bn, config=dict(num_warps=w, num_stages=st))
                     fn()
-                    res[(bn, w, st, s)] = graph_time_ms(fn, timer)
+                    res[(bn, w, st, s)] = graph_time_ms(fn, 16, timer)
                 except Exception as e:  # noqa: BLE001
                     res[(bn, w, st, s)] = None
                     print(f"  {pt} bn={bn} w={w} st={st} S={s}: {type(e).__name__}: {str(e)[:80]}")
@@ -147,12 +147,12 @@ def async_variants():
             base = dict(num_warps=w, num_stages=3)
             fn = caller(inp, s, config=base)
             fn()
-            exact = graph_time_ms(fn, timer)
+            exact = graph_time_ms(fn, 16, timer)
             cells = []
             for name, cfg in variants.items():
                 fn = caller(inp, s, phi=0.0, config={**base, **cfg})
                 fn()
-                t = graph_time_ms(fn, timer)
+                t = graph_time_ms(fn, 16, timer)
                 cells.append(f"{name} {t:.4f} ({exact / t:.3f})")
             print(f"  w={w} {pt} S={s}: exact {exact:.4f} ({frac(*pt, exact):.0%}) | " + " | ".join(cells))
             del inp
@@ -173,7 +173,7 @@ def splits(cfg=None):
                 break
             fn = caller(inp, s, config=cfg)
             fn()
-            t = graph_time_ms(fn, timer)
+            t = graph_time_ms(fn, 16, timer)
             cells.append(f"{s}:{t:.4f}({frac(b, hkv, 32768, t):.0%})")
         print(f"  B={b:2} Hkv={hkv:2} base={b * hkv:3}: " + " ".join(cells), flush=True)
         del inp
@@ -204,7 +204,7 @@ def fused():
                 fn()
             cpu = (time.perf_counter() - t0) / n * 1e6
             torch.cuda.synchronize()
-            row[name] = (timer(fn), graph_time_ms(fn, timer), cpu)
+            row[name] = (timer(fn), graph_time_ms(fn, 16, timer), cpu)
         q = inp[0]
         ws = fd.split_workspace(b, HQ, s, D, DEV) if s > 1 else None
         red = 0.0

@@ -166,7 +166,7 @@ from minillm.kernels.flash_attention import (
     _LN2, LOG2E, _head_dim_offsets, _scale_and_window, block_d, dot_precision,
 )
 from minillm.kernels.paged_attention import (
-    _blocks_per_tile, _check_paged, _paged_fwd_tiles, _tile_rows, decode_block_n,
+    _blocks_per_tile, _check_paged, _decode_outputs, _paged_fwd_tiles, _tile_rows, decode_block_n,
     paged_decode_attention_bytes,
 )
 
@@ -760,10 +760,7 @@ def _flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=N
     """
     dims, num_splits, block_n = _plan(q, k_cache, v_cache, block_tables, seq_lens, num_splits, max_seq_len, block_n)
     batch, (q_heads, head_dim) = q.shape[0], q.shape[1:]
-    if out is None:
-        out = torch.empty(batch, q_heads, head_dim, device=q.device, dtype=q.dtype)
-    if lse is None:
-        lse = torch.empty(batch, q_heads, device=q.device, dtype=torch.float32)
+    out, lse = _decode_outputs(q, out, lse)
     if batch * q_heads == 0:
         return out, lse
     if num_splits == 1:  # nothing to merge: stage 1 writes the final output (split stride 0)

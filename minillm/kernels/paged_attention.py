@@ -374,6 +374,16 @@ def _check_paged(q, k_cache, v_cache, block_tables, seq_lens, batch: int) -> tup
     return num_blocks, block_size, kv_heads, head_dim, q_heads
 
 
+def _decode_outputs(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None):
+    """``(out, lse)`` of a decode launcher for ``q: [batch, q_heads, head_dim]``: the given
+    tensors, or new ones (``out`` like q, ``lse: [batch, q_heads]`` float32)."""
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if lse is None:
+        lse = torch.empty(q.shape[:2], device=q.device, dtype=torch.float32)
+    return out, lse
+
+
 def _blocks_per_tile(block_size: int, block_n: int, forced: bool | None) -> int:
     """The tile path (`_tile_rows`): 1 if a tile of ``block_n`` positions always lies in one
     block, ``n`` if it is exactly ``n >= 2`` whole blocks, 0 (general) otherwise. ``forced``
@@ -426,10 +436,7 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=N
     num_blocks, block_size, kv_heads, head_dim, q_heads = _check_paged(q, k_cache, v_cache, block_tables,
                                                                         seq_lens, batch)
     scale, _ = _scale_and_window(head_dim, scale, None)
-    if out is None:
-        out = torch.empty(batch, q_heads, head_dim, device=q.device, dtype=q.dtype)
-    if lse is None:
-        lse = torch.empty(batch, q_heads, device=q.device, dtype=torch.float32)
+    out, lse = _decode_outputs(q, out, lse)
     if batch * q_heads == 0:
         return out, lse
 
