@@ -26,7 +26,8 @@ sized for compute-bound GEMMs — few programs along ``N`` (``N / 128`` of them:
 = 4096`` on a GPU of 132 SMs), each with a deep ``K`` loop, and too few bytes in flight to
 saturate HBM. Libraries special-case small ``M`` (split-K, GEMV kernels), but not
 perfectly: on an H200, cuBLAS (``F.linear``, fp16) moved only 1.8–2.8 TB/s of weights at
-``M ≤ 16``. FlashDecoding++ pads ``M`` to 8 instead; Triton's ``tl.dot`` needs at least 16
+``M ≤ 16`` timed eagerly with ``do_bench`` (2.5–3.8 TB/s replayed in a CUDA graph with cold
+L2, which is what an engine that captures its decode step sees: `bench.ch08_flat_gemm`). FlashDecoding++ pads ``M`` to 8 instead; Triton's ``tl.dot`` needs at least 16
 rows, so our **flat GEMM** uses ``BLOCK_M = 16`` tiles (32 and 64 for larger batches) and
 spends the tile budget on ``N`` and ``K``.
 
