@@ -641,42 +641,39 @@ def split_counters(batch: int, q_heads: int, device) -> torch.Tensor:
     return torch.zeros(batch, q_heads, device=device, dtype=torch.int32)
 
 
-def _cached_counters(batch: int, q_heads: int, device) -> torch.Tensor:
-    """`split_counters` reused across calls (as `_cached_workspace`, and not cached while a
-    CUDA graph is being captured: then the zero fill is captured with the graph and every
-    replay starts from zero)."""
-    key = ("counters", device, batch, q_heads)
-    counters = _WORKSPACES.get(key)
-    if counters is None:
-        counters = split_counters(batch, q_heads, device)
+def _reused(key: tuple, device, make):
+    """``_WORKSPACES[key]``, made by ``make()`` on first use: the buffers `flash_decode_attention`
+    reuses across calls when the caller gives none. Nothing is kept while a CUDA graph is being
+    captured: memory allocated during capture belongs to the graph's private pool (and a zero
+    fill is captured with the graph, so every replay starts from zero)."""
+    buf = _WORKSPACES.get(key)
+    if buf is None:
+        buf = make()
         if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             if len(_WORKSPACES) >= WORKSPACE_CACHE_SIZE:
                 _WORKSPACES.clear()
-            _WORKSPACES[key] = counters
-    return counters
+            _WORKSPACES[key] = buf
+    return buf
 
 
 def _cached_workspace(batch: int, q_heads: int, num_splits: int, head_dim: int, device
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A workspace reused across calls of one shape on one device.
+    """``(o_part, lse_part, counters)`` reused across calls of one shape on one device (`_reused`).
 
-    Allocating it per call cost a few microseconds of the ~15-50 µs a small decode step takes
+    Allocating them per call cost a few microseconds of the ~15-50 µs a small decode step takes
     (it is host time: at batch 1 and 4k tokens the GPU work is ~14 µs). Reuse is safe for calls
     ordered on one stream, which is how a decode loop runs: the next call's stage 1 cannot
-    overwrite the partials before this call's stage 2 has read them. Callers that run decode
+    overwrite the partials before this call's merge has read them. Callers that run decode
     steps of the same shape concurrently on several streams must pass their own workspaces
-    (``workspace`` of `_flash_decode`). Not cached while a CUDA graph is being captured:
-    memory allocated during capture belongs to the graph's private pool."""
-    key = (device, batch, q_heads, num_splits, head_dim)
-    ws = _WORKSPACES.get(key)
-    if ws is None:
-        ws = (*split_workspace(batch, q_heads, num_splits, head_dim, device),
-              _cached_counters(batch, q_heads, device))
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            if len(_WORKSPACES) >= WORKSPACE_CACHE_SIZE:
-                _WORKSPACES.clear()
-            _WORKSPACES[key] = ws
-    return ws
+    (``workspace`` of `_flash_decode`)."""
+    return _reused((device, batch, q_heads, num_splits, head_dim), device,
+                   lambda: (*split_workspace(batch, q_heads, num_splits, head_dim, device),
+                            _cached_counters(batch, q_heads, device)))
+
+
+def _cached_counters(batch: int, q_heads: int, device) -> torch.Tensor:
+    """`split_counters` reused across calls (`_reused`); one buffer serves every split count."""
+    return _reused(("counters", device, batch, q_heads), device, lambda: split_counters(batch, q_heads, device))
 
 
 def split_workspace_bytes(batch: int, q_heads: int, num_splits: int, head_dim: int) -> int:

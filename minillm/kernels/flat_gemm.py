@@ -109,6 +109,7 @@ import triton
 import triton.language as tl
 
 from minillm.kernels.flash_attention import _interpreting, dot_precision
+from minillm.kernels.flash_decoding import num_sms
 from minillm.results import gpu_slug, results_dir
 
 __all__ = ["gemv", "flat_gemm", "linear", "choose_kernel", "find_inflection_points", "DispatchTable", "TileConfig",
@@ -390,11 +391,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def split_k_for(M: int, N: int, K: int, cfg: TileConfig, elem_bytes: int, sm_count: int) -> int:
     """How many runs to cut the K loop of ``[M, K] × [N, K]ᵀ`` into, with ``cfg``'s tiles on
     ``sm_count`` SMs (``cfg.split_k`` is ignored).
@@ -512,8 +508,7 @@ def _with_split(cfg: TileConfig, M: int, N: int, K: int, x: torch.Tensor) -> Til
     """``cfg`` with the split-K of `split_k_for` for this M (none off the GPU: no SMs to fill)."""
     if not x.is_cuda or _interpreting():
         return cfg
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return replace(cfg, split_k=split_k_for(M, N, K, cfg, x.element_size(), _sm_count(device)))
+    return replace(cfg, split_k=split_k_for(M, N, K, cfg, x.element_size(), num_sms(x.device)))
 
 
 def rows_bucket(kind: str, M: int) -> int:
