@@ -51,7 +51,8 @@ from minillm.model.paged import PagedKVCache
 from minillm.paged import BlockManager
 from minillm.paged.sharing import SharingTrace
 
-__all__ = ["BeamSearchOutput", "BeamSearchParams", "FinishedHypotheses", "Hypothesis", "beam_search"]
+__all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamState", "FinishedHypotheses", "Hypothesis", "beam_search",
+           "reassign_beams"]
 
 
 @dataclass(frozen=True)
@@ -171,21 +172,85 @@ class BeamSearchOutput:
 
 
 @dataclass
-class _Beams:
-    """The live beams: block-manager sequence, new tokens and summed log-prob of each."""
-
-    seq_ids: list
-    token_ids: list[tuple[int, ...]]
-    sum_logprobs: torch.Tensor  # [live] float32
-
-
-@dataclass
 class _Candidates:
     """The step's top ``K`` candidates, best first: parent beam, token, summed log-prob."""
 
     parents: list[int]
     tokens: list[int]
     sum_logprobs: torch.Tensor  # [K] float32
+
+
+class BeamState:
+    """One beam search between steps, whatever runs the model: the live beams' new tokens and
+    summed log-probs, and the finished hypotheses. `beam_search` drives it over a private
+    pool; the engine (`minillm.engine`) drives it inside a continuous batch.
+
+    Attributes:
+        token_ids: each live beam's new tokens (the last is the one to feed next).
+        sum_logprobs: ``[live]`` float32, each live beam's summed log-prob.
+        done: the search is over; `result` holds the hypotheses.
+    """
+
+    def __init__(self, params: BeamSearchParams, vocab_size: int):
+        if vocab_size < params.num_candidates:
+            raise ValueError(f"a vocabulary of {vocab_size} tokens has fewer than the {params.num_candidates} "
+                             "candidates a step keeps")
+        self.params = params
+        self.finished = FinishedHypotheses(params.num_beams, params.length_penalty)
+        self.token_ids: list[tuple[int, ...]] = [()]  # step 0: the prompt is the one beam
+        self.sum_logprobs = torch.zeros(1)
+        self.steps = 0
+        self.done = False
+
+    def advance(self, logprobs: torch.Tensor) -> list[int]:
+        """One step from the live beams' next-token ``logprobs [live, vocab]``.
+
+        Returns the parent of each new live beam (an index into the previous beams; its new
+        token is the last of ``token_ids[i]``), or ``[]`` once the search is over.
+        """
+        p = self.params
+        cands = _top_candidates(self.sum_logprobs, logprobs.float().cpu(), p.num_candidates)
+        self.steps += 1
+        at_max_length = self.steps == p.max_new_tokens  # then every candidate finishes
+        ends = [at_max_length or t in p.eos_token_ids for t in cands.tokens]
+        # Finished candidates count only among the top k: the K - k extra ones only stand by in
+        # case eos ends some of the top k.
+        for rank in range(p.num_beams):
+            if ends[rank]:
+                self.finished.add(self.token_ids[cands.parents[rank]] + (cands.tokens[rank],),
+                                  cands.sum_logprobs[rank])
+        go_on = [r for r, end in enumerate(ends) if not end][:p.num_beams]  # k of them, unless at the end
+        if at_max_length or _search_is_over(self.finished, cands.sum_logprobs[go_on[0]], self.steps, p):
+            self.done = True
+            return []
+        parents = [cands.parents[r] for r in go_on]
+        self.token_ids = [self.token_ids[cands.parents[r]] + (cands.tokens[r],) for r in go_on]
+        self.sum_logprobs = cands.sum_logprobs[go_on]
+        return parents
+
+    def result(self) -> list[Hypothesis]:
+        """The ``num_return_sequences`` best hypotheses, best first."""
+        return self.finished.best(self.params.num_return_sequences)
+
+
+def reassign_beams(manager: BlockManager, seq_ids: list, parents: list[int], new_seq_id) -> list:
+    """Give the new beams their block-manager sequences: a parent's first child takes over
+    the parent's sequence, every further child forks it (sharing all its blocks; the partly
+    filled last block is copied when the child writes), and parents nobody chose are freed.
+    ``new_seq_id()`` names a fork. Returns the new beams' sequence ids."""
+    children, taken = [], set()
+    for parent in parents:
+        if parent in taken:
+            child = new_seq_id()
+            manager.fork(seq_ids[parent], child)
+        else:
+            child = seq_ids[parent]
+            taken.add(parent)
+        children.append(child)
+    for p, seq_id in enumerate(seq_ids):
+        if p not in taken:
+            manager.free(seq_id)
+    return children
 
 
 def beam_search(model, prompt: Sequence[int], params: BeamSearchParams, *, block_size: int = 16,
@@ -200,30 +265,17 @@ def beam_search(model, prompt: Sequence[int], params: BeamSearchParams, *, block
         manager, cache: an existing pool to run in (both, or neither). Every block the search
             takes is freed before it returns, even on an error.
     """
-    vocab = model.config.vocab_size
-    if vocab < params.num_candidates:
-        raise ValueError(f"a vocabulary of {vocab} tokens has fewer than the {params.num_candidates} candidates "
-                         "a step keeps")
+    state = BeamState(params, model.config.vocab_size)
     pool = KVPool.create(model, params.num_beams, len(prompt) + params.max_new_tokens, block_size, manager, cache)
-    finished = FinishedHypotheses(params.num_beams, params.length_penalty)
     try:
-        root = pool.new_seq_id()  # the prompt is the one beam of step 0
-        beams = _Beams([root], [()], torch.zeros(1))
-        logprobs = torch.log_softmax(pool.prefill(root, prompt), dim=-1)[None]       # [live, vocab]
-        for step in range(params.max_new_tokens):
-            cands = _top_candidates(beams.sum_logprobs, logprobs.cpu(), params.num_candidates)
-            at_max_length = step + 1 == params.max_new_tokens  # then every candidate finishes
-            ends = [at_max_length or t in params.eos_token_ids for t in cands.tokens]
-            _keep_finished(finished, beams, cands, ends, params)
-            if at_max_length:
-                break
-            go_on = [r for r, end in enumerate(ends) if not end][:params.num_beams]   # always k of them
-            if _search_is_over(finished, cands.sum_logprobs[go_on[0]], step + 1, params):
-                break
-            beams, logprobs = _advance(pool, beams, cands, go_on)
+        seq_ids = [pool.new_seq_id()]
+        logits = pool.prefill(seq_ids[0], prompt)[None]                               # [live, vocab]
+        while parents := state.advance(torch.log_softmax(logits, dim=-1)):
+            seq_ids = reassign_beams(pool.manager, seq_ids, parents, pool.new_seq_id)
+            logits = pool.decode(seq_ids, [t[-1] for t in state.token_ids])
     finally:
         pool.release()  # every live beam's blocks, even after an error
-    return BeamSearchOutput(tuple(prompt), finished.best(params.num_return_sequences), pool.trace())
+    return BeamSearchOutput(tuple(prompt), state.result(), pool.trace())
 
 
 def _top_candidates(sum_logprobs: torch.Tensor, logprobs: torch.Tensor, k: int) -> _Candidates:
@@ -233,17 +285,6 @@ def _top_candidates(sum_logprobs: torch.Tensor, logprobs: torch.Tensor, k: int) 
     totals = (logprobs + sum_logprobs[:, None]).flatten()
     best, index = totals.topk(k)
     return _Candidates((index // vocab).tolist(), (index % vocab).tolist(), best)
-
-
-def _keep_finished(finished: FinishedHypotheses, beams: _Beams, cands: _Candidates, ends: list[bool],
-                   params: BeamSearchParams) -> None:
-    """Add the finished candidates among the top ``num_beams`` to ``finished``. (Ranked lower,
-    a finished candidate is dropped: the ``K - k`` extra candidates only stand by in case
-    eos ends some of the top ``k``.)"""
-    for rank in range(params.num_beams):
-        if ends[rank]:
-            parent = cands.parents[rank]
-            finished.add(beams.token_ids[parent] + (cands.tokens[rank],), cands.sum_logprobs[rank])
 
 
 def _search_is_over(finished: FinishedHypotheses, best_live_sum: torch.Tensor, cur_len: int,
@@ -259,31 +300,3 @@ def _search_is_over(finished: FinishedHypotheses, best_live_sum: torch.Tensor, c
     else:
         best_length = cur_len                # its current length: transformers' heuristic
     return not finished.score(best_live_sum, best_length) > finished.worst_score
-
-
-def _advance(pool: KVPool, beams: _Beams, cands: _Candidates, chosen: list[int]) -> tuple[_Beams, torch.Tensor]:
-    """Make the ``chosen`` candidates (ranks into ``cands``) the live beams, and run them.
-
-    A parent's first child takes over the parent's sequence; every further child forks it
-    (sharing all its blocks); parents nobody chose are freed. Then each child's new token is
-    appended (the copy-on-write copies happen in `KVPool.decode`) and all run in one batch.
-    Returns the new beams and their next-token log-probs ``[k, vocab]``.
-    """
-    manager = pool.manager
-    seq_ids, taken = [], set()
-    for rank in chosen:
-        parent = cands.parents[rank]
-        if parent in taken:
-            child = pool.new_seq_id()
-            manager.fork(beams.seq_ids[parent], child)
-        else:
-            child = beams.seq_ids[parent]
-            taken.add(parent)
-        seq_ids.append(child)
-    pool.free([s for p, s in enumerate(beams.seq_ids) if p not in taken])
-
-    tokens = [cands.tokens[r] for r in chosen]
-    logits = pool.decode(seq_ids, tokens)
-    new_beams = _Beams(seq_ids, [beams.token_ids[cands.parents[r]] + (t,) for r, t in zip(chosen, tokens)],
-                       cands.sum_logprobs[chosen])
-    return new_beams, torch.log_softmax(logits, dim=-1)

@@ -118,7 +118,7 @@ class KVPool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to draw each token, and when to stop.
+    """How to draw each token, and when to stop (the engine's request parameters too).
 
     Attributes:
         temperature: logits are divided by it; ``0`` means greedy (argmax).
@@ -127,7 +127,16 @@ class SamplingParams:
             sampling; ``1.0``: all).
         max_tokens: a completion stops after this many tokens.
         stop_token_ids: a completion stops after producing one of these (it is kept).
-        seed: completion ``i`` draws from a generator seeded ``seed + i``.
+        seed: completion ``i`` draws from a generator seeded ``seed + i``; ``None``: a fresh
+            random seed (the engine draws one per request).
+        n: completions per prompt (the engine forks them from one prefill, sharing its blocks).
+        stop: strings that end a completion; its text is cut before the first one (the engine).
+        ignore_eos: keep going after the model's end-of-sequence token (benchmarks do).
+        logprobs: also return, per generated token, its log-probability and the ``logprobs``
+            most likely alternatives (0 to 20); ``None``: none.
+        num_beams: ``> 1`` runs beam search of that width instead of sampling, returning the
+            ``n`` best hypotheses (``minillm.decoding.beams``' semantics).
+        length_penalty: beam search's hypothesis score is ``sum_logprob / len ** length_penalty``.
     """
 
     temperature: float = 1.0
@@ -135,23 +144,55 @@ class SamplingParams:
     top_p: float = 1.0
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
-    seed: int = 0
+    seed: int | None = 0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    num_beams: int = 1
+    length_penalty: float = 1.0
+
+    MAX_LOGPROBS = 20
 
     def __post_init__(self):
-        if self.temperature < 0:
+        def integer(name, low):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not self.temperature >= 0:  # also rejects NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        integer("top_k", 0)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        integer("max_tokens", 1)
+        integer("n", 1)
+        integer("num_beams", 1)
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= self.MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.num_beams > 1 and self.n > self.num_beams:
+            raise ValueError(f"beam search returns at most num_beams={self.num_beams} hypotheses, got n={self.n}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
-def completion_generator(params: SamplingParams, index: int) -> torch.Generator:
-    """The CPU generator completion ``index`` draws from."""
-    return torch.Generator().manual_seed(params.seed + index)
+    @property
+    def beam_search(self) -> bool:
+        return self.num_beams > 1
+
+
+def completion_generator(params: SamplingParams, index: int, seed: int | None = None) -> torch.Generator:
+    """The CPU generator completion ``index`` draws from: seeded ``seed + index``, where
+    ``seed`` defaults to ``params.seed`` (and must be given when that is ``None``)."""
+    seed = params.seed if seed is None else seed
+    if seed is None:
+        raise ValueError("params.seed is None: pass the request's seed")
+    return torch.Generator().manual_seed(seed + index)
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

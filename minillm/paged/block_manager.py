@@ -26,8 +26,10 @@ Timing contract with the engine. The manager registers a prompt's full blocks in
 cache when it allocates them, *before* the forward pass has written their K and V. A second
 request admitted in the same step can then hit them, which is what keeps two requests with a
 shared prefix from storing it twice; it is safe because the engine writes the whole batch's K
-and V of a layer before any attention of that layer reads them. (An engine that split a prompt
-over several steps, chunked prefill, would have to register blocks only once computed.)
+and V of a layer before any attention of that layer reads them. An engine that splits a prompt
+over several steps (chunked prefill, `minillm.engine`) keeps the contract by allocating only the
+first chunk and appending the others step by step, and by never freeing blocks between the
+step that takes them and its forward pass.
 """
 from __future__ import annotations
 
@@ -269,6 +271,11 @@ class BlockManager:
         if needed > self.num_blocks:
             return Admission.NEVER_FITS
         return Admission.FITS_NOW if needed - len(hits) <= self._available_after(hits) else Admission.FITS_LATER
+
+    def num_cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """Leading tokens of ``token_ids`` that `allocate` would find in the prefix cache now: a
+        multiple of ``block_size``, less than ``len(token_ids)``. Changes nothing."""
+        return len(self._prefix_hits(self._check_tokens(token_ids, "look up"))[1]) * self.block_size
 
     def can_append(self, seq_ids: Iterable, num_tokens: int = 1) -> bool:
         """Whether every sequence in ``seq_ids`` can take ``num_tokens`` more tokens now."""

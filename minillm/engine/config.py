@@ -1,0 +1,89 @@
+"""Chapter 9: the engine's knobs, how big its KV pool is, and the errors a request can get."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ContextLengthExceeded", "EngineConfig", "InvalidRequest", "kv_block_bytes"]
+
+MiB = 2**20
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs (``minillm serve --help`` shows the same knobs).
+
+    Attributes:
+        device: ``"cuda"`` or ``"cpu"``; ``None``: CUDA when available.
+        dtype: compute dtype; ``None``: the checkpoint's on a GPU, float32 on a CPU (which has
+            no fast half-precision matmul).
+        block_size: tokens per KV block.
+        num_blocks: the pool's size in blocks; ``None``: from the memory budget below.
+        gpu_memory_utilization: on CUDA, the fraction of the GPU's memory the engine may use
+            in all (weights, activations, KV pool); the pool gets what is left.
+        kv_cache_memory_mb: on a CPU, the pool's size in MiB.
+        max_num_seqs: most sequences running at once (a request with ``n`` samples counts ``n``).
+        max_num_batched_tokens: the per-step token budget (chunked prefill splits longer prompts).
+        max_model_len: longest prompt + completion; ``None``: the model's
+            ``max_position_embeddings``, capped by the pool.
+        enable_prefix_caching: reuse the KV blocks of prompts seen before.
+        attention_backend: ``"auto"`` (Triton kernels on CUDA in fp16/bf16, torch otherwise),
+            ``"torch"`` or ``"triton"``.
+        max_n: the largest ``n`` (and beam width) a request may ask for.
+        seed: the engine's seed for requests that give none.
+        record_steps: keep a `StepRecord` per step (the chapter's timeline plot).
+    """
+
+    device: str | None = None
+    dtype: str | torch.dtype | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_mb: float = 64
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    max_n: int = 16
+    seed: int | None = None
+    record_steps: bool = False
+
+    def __post_init__(self):
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < self.max_n:
+            raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be >= max_n ({self.max_n})")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def kv_block_bytes(num_layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block id: its ``block_size`` rows of K and of V in every layer."""
+    return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses; the server answers HTTP 400 with ``message``.
+
+    Attributes:
+        param: the offending request field, as the OpenAI API names it (or ``None``).
+        code: a short machine-readable reason (or ``None``).
+    """
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """Prompt + ``max_tokens`` is longer than ``max_model_len``."""
+
+    def __init__(self, max_model_len: int, prompt_len: int, max_tokens: int):
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+            f"Please reduce the length of the prompt or of max_tokens.",
+            param="max_tokens", code="context_length_exceeded")

@@ -1,0 +1,65 @@
+"""Chapter 9: token ids to text, one token at a time, and stop strings.
+
+Decoding a completion's ids on their own can lose text at the seam with the prompt (a
+SentencePiece tokenizer drops the leading space of a first token; a byte-level one may split a
+character across tokens). So the completion is decoded after the prompt's last few tokens, and
+the text of those few is cut off again.
+
+A stop string ends a completion and is not part of its text. While the completion runs, its
+last ``len(longest stop) - 1`` characters might still become the start of a stop string, and a
+trailing U+FFFD might still become a whole character: `Detokenizer.stable_text` leaves them
+out, so that text streamed to a client is never taken back.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["Detokenizer"]
+
+CONTEXT_TOKENS = 4   # prompt tokens decoded in front of the completion
+REPLACEMENT = "\ufffd"
+
+
+class Detokenizer:
+    """The text of one completion (``tokenizer``: a ``tokenizers.Tokenizer``)."""
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.context = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.context_text = self._decode(self.context)
+        self.stop = tuple(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""
+        self.stop_reason: str | None = None
+        self._decoded = 0   # output tokens the text covers
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
+
+    def copy(self) -> Detokenizer:
+        twin = object.__new__(Detokenizer)
+        twin.__dict__.update(self.__dict__)
+        return twin
+
+    def update(self, output_ids: Sequence[int]) -> str | None:
+        """Re-decode after new tokens; returns the stop string that now ends the text (the
+        text is cut before it), or ``None``."""
+        if len(output_ids) == self._decoded:
+            return self.stop_reason
+        self._decoded = len(output_ids)
+        full = self._decode(self.context + list(output_ids))
+        self.text = full[len(self.context_text):] if full.startswith(self.context_text) else self._decode(output_ids)
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s)) >= 0]
+        if hits:
+            at, self.stop_reason = min(hits)
+            self.text = self.text[:at]
+        return self.stop_reason
+
+    @property
+    def stable_text(self) -> str:
+        """The text that no later token can change (see the module docstring)."""
+        end = len(self.text) - self.hold
+        while end > 0 and self.text[end - 1] == REPLACEMENT:
+            end -= 1
+        return self.text[:max(end, 0)]

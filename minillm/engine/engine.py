@@ -1,0 +1,382 @@
+"""Chapter 9: the engine. One `LLMEngine.step` is one forward pass of a continuous batch.
+
+A request travels: `LLMEngine.add_request` checks it and queues it; each `step` asks the
+`Scheduler` for this step's tokens (taking KV blocks from the `BlockManager`, preempting if
+the pool is short), performs the copy-on-write block copies, flattens the tokens into one
+`PagedBatch` and runs the model over the paged cache (Triton kernels on a GPU, torch on a
+CPU), then samples the next token of every request whose sequences are all computed, checks
+the stop conditions, and returns what changed. The server (`minillm.server`) runs `step` in a
+loop in a background thread; `LLM.generate` runs it until everything is done.
+"""
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minillm.decoding.beams import BeamSearchParams, BeamState, reassign_beams
+from minillm.decoding.sampling import SamplingParams, completion_generator, sample_token
+from minillm.engine.config import ContextLengthExceeded, EngineConfig, InvalidRequest, kv_block_bytes
+from minillm.engine.detokenizer import Detokenizer
+from minillm.engine.request import CompletionOutput, Request, RequestOutput, Sequence as Seq, TokenLogprob
+from minillm.engine.scheduler import Scheduler, SchedulerOutput
+from minillm.model.paged import PagedBatch
+from minillm.paged import BlockManager, blocks_for
+
+__all__ = ["EngineStats", "LLMEngine", "StepRecord"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step did (kept when ``EngineConfig.record_steps``): wall-clock start and end,
+    the tokens each request computed, and the queues and the pool after it."""
+
+    start: float
+    end: float
+    tokens: dict[str, int]       # request id -> tokens computed this step
+    num_waiting: int
+    num_running: int
+    blocks_used: int
+    kv_tokens: int               # tokens held in the cache by live sequences
+
+
+@dataclass
+class EngineStats:
+    """Running totals for ``/metrics`` and the benchmarks."""
+
+    steps: int = 0
+    prompt_tokens_computed: int = 0   # prefill tokens actually run (cache hits excluded)
+    generation_tokens: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache.
+
+    Args:
+        model: a `minillm.model.LlamaForCausalLM`, on its device and dtype.
+        tokenizer: a ``tokenizers.Tokenizer``.
+        config: the `EngineConfig`.
+        chat_template: the checkpoint's Jinja chat template, if any.
+        model_name: the name ``/v1/models`` reports.
+    """
+
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, *, chat_template: str | None = None,
+                 model_name: str = "minillm"):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config = config or EngineConfig()
+        self.model_config = model.config
+        self.chat_template, self.model_name = chat_template, model_name
+        self.device = model.lm_head.weight.device
+        num_blocks = self._pool_blocks()
+        if num_blocks < 1:
+            raise ValueError("no memory is left for the KV pool: lower the model's size or raise the memory budget")
+        self.manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        self.cache = model.new_paged_cache(num_blocks, config.block_size, backend=config.attention_backend)
+        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings, num_blocks * config.block_size)
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self.steps: list[StepRecord] = []
+        self._arrivals = itertools.count()
+        self._seq_ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
+        """Load a local Hugging Face-format checkpoint folder and build the engine around it."""
+        from minillm.model import load_model, load_tokenizer
+
+        config = config or EngineConfig()
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        config.device = device
+        dtype = config.dtype or ("float32" if device == "cpu" else None)
+        model, _ = load_model(path, device=device, dtype=dtype)
+        tokenizer, template = load_tokenizer(path)
+        return cls(model, tokenizer, config, chat_template=template, model_name=Path(path).name)
+
+    # == the KV pool's size ========================================================================
+    @property
+    def block_bytes(self) -> int:
+        c = self.model_config
+        return kv_block_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.config.block_size,
+                              self.model.lm_head.weight.dtype)
+
+    def _pool_blocks(self) -> int:
+        """``num_blocks`` if set; on CUDA, what ``gpu_memory_utilization`` leaves after the
+        weights and the activations of the largest step (measured by running it once); on a
+        CPU, ``kv_cache_memory_mb``."""
+        c = self.config
+        if c.num_blocks is not None:
+            return c.num_blocks
+        if self.device.type != "cuda":
+            return int(c.kv_cache_memory_mb * 2**20) // self.block_bytes
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak_activations = self._profile_activations()
+        budget = total * c.gpu_memory_utilization - (total - free) - peak_activations
+        return max(int(budget) // self.block_bytes, 0)
+
+    @torch.inference_mode()
+    def _profile_activations(self) -> int:
+        """Bytes a forward pass of ``max_num_batched_tokens`` tokens allocates beyond the weights."""
+        n, bs = self.config.max_num_batched_tokens, self.config.block_size
+        cache = self.model.new_paged_cache(blocks_for(n, bs), bs, backend=self.config.attention_backend)
+        manager = BlockManager(cache.num_blocks, bs, enable_prefix_caching=False)
+        manager.allocate("profile", [0] * n)
+        batch = PagedBatch.from_manager(manager, ["profile"], n, device=self.device)
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.model.forward_paged(batch, cache, last_only=True)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del cache
+        torch.cuda.empty_cache()
+        return peak
+
+    # == requests ==================================================================================
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Check a request and queue it; returns its id. ``prompt`` is text or token ids.
+
+        Raises:
+            InvalidRequest: an empty prompt, token ids outside the vocabulary, ``n`` or the
+                beam width over ``max_n``, a request that could never fit in the KV pool; and
+                `ContextLengthExceeded` when prompt + ``max_tokens`` > ``max_model_len``.
+        """
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt).ids if text is not None else [int(t) for t in prompt]
+        self._check(ids, params)
+        seed = params.seed if params.seed is not None else (self.config.seed if self.config.seed is not None
+                                                            else secrets.randbits(62))
+        request = Request(request_id, text, ids, params, next(self._arrivals), seed, self.eos_token_ids)
+        root = Seq(next(self._seq_ids), 0, list(ids), len(ids),
+                   None if params.greedy or params.beam_search else completion_generator(params, 0, seed),
+                   Detokenizer(self.tokenizer, ids, params.stop))
+        request.seqs = [root]
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def _check(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequest("the prompt is empty: it must contain at least one token", param="prompt")
+        vocab = self.model_config.vocab_size
+        if not all(0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"prompt token ids must lie in [0, {vocab})", param="prompt")
+        width = params.num_beams if params.beam_search else params.n
+        if width > self.config.max_n:
+            name = "num_beams" if params.beam_search else "n"
+            raise InvalidRequest(f"{name} must be at most {self.config.max_n}, got {width}", param=name)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ContextLengthExceeded(self.max_model_len, len(ids), params.max_tokens)
+        # Its sequences share the prompt's full blocks (by fork, and by the prefix cache after a
+        # preemption); the rest is theirs. A request needing more than the pool can never run.
+        bs = self.config.block_size
+        shared = len(ids) // bs if width == 1 or self.config.enable_prefix_caching else 0
+        needed = shared + width * (blocks_for(len(ids) + params.max_tokens, bs) - shared)
+        if needed > self.manager.num_blocks:
+            raise InvalidRequest(f"this request needs up to {needed} KV blocks of {bs} tokens but the pool has "
+                                 f"{self.manager.num_blocks}: lower n, the beam width or max_tokens", param="n")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; its unfinished completions end with
+        ``"abort"``. Returns its last output (``None`` for an unknown or finished id)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            seq.finish_reason = "abort"
+            request.done[seq.index] = seq
+        self.scheduler.finish(request)
+        request.seqs = []
+        request.metrics.finished = time.perf_counter()
+        self.stats.requests_aborted += 1
+        return request.output()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # == one step ==================================================================================
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; returns the outputs of the requests that made
+        progress (a new token, or finished)."""
+        return [r.output() for r in self._step()]
+
+    @torch.inference_mode()
+    def _step(self) -> list[Request]:
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if not sched.seqs:
+            return []
+        self.cache.copy_blocks(sched.copies)
+        batch = PagedBatch.from_manager(self.manager, [s.seq_id for s in sched.seqs], sched.num_new_tokens,
+                                        device=self.device)
+        logits = self.model.forward_paged(batch, self.cache, last_only=True)          # [seqs, vocab]
+        for seq, count in zip(sched.seqs, sched.num_new_tokens):
+            seq.num_computed += count
+            if seq.num_computed <= seq.num_prompt_tokens:
+                self.stats.prompt_tokens_computed += count
+        for request in sched.requests:
+            request.metrics.first_scheduled = request.metrics.first_scheduled or start
+        if self.config.record_steps:
+            tokens: dict[str, int] = {}
+            for request, count in zip(sched.owners, sched.num_new_tokens):
+                tokens[request.request_id] = tokens.get(request.request_id, 0) + count
+        progressed = self._sample(sched, logits)
+        self.stats.steps += 1
+        if self.config.record_steps:
+            self.steps.append(StepRecord(start, time.perf_counter(), tokens, len(self.scheduler.waiting),
+                                         len(self.scheduler.running), self.manager.num_used_blocks, self.kv_tokens()))
+        return progressed
+
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[Request]:
+        """Draw the next token of every sequence of every request whose sequences are all
+        computed, and retire what stopped."""
+        row_of = {seq.seq_id: i for i, seq in enumerate(sched.seqs)}
+        ready = [r for r in sched.requests if r.ready_to_sample()]
+        if not ready:
+            return []
+        # One argmax and one log-softmax for the whole step, one copy to the CPU for sampling.
+        rows = torch.tensor([row_of[s.seq_id] for r in ready for s in r.seqs], device=logits.device)
+        logits = logits[rows].float()
+        argmax = logits.argmax(-1).tolist()
+        need_lp = any(r.params.logprobs is not None or r.params.beam_search for r in ready)
+        logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None
+        sampled = any(not r.params.greedy and not r.params.beam_search for r in ready)
+        logits_cpu = logits.cpu() if sampled else None
+        now = time.perf_counter()
+        at = 0
+        for request in ready:
+            k = request.num_seqs
+            view = slice(at, at + k)
+            at += k
+            if request.params.beam_search:
+                self._advance_beams(request, logprobs[view])
+            else:
+                self._advance_samples(request, argmax[view], logits_cpu[view] if logits_cpu is not None else None,
+                                      logprobs[view] if logprobs is not None else None, now)
+            if not request.seqs:
+                self._finish(request, now)
+        return ready
+
+    def _advance_samples(self, request: Request, argmax: list[int], logits: torch.Tensor | None,
+                         logprobs: torch.Tensor | None, now: float) -> None:
+        params = request.params
+        if params.n > 1 and not request.done and len(request.seqs) == 1 and not request.seqs[0].output_ids:
+            self._fork_samples(request)  # the prompt is computed: every sample starts from its logits
+            argmax = argmax * params.n
+            logits = logits.expand(params.n, -1) if logits is not None else None
+            logprobs = logprobs.expand(params.n, -1) if logprobs is not None else None
+        metrics = request.metrics
+        metrics.first_token = metrics.first_token or now
+        metrics.last_token = now
+        still_running = []
+        for i, seq in enumerate(request.seqs):
+            token = argmax[i] if params.greedy else sample_token(logits[i], params, seq.generator)
+            seq.token_ids.append(token)
+            self.stats.generation_tokens += 1
+            if seq.index == 0:
+                metrics.token_times.append(now)
+            if logprobs is not None:
+                self._record_logprob(seq, logprobs[i], token, params.logprobs)
+            if self._stopped(request, seq, token):
+                request.done[seq.index] = seq
+                self.scheduler.free_seq(seq)
+            else:
+                still_running.append(seq)
+        request.seqs = still_running
+
+    def _fork_samples(self, request: Request) -> None:
+        root = request.seqs[0]
+        for i in range(1, request.params.n):
+            child = root.fork(next(self._seq_ids), i, completion_generator(request.params, i, request.seed))
+            self.manager.fork(root.seq_id, child.seq_id)
+            request.seqs.append(child)
+
+    @staticmethod
+    def _record_logprob(seq: Seq, logprobs: torch.Tensor, token: int, k: int) -> None:
+        lp = float(logprobs[token])
+        top = ()
+        if k:
+            values, ids = logprobs.topk(k)
+            top = tuple(zip(ids.tolist(), values.tolist()))
+        seq.logprobs.append(TokenLogprob(token, lp, top))
+        seq.cumulative_logprob += lp
+
+    def _stopped(self, request: Request, seq: Seq, token: int) -> bool:
+        """Set ``seq.finish_reason`` if it stops here: a stop token (eos unless ``ignore_eos``),
+        a stop string, or ``max_tokens``."""
+        params = request.params
+        if token in request.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif params.stop and (hit := seq.detokenizer.update(seq.output_ids)) is not None:
+            seq.finish_reason, seq.stop_reason = "stop", hit
+        elif len(seq.output_ids) >= params.max_tokens:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _advance_beams(self, request: Request, logprobs: torch.Tensor) -> None:
+        """One beam-search step for the request's live beams (`minillm.decoding.beams`)."""
+        params = request.params
+        if request.beams is None:
+            search = BeamSearchParams(num_beams=params.num_beams, max_new_tokens=params.max_tokens,
+                                      length_penalty=params.length_penalty, num_return_sequences=params.n,
+                                      eos_token_ids=tuple(sorted(request.stop_token_ids)))
+            request.beams = BeamState(search, self.model_config.vocab_size)
+        state = request.beams
+        parents = state.advance(logprobs)
+        self.stats.generation_tokens += len(request.seqs)
+        request.metrics.first_token = request.metrics.first_token or time.perf_counter()
+        if state.done:
+            for seq in request.seqs:
+                self.scheduler.free_seq(seq)
+            request.seqs = []
+            request.beam_outputs = [self._hypothesis_output(request, i, h) for i, h in enumerate(state.result())]
+            return
+        old = request.seqs
+        new_ids = reassign_beams(self.manager, [s.seq_id for s in old], parents, lambda: next(self._seq_ids))
+        prompt, det = request.prompt_token_ids, old[0].detokenizer
+        request.seqs = []
+        for i, (seq_id, tokens) in enumerate(zip(new_ids, state.token_ids)):
+            seq = Seq(seq_id, i, [*prompt, *tokens], len(prompt), None, det)
+            seq.num_computed = len(seq.token_ids) - 1   # the parent's tokens are in the cache
+            request.seqs.append(seq)
+
+    def _hypothesis_output(self, request: Request, index: int, hyp) -> CompletionOutput:
+        det = Detokenizer(self.tokenizer, request.prompt_token_ids, request.params.stop)
+        det.update(hyp.token_ids)
+        ended = bool(hyp.token_ids) and hyp.token_ids[-1] in request.stop_token_ids
+        reason = "stop" if ended or det.stop_reason else "length"
+        return CompletionOutput(index, det.text, list(hyp.token_ids), reason, None, hyp.score,
+                                hyp.token_ids[-1] if ended else det.stop_reason)
+
+    def _finish(self, request: Request, now: float) -> None:
+        self.scheduler.finish(request)
+        self.requests.pop(request.request_id, None)
+        request.metrics.finished = now
+        self.stats.requests_finished += 1
+
+    # == state, for metrics ========================================================================
+    def kv_tokens(self) -> int:
+        """Tokens the live sequences hold in the cache (a shared block's counted once per holder)."""
+        return sum(self.manager.num_tokens(s) for s in self.manager.seq_ids())
+
+    def kv_waste(self) -> float:
+        """Fraction of the slots in used blocks that hold no token: the partly filled last
+        blocks (0 when nothing is held; can read below 0 when forks share blocks)."""
+        used = self.manager.num_used_blocks * self.config.block_size
+        return 1 - self.kv_tokens() / used if used else 0.0
