@@ -24,6 +24,7 @@ from minillm.decoding.beams import BeamSearchParams, BeamState, reassign_beams
 from minillm.decoding.sampling import SamplingParams, completion_generator, sample_token
 from minillm.engine.config import ContextLengthExceeded, EngineConfig, InvalidRequest, kv_block_bytes
 from minillm.engine.detokenizer import Detokenizer
+from minillm.engine.model_runner import ModelRunner
 from minillm.engine.request import CompletionOutput, Request, RequestOutput, Sequence as Seq, TokenLogprob
 from minillm.engine.scheduler import Scheduler, SchedulerOutput
 from minillm.model.paged import PagedBatch
@@ -80,6 +81,7 @@ class LLMEngine:
             raise ValueError("no memory is left for the KV pool: lower the model's size or raise the memory budget")
         self.manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
         self.cache = model.new_paged_cache(num_blocks, config.block_size, backend=config.attention_backend)
+        self.runner = ModelRunner(model, self.cache)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings, num_blocks * config.block_size)
@@ -225,7 +227,7 @@ class LLMEngine:
         self.cache.copy_blocks(sched.copies)
         batch = PagedBatch.from_manager(self.manager, [s.seq_id for s in sched.seqs], sched.num_new_tokens,
                                         device=self.device)
-        logits = self.model.forward_paged(batch, self.cache, last_only=True)          # [seqs, vocab]
+        logits = self.runner.forward(batch)                                           # [seqs, vocab]
         for seq, count in zip(sched.seqs, sched.num_new_tokens):
             seq.num_computed += count
             if seq.num_computed <= seq.num_prompt_tokens:
