@@ -167,13 +167,15 @@ class Scheduler:
         fresh = [s for s in request.seqs if s.seq_id not in mgr]
         remaining = sum(s.num_uncomputed for s in held)
         remaining += sum(len(s.token_ids) - mgr.num_cached_prefix_tokens(s.token_ids) for s in fresh)
-        # Finish every sequence's tokens in this step, or hold back each one's last token. Several
-        # fresh sequences (a preempted group coming back) are allocated one at a time, which
-        # can stop half way, so they always hold back.
-        finish_all = remaining <= budget and (len(request.seqs) == 1 or not fresh)
+        # A group's sequences are sampled together, so they must finish in the same step: when
+        # they cannot all finish now, each holds back its last token. Several fresh sequences (a
+        # preempted group coming back) are allocated one at a time, which can stop half way, so
+        # they always hold back.
+        together = len(request.seqs) == 1 or (remaining <= budget and not fresh)
+        hold = 0 if together else 1
 
         def chunk(uncomputed: int, left: int) -> int:
-            return uncomputed if finish_all else min(uncomputed - 1, left)
+            return min(uncomputed - hold, left)
 
         chunks, copies, left = [], (), budget
         appends = []
@@ -193,7 +195,7 @@ class Scheduler:
             # Holding back the last token of a fully cached sequence recomputes its last cached
             # block (`allocate` never hands out the block it writes into as a hit): up to
             # block_size tokens over the budget, once.
-            end = len(seq.token_ids) if finish_all else min(len(seq.token_ids) - 1, cached + left)
+            end = min(len(seq.token_ids) - hold, cached + left)
             try:
                 seq.num_computed = mgr.allocate(seq.seq_id, seq.token_ids[:end])
             except OutOfBlocks:
