@@ -8,10 +8,11 @@ PORT    ?= 8000
 # mkdocs 1.x prints a notice about 2.0 on every run.
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: help serve test book docs grade gpu notebooks clean
+.PHONY: help serve site test book docs grade gpu notebooks clean
 
 help:
-	@echo "make serve       open the book: serve the docs site at http://$(HOST):$(PORT)/"
+	@echo "make serve       the OpenAI-compatible server with the bundled model at http://$(HOST):$(PORT)/v1"
+	@echo "make site        open the book: serve the docs site at http://$(HOST):$(PORT)/"
 	@echo "make test        the full CPU test suite (what CI runs)"
 	@echo "make book        Jupyter Lab on chapters/"
 	@echo "make docs        build the docs site into site/ (strict)"
@@ -22,7 +23,12 @@ help:
 $(VENV): pyproject.toml scripts/setup-venv.sh
 	bash scripts/setup-venv.sh
 
+# The bundled model on the GPU if there is one, else on the CPU; MODEL=PATH serves another.
+MODEL   ?= minillm/checkpoints/shakespeare
 serve: $(VENV)
+	$(PY) -m minillm.cli serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+site: $(VENV)
 	@echo "minillm: serving the book at http://$(HOST):$(PORT)/ (Ctrl-C to stop)"
 	.venv/bin/mkdocs serve -a $(HOST):$(PORT)
 

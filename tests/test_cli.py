@@ -48,3 +48,40 @@ def test_generate_uses_the_bundled_model_by_default(monkeypatch):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("HAMLET:") and len(proc.stdout) > len("HAMLET:") + 40
     assert "24 tokens" in proc.stderr
+
+
+def test_subcommands_and_serve_flags(capsys):
+    from minillm.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    assert all(cmd in out for cmd in ("serve", "generate", "bench", "train"))
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--model", "--host", "--port", "--api-key", "--device", "--dtype", "--num-blocks", "--kv-cache-mb",
+                 "--gpu-memory-utilization", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+                 "--no-prefix-caching"):
+        assert flag in out, flag
+    assert "127.0.0.1" in out
+
+
+def test_serve_with_a_missing_model_fails_clearly(tmp_path, capsys):
+    from minillm.cli import main
+
+    assert main(["serve", "--model", str(tmp_path / "nope")]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_generate_several_prompts_and_samples(capsys):
+    from minillm.cli import main
+
+    assert main(["generate", "ROMEO:", "JULIET:", "--n", "2", "--max-new-tokens", "8", "--device", "cpu",
+                 "--temperature", "0", "--stop", "zzz"]) == 0
+    captured = capsys.readouterr()
+    blocks = captured.out.split("--- completion ")[1:]
+    assert len(blocks) == 4 and all("(length) ---" in b for b in blocks)
+    assert [b.split("---\n", 1)[1].split(":")[0] for b in blocks] == ["ROMEO", "ROMEO", "JULIET", "JULIET"]
+    assert "32 tokens" in captured.err
