@@ -52,10 +52,19 @@ class EngineStats:
     """Running totals for ``/metrics`` and the benchmarks."""
 
     steps: int = 0
-    prompt_tokens_computed: int = 0   # prefill tokens actually run (cache hits excluded)
+    prompt_tokens: int = 0            # of the requests admitted so far (counted once, at admission)
+    cached_prompt_tokens: int = 0     # of those, served by the prefix cache
+    prompt_tokens_computed: int = 0   # prompt tokens run, recomputations after preemption included
     generation_tokens: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of admitted prompt tokens the prefix cache served. (The block manager's own
+        rate counts only what `allocate` sees: a chunked prompt's first chunk, and a resumed
+        request's output as prompt.)"""
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 class LLMEngine:
@@ -229,11 +238,14 @@ class LLMEngine:
                                         device=self.device)
         logits = self.runner.forward(batch)                                           # [seqs, vocab]
         for seq, count in zip(sched.seqs, sched.num_new_tokens):
+            self.stats.prompt_tokens_computed += max(0, min(seq.num_computed + count, seq.num_prompt_tokens)
+                                                     - seq.num_computed)
             seq.num_computed += count
-            if seq.num_computed <= seq.num_prompt_tokens:
-                self.stats.prompt_tokens_computed += count
         for request in sched.requests:
-            request.metrics.first_scheduled = request.metrics.first_scheduled or start
+            if request.metrics.first_scheduled is None:  # admitted for the first time
+                request.metrics.first_scheduled = start
+                self.stats.prompt_tokens += len(request.prompt_token_ids)
+                self.stats.cached_prompt_tokens += request.num_cached_tokens or 0
         if self.config.record_steps:
             tokens: dict[str, int] = {}
             for request, count in zip(sched.owners, sched.num_new_tokens):

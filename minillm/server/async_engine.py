@@ -59,7 +59,7 @@ class EngineSnapshot:
     def of(cls, engine: LLMEngine) -> EngineSnapshot:
         m, s = engine.manager, engine.stats
         return cls(len(engine.scheduler.running), len(engine.scheduler.waiting), m.num_used_blocks,
-                   m.num_free_blocks, m.num_cached_blocks, m.stats.prefix_hit_rate, engine.scheduler.num_preemptions,
+                   m.num_free_blocks, m.num_cached_blocks, s.prefix_hit_rate, engine.scheduler.num_preemptions,
                    s.steps, s.prompt_tokens_computed, s.generation_tokens, s.requests_finished, s.requests_aborted)
 
 
