@@ -34,6 +34,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("ch06_sharing", "bench.ch06_sharing"),
     ("ch07_flash_decoding", "bench.ch07_flash_decoding"),
     ("ch08_flat_gemm", "bench.ch08_flat_gemm"),
+    ("ch09_engine", "bench.ch09_engine"),
 ]
 
 

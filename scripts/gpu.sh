@@ -22,6 +22,10 @@
 #   BENCH_TIMEOUT   seconds for bench.run (default 360; on timeout the results measured so far
 #                   are saved, marked "partial")
 #   MINILLM_CH01_BUDGET_S, MINILLM_NCU_TIMEOUT_S   limits inside the benchmarks (300, 150)
+#   MINILLM_CH09_REQUESTS, MINILLM_CH09_ONLINE_REQUESTS   the engine benchmark's workload sizes
+#                   (128, 96; about 150 s on an H200, a third of it the transformers peer). It
+#                   also writes $OUT/<gpu-slug>.ch09_timeline.json (steps and batches, for the
+#                   chapter's timeline plot)
 set -u
 
 cd "$(dirname "$0")/.." || exit 2

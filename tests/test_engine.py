@@ -310,8 +310,9 @@ def test_step_records_and_kv_waste():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graphs", ["all", "off"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gpu_kernels_decode_greedily_within_tolerance(dtype):
+def test_gpu_kernels_decode_greedily_within_tolerance(dtype, cuda_graphs):
     """On CUDA the engine runs the book's kernels (FlashAttention-2 / paged prefill,
     flash-decoding, flat GEMM). Half precision rounds differently from the torch backend, so
     token-for-token equality over long outputs is not the right check; instead every token the
@@ -320,9 +321,10 @@ def test_gpu_kernels_decode_greedily_within_tolerance(dtype):
     model, _ = load_model(BUNDLED_MODEL, device="cuda", dtype=dtype)
     prompts = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed any further, hear me speak."]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    engine = LLMEngine(model, TOKENIZER, EngineConfig(num_blocks=256))
+    engine = LLMEngine(model, TOKENIZER, EngineConfig(num_blocks=256, max_num_seqs=16, cuda_graphs=cuda_graphs))
     assert engine.cache.kernels is not None
     outs = run(engine, prompts * 4, params)                         # 12 requests: batched decode
+    assert (engine.runner.num_replays > 0) == (cuda_graphs == "all")
     ref = run(LLMEngine(model, TOKENIZER, EngineConfig(num_blocks=256, attention_backend="torch")), prompts, params)
     for out, expected in zip(outs, ref * 4):
         got = out.outputs[0].token_ids

@@ -30,6 +30,9 @@ class EngineConfig:
         enable_prefix_caching: reuse the KV blocks of prompts seen before.
         attention_backend: ``"auto"`` (Triton kernels on CUDA in fp16/bf16, torch otherwise),
             ``"torch"`` or ``"triton"``.
+        cuda_graphs: on CUDA with the Triton kernels, replay captured CUDA graphs for
+            ``"all"`` steps (decode and mixed), ``"decode"`` steps only, or ``"off"`` (eager);
+            see `minillm.engine.model_runner`. Ignored elsewhere.
         max_n: the largest ``n`` (and beam width) a request may ask for.
         seed: the engine's seed for requests that give none.
         record_steps: keep a `StepRecord` per step (the chapter's timeline plot).
@@ -46,6 +49,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    cuda_graphs: str = "all"
     max_n: int = 16
     seed: int | None = None
     record_steps: bool = False
@@ -53,6 +57,8 @@ class EngineConfig:
     def __post_init__(self):
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cuda_graphs not in ("all", "decode", "off"):
+            raise ValueError(f"cuda_graphs must be 'all', 'decode' or 'off', got {self.cuda_graphs!r}")
         if self.max_num_seqs < self.max_n:
             raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be >= max_n ({self.max_n})")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n"):

@@ -90,7 +90,6 @@ class LLMEngine:
             raise ValueError("no memory is left for the KV pool: lower the model's size or raise the memory budget")
         self.manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
         self.cache = model.new_paged_cache(num_blocks, config.block_size, backend=config.attention_backend)
-        self.runner = ModelRunner(model, self.cache)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings, num_blocks * config.block_size)
@@ -100,6 +99,10 @@ class LLMEngine:
         self.steps: list[StepRecord] = []
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()
+        self.runner = ModelRunner(model, self.cache)
+        if config.cuda_graphs != "off":  # a no-op off CUDA or with the torch backend
+            self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len,
+                                            config.max_num_batched_tokens if config.cuda_graphs == "all" else 0)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:

@@ -1,20 +1,213 @@
 """Chapter 9: runs one step's flat batch through the model and returns the logits that
-predict each sequence's next token."""
+predict each sequence's next token, eagerly or by replaying a CUDA graph.
+
+**Why graphs.** A decode step of a small model is a few hundred small kernels: each layer's
+norms, projections, RoPE, cache write, attention and MLP. The GPU finishes most of them in a
+few microseconds, but launching each one from Python costs more than that (a Triton launch
+tens of microseconds), so an eager step is bound by the host, not by the GPU. A CUDA graph
+records the kernels of one step once, with their arguments, and `CUDAGraph.replay` launches
+them all with one call: the step then costs what the GPU needs.
+
+**What a graph needs.** Every kernel argument is baked in at capture: the shapes, the grid
+sizes and the addresses of every tensor. So a graph serves one *shape* of step, and reads
+its inputs from *static buffers* that each step fills in place before the replay:
+
+- token ids, positions and slot mapping: ``[max_tokens]``; block tables: ``[max_num_seqs,
+  max_blocks]`` with ``max_blocks`` for ``max_model_len``; sequence lengths and
+  ``cu_seqlens_q``;
+- the step is padded up to the graph's *bucket*: padding tokens get slot ``-1`` (their K/V are
+  written nowhere), padding sequences length 0 (attention reads nothing and returns 0), and
+  the logits of the real sequences are the first rows of the graph's output;
+- flash-decoding sizes its splits from ``max_seq_len``, a Python number: graphs use
+  ``max_model_len`` (a sequence shorter than that leaves some splits empty; they exit at once).
+
+Two kinds of graphs, one per bucket (captured largest first, all sharing one memory pool,
+since only one runs at a time):
+
+- ``decode``: pure decode steps (one new token per sequence), buckets 1, 2, 4, 8, 16, 32, ...
+  up to ``max_num_seqs`` sequences; attention is flash-decoding;
+- ``mixed``: any other step (prefill chunks, alone or with decodes), buckets of 64, 128, 256,
+  ... tokens up to ``max_num_batched_tokens``, always ``max_num_seqs`` sequences; attention
+  is the paged prefill kernel with ``max_seqlen_q`` = the bucket (a grid bound: programs past
+  a sequence's own queries exit at once).
+
+Before each capture the bucket's step runs once eagerly: Triton compiles its kernels and
+Chapter 8's flat GEMM tunes its tiles then (neither may happen during a capture). On a CPU,
+for the torch attention backend, and for a step that fits no bucket, `forward` runs eagerly.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from tqdm.auto import tqdm
 
 from minillm.model.paged import PagedBatch, PagedKVCache
+from minillm.paged import blocks_for
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "decode_buckets", "token_buckets"]
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes of the decode graphs: 1, 2, 4, 8, then every 16 (as nano-vllm), and
+    ``max_num_seqs`` itself. A step of ``B`` sequences runs the smallest bucket >= ``B``."""
+    sizes = {1, 2, 4, 8, *range(16, max_num_seqs + 1, 16), max_num_seqs}
+    return sorted(b for b in sizes if b <= max_num_seqs)
+
+
+def token_buckets(max_num_batched_tokens: int, smallest: int = 64) -> list[int]:
+    """Token counts of the mixed graphs: powers of two from ``smallest``, and the step's
+    token budget itself."""
+    sizes, b = {max_num_batched_tokens}, smallest
+    while b < max_num_batched_tokens:
+        sizes.add(b)
+        b *= 2
+    return sorted(sizes)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    batch: PagedBatch       # views of the static buffers, at the bucket's size
+    logits: torch.Tensor    # the graph's output, [bucket sequences, vocab]
 
 
 class ModelRunner:
-    """The model and its paged KV cache: ``forward(batch) -> logits [batch_size, vocab]``."""
+    """The model and its paged KV cache: ``forward(batch) -> logits [batch_size, vocab]``.
+
+    Eager by default; `capture_cuda_graphs` records graphs for the step shapes listed in the
+    module docstring, which `forward` replays from then on whenever a step fits one.
+    """
 
     def __init__(self, model, cache: PagedKVCache):
         self.model, self.cache = model, cache
+        self.graphs: dict[tuple[str, int], _Graph] = {}
+        self.num_replays = 0
+        self.num_eager = 0
 
     @torch.inference_mode()
     def forward(self, batch: PagedBatch) -> torch.Tensor:
-        return self.model.forward_paged(batch, self.cache, last_only=True)
+        graph = self._graph_for(batch) if self.graphs else None
+        if graph is None:
+            self.num_eager += 1
+            return self.model.forward_paged(batch, self.cache, last_only=True)
+        self.num_replays += 1
+        return self._replay(graph, batch)
+
+    # == capture ===================================================================================
+    @property
+    def cuda_graphs(self) -> bool:
+        return bool(self.graphs)
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0,
+                            progress: bool = False) -> int:
+        """Capture the decode graphs for up to ``max_num_seqs`` sequences of up to
+        ``max_model_len`` tokens, and, when ``max_num_batched_tokens`` > 0, the mixed graphs
+        for steps of up to that many tokens. Returns the number of graphs (0 where graphs
+        cannot run: a CPU, or the torch attention backend)."""
+        if not self._can_capture():
+            return 0
+        self.graphs.clear()
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.max_blocks = blocks_for(max_model_len, self.cache.block_size)
+        max_tokens = max(max_num_seqs, max_num_batched_tokens)
+        device = self.cache.pool.device
+        int32 = dict(device=device, dtype=torch.int32)
+        self._buf = dict(
+            input_ids=torch.zeros(max_tokens, device=device, dtype=torch.int64),
+            positions=torch.zeros(max_tokens, device=device, dtype=torch.int64),
+            slot_mapping=torch.full((max_tokens,), -1, device=device, dtype=torch.int64),
+            seq_lens=torch.zeros(max_num_seqs, **int32),
+            block_tables=torch.full((max_num_seqs, self.max_blocks), -1, **int32),
+            cu_seqlens_q=torch.zeros(max_num_seqs + 1, **int32),       # mixed steps: filled per step
+            cu_decode=torch.arange(max_num_seqs + 1, **int32),         # decode steps: one row each, fixed
+        )
+        shapes = [("decode", b) for b in decode_buckets(max_num_seqs)]
+        if max_num_batched_tokens > 0:
+            shapes += [("mixed", t) for t in token_buckets(max_num_batched_tokens)]
+        pool = None
+        # Largest first: the first capture sizes the shared pool, the smaller ones fit in it.
+        for kind, bucket in tqdm(sorted(shapes, key=lambda s: -s[1]), desc="capturing CUDA graphs",
+                                 disable=not progress):
+            batch = self._static_batch(kind, bucket)
+            # Everything padding: nothing is written, nothing read. Run once (compile, tune), then record.
+            self._buf["slot_mapping"].fill_(-1)
+            self._buf["seq_lens"].zero_()
+            self._buf["cu_seqlens_q"].zero_()
+            self.model.forward_paged(batch, self.cache, last_only=True)
+            self.graphs[(kind, bucket)], pool = self._capture(batch, pool)
+        self._keep_alive = _reused_kernel_buffers()
+        return len(self.graphs)
+
+    def _can_capture(self) -> bool:
+        return self.cache.pool.is_cuda and self.cache.kernels is not None
+
+    def _static_batch(self, kind: str, bucket: int) -> PagedBatch:
+        b = self._buf
+        seqs = bucket if kind == "decode" else self.max_num_seqs
+        cu = b["cu_decode"] if kind == "decode" else b["cu_seqlens_q"]
+        return PagedBatch(b["input_ids"][:bucket], b["positions"][:bucket], b["slot_mapping"][:bucket],
+                          cu[:seqs + 1], b["seq_lens"][:seqs], b["block_tables"][:seqs],
+                          max_seqlen_q=1 if kind == "decode" else bucket, max_seq_len=self.max_model_len)
+
+    def _capture(self, batch: PagedBatch, pool) -> tuple[_Graph, tuple]:
+        """Record one forward pass over the static ``batch``; returns the graph and the
+        memory pool (shared by every graph of the runner)."""
+        torch.cuda.synchronize(self.cache.pool.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self.model.forward_paged(batch, self.cache, last_only=True)
+        return _Graph(graph, batch, logits), graph.pool()
+
+    # == replay ====================================================================================
+    def _graph_for(self, batch: PagedBatch) -> _Graph | None:
+        """The smallest graph the step fits, or ``None`` (run it eagerly)."""
+        B, n = batch.batch_size, batch.num_tokens
+        if B > self.max_num_seqs or batch.block_tables.shape[1] > self.max_blocks:
+            return None
+        if batch.max_seq_len is not None and batch.max_seq_len > self.max_model_len:
+            return None
+        kind = "decode" if batch.max_seqlen_q == 1 else "mixed"
+        best = None
+        for (k, bucket), graph in self.graphs.items():
+            if k == kind and bucket >= n and (best is None or bucket < best[0]):
+                best = (bucket, graph)
+        return best[1] if best else None
+
+    def _replay(self, graph: _Graph, batch: PagedBatch) -> torch.Tensor:
+        """Copy the step into the graph's static buffers, pad the rest, replay; returns the
+        first ``batch_size`` rows of the graph's logits (valid until the next replay)."""
+        s, n, B = graph.batch, batch.num_tokens, batch.batch_size
+        s.input_ids[:n].copy_(batch.input_ids)
+        s.positions[:n].copy_(batch.positions)
+        s.slot_mapping[:n].copy_(batch.slot_mapping)
+        s.slot_mapping[n:].fill_(-1)
+        s.seq_lens[:B].copy_(batch.seq_lens)
+        s.seq_lens[B:].zero_()
+        # Columns past the step's widest table keep stale ids: no length reaches them.
+        s.block_tables[:B, :batch.block_tables.shape[1]].copy_(batch.block_tables)
+        if s.max_seqlen_q > 1:  # mixed: the padding sequences have no queries (cu repeats n)
+            s.cu_seqlens_q[:B + 1].copy_(batch.cu_seqlens_q)
+            s.cu_seqlens_q[B + 1:].fill_(n)
+        graph.graph.replay()
+        return graph.logits[:B]
+
+    def describe(self) -> str:
+        """``"eager"``, or the captured graphs by kind and bucket."""
+        if not self.graphs:
+            return "eager"
+        kinds = sorted({k for k, _ in self.graphs})
+        return "cuda graphs: " + ", ".join(
+            f"{k} {sorted(b for kk, b in self.graphs if kk == k)}" for k in kinds)
+
+
+def _reused_kernel_buffers() -> list:
+    """The workspaces flash-decoding reuses across calls (`minillm.kernels.flash_decoding`):
+    the graphs captured their addresses, so the runner holds a reference to each, lest the
+    kernel module's cache drop one and its memory go to another tensor."""
+    try:
+        from minillm.kernels.flash_decoding import _WORKSPACES
+    except ImportError:
+        return []
+    return list(_WORKSPACES.values())

@@ -23,21 +23,27 @@ padded; slot mappings int64.
 
 Attention backends: on CUDA in fp16/bf16, the Triton kernels: decode steps (one new token
 per sequence) run Chapter 7's flash-decoding (`minillm.kernels.flash_decoding`, each sequence
-split over several programs), steps with longer chunks Chapter 5's paged prefill kernel
-(`minillm.kernels.paged_attention`). Everywhere else, and whenever those modules cannot be
-imported, a plain torch version that gathers each sequence's K/V through its block table and
-calls SDPA. The torch version is the readable definition; the kernels must agree with it.
+split over several programs); steps where every sequence is a fresh prompt with nothing
+cached (`PagedBatch.fresh_prefill`) run Chapter 4's FlashAttention-2 varlen kernel
+(`minillm.kernels.flash_attention`) on the new tokens' own K/V, which need no block table;
+any other step (chunks after a cached prefix, decodes mixed with prefills) runs Chapter 5's
+paged prefill kernel (`minillm.kernels.paged_attention`). Everywhere else, and whenever
+those modules cannot be imported, a plain torch version that gathers each sequence's K/V
+through its block table and calls SDPA. The torch version is the readable definition; the
+kernels must agree with it.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from minillm.model.config import ModelConfig
-from minillm.paged import BlockManager, blocks_for, copy_blocks, flat_slot_mapping, padded_block_tables
+from minillm.paged import BlockManager, blocks_for, copy_blocks, padded_block_tables
 
 __all__ = ["PagedBatch", "PagedKVCache", "paged_attention", "paged_attention_torch", "write_kv"]
 
@@ -48,14 +54,15 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 class _Kernels:
-    """The Triton kernels the paged model runs: Chapter 5's cache write and prefill, Chapter
-    7's flash-decoding."""
+    """The Triton kernels the paged model runs: Chapter 4's FlashAttention-2 (varlen), Chapter
+    5's cache write and prefill, Chapter 7's flash-decoding."""
 
     def __init__(self):
-        from minillm.kernels import flash_decoding, paged_attention
+        from minillm.kernels import flash_attention, flash_decoding, paged_attention
         self.write_paged_kv = paged_attention.write_paged_kv
         self.paged_prefill_attention = paged_attention.paged_prefill_attention
         self.flash_decode_attention = flash_decoding.flash_decode_attention
+        self.flash_attention_varlen = flash_attention.flash_attention_varlen
 
 
 def _triton_kernels() -> _Kernels | None:
@@ -151,6 +158,9 @@ class PagedBatch:
         max_seqlen_q: the largest new-token count (1 for a pure decode step).
         max_seq_len: the largest of ``seq_lens``, as a Python int (sizes the decode kernel's
             splits without reading the lengths back from the device); ``None``: unknown.
+            An upper bound is enough (a CUDA graph captures its step with ``max_model_len``).
+        fresh_prefill: every sequence's new tokens are all of its tokens (nothing cached
+            before them): attention then needs only the new tokens' own K/V.
     """
 
     input_ids: torch.Tensor
@@ -161,6 +171,7 @@ class PagedBatch:
     block_tables: torch.Tensor
     max_seqlen_q: int
     max_seq_len: int | None = None
+    fresh_prefill: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -204,22 +215,26 @@ class PagedBatch:
             start = length - n
             ids.extend(manager.token_ids(seq_id)[start:])
             positions.extend(range(start, length))
-            slots.append(manager.slot_mapping(seq_id, start))
+            slots.extend(manager.slot_mapping(seq_id, start))
             tables.append(manager.block_table(seq_id))
             lens.append(length)
-        cu = [0]
-        for n in counts:
-            cu.append(cu[-1] + n)
+        cu = list(itertools.accumulate(counts, initial=0))
+        # Two host-to-device copies per step, not six: the int64 rows, then the int32 rest.
         device = torch.device(device or "cpu")
+        total, batch = len(ids), len(lens)
+        wide = torch.tensor(ids + positions + slots, dtype=torch.int64).to(device)
+        table = padded_block_tables(tables, max_blocks)                               # numpy int32
+        narrow = torch.from_numpy(np.concatenate([np.asarray(cu + lens, dtype=np.int32), table.ravel()])).to(device)
         return cls(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            slot_mapping=flat_slot_mapping(slots, device=device),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-            block_tables=padded_block_tables(tables, max_blocks, device=device),
+            input_ids=wide[:total],
+            positions=wide[total:2 * total],
+            slot_mapping=wide[2 * total:],
+            cu_seqlens_q=narrow[:batch + 1],
+            seq_lens=narrow[batch + 1:2 * batch + 1],
+            block_tables=narrow[2 * batch + 1:].view(table.shape),
             max_seqlen_q=max(counts, default=0),
             max_seq_len=max(lens, default=0),
+            fresh_prefill=bool(lens) and lens == counts,
         )
 
 
@@ -238,13 +253,18 @@ def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, 
 
 
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: PagedBatch,
-                    scale: float | None = None) -> torch.Tensor:
+                    scale: float | None = None, k: torch.Tensor | None = None,
+                    v: torch.Tensor | None = None) -> torch.Tensor:
     """Each new query attends over its own sequence's pages, causally: ``q [total, q_heads,
     head_dim] -> [total, q_heads, head_dim]``.
 
     Query ``i`` of sequence ``b`` sits at position ``seq_lens[b] - q_len_b + i`` (bottom-right
     alignment: the new tokens come last) and sees keys ``0 ..`` that position. The new tokens'
     K/V must already be written (`write_kv`).
+
+    ``k, v [total, kv_heads, head_dim]``: the new tokens' K/V as `write_kv` got them
+    (optional). A `PagedBatch.fresh_prefill` step on the kernels runs FlashAttention-2 varlen
+    on them (when not given, they are read back from their slots: one gather each).
     """
     k_cache, v_cache = cache.k[layer], cache.v[layer]
     kernels = cache.kernels
@@ -253,6 +273,13 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: Pag
     if batch.max_seqlen_q == 1:  # one new token per sequence: flash-decoding
         return kernels.flash_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale,
                                               max_seq_len=batch.max_seq_len, phi=cache.softmax_phi)[0]
+    if batch.fresh_prefill:  # nothing cached before the new tokens: plain varlen attention over them
+        if k is None or v is None:
+            k = k_cache.view(-1, *k_cache.shape[2:])[batch.slot_mapping]
+            v = v_cache.view(-1, *v_cache.shape[2:])[batch.slot_mapping]
+        cu = batch.cu_seqlens_q
+        return kernels.flash_attention_varlen(q, k.to(q.dtype), v.to(q.dtype), cu, cu, batch.max_seqlen_q,
+                                              batch.max_seqlen_q, causal=True, scale=scale)
     return kernels.paged_prefill_attention(q, batch.cu_seqlens_q, k_cache, v_cache, batch.block_tables,
                                            batch.seq_lens, batch.max_seqlen_q, causal=True, scale=scale)[0]
 
