@@ -162,7 +162,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(N, c.num_key_value_heads, c.head_dim)
         q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
         write_kv(cache, layer, k, v, batch.slot_mapping)  # first: a new token attends to itself
-        out = paged_attention(q, cache, layer, batch, scale=c.head_dim ** -0.5)           # [N, H, D]
+        out = paged_attention(q, cache, layer, batch, scale=c.head_dim ** -0.5, k=k, v=v)  # [N, H, D]
         return self.o_proj(out.reshape(N, -1))
 
 
