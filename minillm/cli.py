@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-#: The model shipped in the repository (see minillm/checkpoints/shakespeare/README.md).
-BUNDLED_MODEL = Path(__file__).resolve().parent / "checkpoints" / "shakespeare"
+from minillm import BUNDLED_MODEL
+
 
 
 # == the engine's flags, shared by serve and generate ============================================

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from minillm import BUNDLED_MODEL
+
 from minillm.decoding.sampling import SamplingParams
 from minillm.engine.config import EngineConfig
 from minillm.engine.engine import LLMEngine
@@ -17,8 +19,6 @@ from minillm.engine.request import RequestOutput
 
 __all__ = ["BUNDLED_MODEL", "LLM"]
 
-#: The model shipped in the repository (see minillm/checkpoints/shakespeare/README.md).
-BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "checkpoints" / "shakespeare"
 
 Prompt = str | Sequence[int]
 
