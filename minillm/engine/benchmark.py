@@ -138,17 +138,10 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 
 
 def percentile(values, q: float) -> float | None:
-    """The ``q``-th percentile (0-100) with linear interpolation between the closest ranks
-    (NumPy's default): ``None`` for no values."""
-    values = sorted(float(v) for v in values)
-    if not values:
-        return None
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must lie in [0, 100], got {q}")
-    rank = q / 100 * (len(values) - 1)
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (rank - lo)
+    """The ``q``-th percentile (0-100) of ``values``, NumPy's linear interpolation; ``None``
+    for no values."""
+    values = [float(v) for v in values]
+    return float(np.percentile(values, q)) if values else None
 
 
 def kv_waste(steps: list[StepRecord], block_size: int) -> tuple[float, float]:
