@@ -165,6 +165,7 @@ import triton.language as tl
 from minillm.kernels.flash_attention import (
     _LN2, LOG2E, _head_dim_offsets, _scale_and_window, block_d, dot_precision,
 )
+from minillm.kernels.launch import launch
 from minillm.kernels.paged_attention import (
     _blocks_per_tile, _check_paged, _decode_outputs, _paged_fwd_tiles, _tile_rows, decode_block_n,
     paged_decode_attention_bytes,
@@ -830,8 +831,6 @@ def _split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_pa
                              f"[{batch}, {kv_heads}, {num_splits}], got {tuple(fallbacks.shape)} {fallbacks.dtype}")
     flags = fallbacks if track else lse_part  # a placeholder pointer when not tracking (never written)
     flag_strides = fallbacks.stride() if track else (0, 0, 0)
-    window_lo, window_hi = async_window(q.dtype)
-    group = q_heads // kv_heads
     fused = merge_into is not None and num_splits > 1
     if fused:
         out, lse, counters = merge_into
@@ -845,20 +844,36 @@ def _split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_pa
     else:  # placeholders, never touched
         out, lse, counters = o_part, lse_part, seq_lens
         out_strides, lse_strides, counter_strides = (0, 0, 0), (0, 0), (0, 0)
-    BLOCK_N = block_n or decode_block_n(head_dim, q.dtype)
-    return _split_kernel[(batch, kv_heads, num_splits)](
+    meta = _stage1_meta(head_dim, q.dtype, q_heads // kv_heads, block_size,
+                        block_n or decode_block_n(head_dim, q.dtype), tile_in_block, phi is not None, track, fused,
+                        num_splits, tuple(sorted(config.items())) if config else ())
+    return launch(
+        _split_kernel, (batch, kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, flags, out, lse, counters,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), seq_lens.stride(0),
         *o_part.stride(), *lse_part.stride(), *flag_strides, *out_strides, *lse_strides, *counter_strides,
-        group, block_size, num_blocks, block_tables.shape[1], scale * LOG2E, 0.0 if phi is None else phi * LOG2E,
+        q_heads // kv_heads, block_size, num_blocks, block_tables.shape[1], scale * LOG2E,
+        0.0 if phi is None else phi * LOG2E, **meta,
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage1_meta(head_dim: int, dtype: torch.dtype, group: int, block_size: int, block_n: int,
+                 tile_in_block: bool | None, is_async: bool, track: bool, fused: bool, num_splits: int,
+                 config: tuple) -> dict:
+    """Stage 1's compile-time parameters and launch options for one kind of call (cached: a
+    decode loop asks for the same ones every step, and recomputing them was a visible part
+    of a call's few microseconds of host time). ``config``: overrides, as sorted items."""
+    window_lo, window_hi = async_window(dtype)
+    return dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=BLOCK_N, BLOCKS_PER_TILE=_blocks_per_tile(block_size, BLOCK_N, tile_in_block),
-        DOT_PRECISION=dot_precision(q.dtype), ASYNC=phi is not None, WINDOW_LO=window_lo, WINDOW_HI=window_hi,
+        BLOCK_N=block_n, BLOCKS_PER_TILE=_blocks_per_tile(block_size, block_n, tile_in_block),
+        DOT_PRECISION=dot_precision(dtype), ASYNC=is_async, WINDOW_LO=window_lo, WINDOW_HI=window_hi,
         TRACK_FALLBACKS=track, FUSED_MERGE=fused,
         MERGE_ROWS=triton.next_power_of_2(group) if fused else 1,
         MERGE_BLOCK_S=(min(MERGE_BLOCK_S, triton.next_power_of_2(num_splits),
                            max(1, MERGE_TILE_ROWS // triton.next_power_of_2(group))) if fused else 1),
-        **{**_STAGE1_DEFAULTS, **(config or {})},
+        **{**_STAGE1_DEFAULTS, **dict(config)},
     )
 
 
@@ -875,8 +890,8 @@ def _reduce_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
                          f"{tuple(o_part.shape)}")
     if batch * q_heads == 0:
         return
-    _merge_splits_kernel[(batch, q_heads)](
-        o_part, lse_part, out, lse, num_splits,
+    launch(
+        _merge_splits_kernel, (batch, q_heads), o_part, lse_part, out, lse, num_splits,
         *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(num_splits)),
         num_warps=MERGE_WARPS,

@@ -110,6 +110,7 @@ import triton.language as tl
 
 from minillm.kernels.flash_attention import _interpreting, dot_precision
 from minillm.kernels.flash_decoding import num_sms
+from minillm.kernels.launch import launch
 from minillm.results import gpu_slug, results_dir
 
 __all__ = ["gemv", "flat_gemm", "linear", "choose_kernel", "find_inflection_points", "DispatchTable", "TileConfig",
@@ -480,8 +481,8 @@ def _launch(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _make_plan(kind, x, weight, bias is not None, cfg)
-    plan.kernel[plan.grid](x, weight, bias, out, plan.partials, plan.counters, M, N, K, plan.k_per_split,
-                           *x.stride(), *weight.stride(), *out.stride(), **plan.meta)
+    launch(plan.kernel, plan.grid, x, weight, bias, out, plan.partials, plan.counters, M, N, K, plan.k_per_split,
+           *x.stride(), *weight.stride(), *out.stride(), **plan.meta)
     return out
 
 
@@ -786,14 +787,20 @@ class DispatchTable:
         """The table of the GPU ``device`` (default: the current CUDA device), read once per
         process and cached; an empty table (`DEFAULT_THRESHOLDS` everywhere) when that GPU
         has no file, or for a non-CUDA device."""
+        asked = (device, directory)
+        table = _TABLES.get(asked)  # `linear` asks on every call, mostly with the same arguments
+        if table is not None:
+            return table
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
         if device.type != "cuda":
             return cls()
         index = device.index if device.index is not None else torch.cuda.current_device()
         key = (index, None if directory is None else str(directory))
-        if key not in _TABLES:  # once per GPU: `linear` asks on every call
+        if key not in _TABLES:  # read once per GPU
             path = cls.path_for(torch.cuda.get_device_name(index), directory)
             _TABLES[key] = cls.load(path) if path.is_file() else cls()
+        if device.index is not None:  # "cuda" alone follows the current device: not cached by name
+            _TABLES[asked] = _TABLES[key]
         return _TABLES[key]
 
 

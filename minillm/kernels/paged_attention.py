@@ -82,6 +82,7 @@ Shapes and units are documented per function; any strides are accepted (no copie
 """
 from __future__ import annotations
 
+import functools
 
 import torch
 import triton
@@ -91,6 +92,7 @@ from minillm.kernels.flash_attention import (
     _LN2, LOG2E, _head_dim_offsets, _interpreting, _kv_segments, _scale_and_window, _visible, block_d,
     dot_precision,
 )
+from minillm.kernels.launch import launch
 
 __all__ = ["write_paged_kv", "paged_decode_attention", "paged_prefill_attention", "contiguous_as_paged",
            "paged_decode_attention_bytes", "decode_block_n", "prefill_config"]
@@ -175,8 +177,8 @@ def write_paged_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Te
     BLOCK_D = triton.next_power_of_2(head_dim)
     BLOCK_H = min(triton.next_power_of_2(kv_heads), max(1, 4096 // BLOCK_D))  # <= ~4k elements per tensor
     grid = (num_tokens, triton.cdiv(kv_heads, BLOCK_H))
-    _write_paged_kv_kernel[grid](
-        k_new, v_new, k_cache, v_cache, slot_mapping,
+    launch(
+        _write_paged_kv_kernel, grid, k_new, v_new, k_cache, v_cache, slot_mapping,
         *k_new.stride(), *v_new.stride(), *k_cache.stride(), *v_cache.stride(), slot_mapping.stride(0),
         kv_heads, block_size, num_blocks * block_size,
         HEAD_DIM=head_dim, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, num_warps=4,
@@ -328,6 +330,7 @@ INTERPRET_DECODE_BLOCK_N = 16
 DECODE_WARPS, DECODE_STAGES = 8, 3
 
 
+@functools.lru_cache(maxsize=None)  # asked on every decode call; the interpreter is chosen at import
 def decode_block_n(head_dim: int, dtype: torch.dtype) -> int:
     """``BLOCK_N`` of the decode kernel: key positions per tile.
 
@@ -339,8 +342,7 @@ def decode_block_n(head_dim: int, dtype: torch.dtype) -> int:
     per-position table loads hit L1 after the first of each block."""
     if _interpreting():
         return INTERPRET_DECODE_BLOCK_N
-    elem = torch.empty((), dtype=dtype).element_size()
-    return min(128, max(16, 32768 // (block_d(head_dim) * elem)))
+    return min(128, max(16, 32768 // (block_d(head_dim) * dtype.itemsize)))
 
 
 def _check_paged(q, k_cache, v_cache, block_tables, seq_lens, batch: int) -> tuple[int, int, int, int, int]:
@@ -442,8 +444,8 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=N
 
     group = q_heads // kv_heads
     BLOCK_N = block_n or decode_block_n(head_dim, q.dtype)
-    _paged_decode_kernel[(batch, kv_heads)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, lse,
+    launch(
+        _paged_decode_kernel, (batch, kv_heads), q, k_cache, v_cache, block_tables, seq_lens, out, lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), seq_lens.stride(0),
         *out.stride(), *lse.stride(),
         group, block_size, num_blocks, block_tables.shape[1], scale * LOG2E,
@@ -696,8 +698,8 @@ def _paged_prefill(q, cu_seqlens_q, k_cache, v_cache, block_tables, seq_lens, ma
 
     bm, bn, warps, stages = config or prefill_config(head_dim, q.dtype, max_seqlen_q)
     grid = (triton.cdiv(max_seqlen_q, bm), batch * q_heads)
-    _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, lse,
+    launch(
+        _paged_prefill_kernel, grid, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), seq_lens.stride(0),
         *out.stride(), *lse.stride(),
         q_heads, q_heads // kv_heads, block_size, num_blocks, block_tables.shape[1], scale * LOG2E,
