@@ -56,6 +56,10 @@ blocks = "shuffled", num_splits = the S that ``ours`` used; split_sweep rows add
                       workspace); 0 with one split (no stage 2)
 ``reduce_share``      reduce_time_ms / time of the whole two-launch call (what the second
                       launch costs; the one-launch merge removes it)
+``reduce_share_graph``  the same share in CUDA-graph time (stage 2's GPU time, without its
+                      launch overhead); points timed with graphs only
+``merge_share_graph``  what the default one-launch merge costs: (graph time of the default
+                      call − graph time of stage 1 alone) / graph time of the default call
 ``graph_time_ms``     as time_ms (one row per peer, two_launch included; split_sweep: peer
                       num_splits_1), per call
                       replaying a CUDA graph of ``GRAPH_REPEATS`` calls: the GPU's time
@@ -77,8 +81,8 @@ import torch
 # Import the kernels first: on a CPU-only machine minillm.kernels sets TRITON_INTERPRET
 # before Triton is imported.
 from minillm.kernels.flash_decoding import (
-    VLLM_PARTITION, _flash_decode, _reduce_splits, fa2_num_splits, num_sms, num_splits_heuristic, partition_splits,
-    split_counters, split_workspace,
+    VLLM_PARTITION, _flash_decode, _reduce_splits, _split_attention, fa2_num_splits, num_sms, num_splits_heuristic,
+    partition_splits, split_counters, split_workspace,
 )
 from minillm.kernels.paged_attention import decode_block_n, paged_decode_attention, paged_decode_attention_bytes
 
@@ -350,6 +354,12 @@ def _run_decode_point(results: Results, device, batch: int, kv_heads: int, conte
         graph_ms["ours"] = graph_time_ms(ours, GRAPH_REPEATS, timer)
         graph_ms["two_launch"] = graph_time_ms(two_launch, GRAPH_REPEATS, timer)
         graph_ms["ch05_unsplit"] = graph_time_ms(ch05, GRAPH_REPEATS, timer)
+        if splits > 1:
+            graph_ms["reduce"] = graph_time_ms(lambda: _reduce_splits(workspace[0], workspace[1], out, lse),
+                                               GRAPH_REPEATS, timer)
+            graph_ms["stage1"] = graph_time_ms(
+                lambda: _split_attention(q, k_pool, v_pool, tables, lens, workspace[0], workspace[1]),
+                GRAPH_REPEATS, timer)
     flags = torch.zeros(batch, kv_heads, splits, dtype=torch.int32, device=device)
     ours(PHI, flags)
     fell_back = float(flags.float().mean())
@@ -377,6 +387,16 @@ def _run_decode_point(results: Results, device, batch: int, kv_heads: int, conte
     add("reduce_time_ms", reduce_ms, note=None if splits > 1 else "one split: no stage 2")
     add("reduce_share", reduce_ms / two_ms if two_ms else None,
         note="reduce_time_ms / time_ms of the two-launch call")
+    if use_graphs:
+        reduce_graph = graph_ms.get("reduce", 0.0)
+        add("reduce_share_graph", reduce_graph / graph_ms["two_launch"] if graph_ms["two_launch"] else None,
+            note=f"stage 2's graph time ({reduce_graph * 1e3:.1f} us) / graph time of the two-launch call"
+            if splits > 1 else "one split: no stage 2")
+        merge_added = graph_ms["ours"] - graph_ms["stage1"] if splits > 1 else 0.0
+        add("merge_share_graph", merge_added / graph_ms["ours"] if graph_ms["ours"] else None,
+            note=f"time the one-launch merge adds ({merge_added * 1e3:.1f} us: graph time of the default call minus "
+                 "that of stage 1 alone, writing its partials) / graph time of the default call"
+            if splits > 1 else "one split: no merge")
     add("async_time_ms", async_ms, "exact", ours_ms, note=f"phi={PHI}; {fell_back:.1%} of programs fell back")
     add("fallback_fraction", fell_back, note=f"phi={PHI}; {batch}x{kv_heads}x{splits} stage-1 programs")
 
@@ -476,12 +496,12 @@ def summary(results: Results | dict) -> str:
             row[r["peer"]] = r["ratio"]
         elif r["metric"] == "bandwidth_TBps" and r["peer"] == "ch05_unsplit":
             row["tbps"], row["frac"] = r["ours"], r["fraction_of_ceiling"]
-        elif r["metric"] in ("reduce_share", "oom"):
+        elif r["metric"] in ("reduce_share", "reduce_share_graph", "merge_share_graph", "oom"):
             row[r["metric"]] = r["ours"]
         elif r["metric"] == "async_time_ms":
             row["async"] = r["ratio"]
     lines = [f"{'Hkv':>4} {'B':>3} {'L':>6} {'S':>4} {'ours ms':>8} " + " ".join(f"{p:>12}" for p in PEERS)
-             + f" {'TB/s':>5} {'of copy':>7} {'reduce':>6} {'2-launch':>8} {'exact/async':>11}   (peer_ms / ours_ms)"]
+             + f" {'TB/s':>5} {'of copy':>7} {'reduce':>6} {'graph':>5} {'merge':>5} {'2-launch':>8} {'exact/async':>11}   (peer_ms / ours_ms)"]
     for key in sorted(pts):
         row = pts[key]
         if row.get("oom"):
@@ -490,7 +510,9 @@ def summary(results: Results | dict) -> str:
         lines.append(f"{key[0]:>4} {key[1]:>3} {key[2]:>6} {f(row.get('S'), '{}'):>4} {f(row.get('ours')):>8} "
                      + " ".join(f"{f(row.get(p), '{:.2f}'):>12}" for p in PEERS)
                      + f" {f(row.get('tbps'), '{:.2f}'):>5} {f(row.get('frac'), '{:.0%}'):>7} "
-                       f"{f(row.get('reduce_share'), '{:.0%}'):>6} {f(row.get('two_launch'), '{:.2f}'):>8} "
+                       f"{f(row.get('reduce_share'), '{:.0%}'):>6} {f(row.get('reduce_share_graph'), '{:.0%}'):>5} "
+                       f"{f(row.get('merge_share_graph'), '{:.0%}'):>5} "
+                       f"{f(row.get('two_launch'), '{:.2f}'):>8} "
                        f"{f(row.get('async'), '{:.3f}'):>11}")
     for r in select(data, BENCHMARK, "time_ms", kind="long_context"):
         p = r["params"]
