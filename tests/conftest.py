@@ -13,6 +13,14 @@ if not torch.cuda.is_available():
 
 from minillm.testing import default_device, fresh_seed, kernel_dtypes  # noqa: E402
 
+# Under pytest-xdist (`make test`: one worker per core) each worker computes on one thread:
+# torch's default pool (one thread per core in every worker) oversubscribes the cores, and
+# the small ops of these tests then spend their time waiting on each other.
+# Subprocesses (the grader, notebook kernels) inherit the setting through the environment.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_addoption(parser):
     parser.addoption(
