@@ -27,6 +27,19 @@ def timer(fn):
     return time_ms(fn, warmup=10, rep=40)
 
 
+def host_us(fn, n: int) -> float:
+    """CPU-side microseconds per call of ``fn`` over ``n`` calls after a warm-up call (the
+    clock stops before the final synchronize: the host's cost, not the GPU's)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
 def inputs(batch, hkv, ctx):
     gen = torch.Generator(device=DEV)
     gen.manual_seed(0)
@@ -56,16 +69,8 @@ def overhead():
     q, k, v, tables, lens = inp
     for s in (1, 8, 32):
         fn = caller(inp, s)
-        fn()
-        torch.cuda.synchronize()
-        n = 300
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        cpu = (time.perf_counter() - t0) / n * 1e6
-        torch.cuda.synchronize()
+        cpu = host_us(fn, 300)
         print(f"S={s:3}: cpu-side {cpu:6.1f}  eager {timer(fn) * 1e3:6.1f}  graph {graph_time_ms(fn, 16, timer) * 1e3:6.1f}")
-    n = 2000
     parts = {
         "_plan": lambda: fd._plan(q, k, v, tables, lens, None, None, None),
         "num_sms": lambda: fd.num_sms(q.device),
@@ -80,13 +85,7 @@ def overhead():
     parts["stage-1 launch"] = lambda: fd._split_attention(q, k, v, tables, lens, ws[0], ws[1], dims=dims)
     parts["stage-2 launch"] = lambda: fd._reduce_splits(ws[0], ws[1], out, lse)
     for name, fn in parts.items():
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        print(f"  {name:22} {(time.perf_counter() - t0) / n * 1e6:6.1f} us")
-        torch.cuda.synchronize()
+        print(f"  {name:22} {host_us(fn, 2000):6.1f} us")
 
 
 CONFIG_POINTS = {(1, 8, 4096): (4, 8, 16, 32), (1, 8, 32768): (16, 33, 66), (1, 32, 32768): (8, 16, 33),
@@ -196,14 +195,7 @@ def fused():
         row = {}
         for name, flag in (("fused", True), ("two", False)):
             fn = caller(inp, s, fused=flag)
-            fn()
-            torch.cuda.synchronize()
-            n = 200
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            cpu = (time.perf_counter() - t0) / n * 1e6
-            torch.cuda.synchronize()
+            cpu = host_us(fn, 200)
             row[name] = (timer(fn), graph_time_ms(fn, 16, timer), cpu)
         q = inp[0]
         ws = fd.split_workspace(b, HQ, s, D, DEV) if s > 1 else None
