@@ -41,9 +41,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-# Import the kernels first: on a CPU-only machine minillm.kernels sets TRITON_INTERPRET
-# before Triton is imported.
-from minillm.kernels.naive_attention import (
+from minillm.kernels.ch01_naive_attention import (
     attention_scores,
     naive_attention,
     naive_attention_traffic,

@@ -1,5 +1,5 @@
 """Chapter 1: DRAM traffic of the three naive-attention passes, measured by Nsight Compute,
-against the count of `minillm.kernels.naive_attention.naive_attention_traffic`.
+against the count of `minillm.kernels.ch01_naive_attention.naive_attention_traffic`.
 
 Three roles in one module:
 
@@ -187,7 +187,7 @@ def add_rows(results, measured: dict[str, dict[str, float]], meta: dict) -> int:
 # ----------------------------------------------------------------------------------------
 def profile_target(meta_path: str | os.PathLike) -> None:
     """Run each pass once at ``PARAMS`` on random inputs and write the meta file."""
-    from minillm.kernels.naive_attention import (
+    from minillm.kernels.ch01_naive_attention import (
         attention_scores, naive_attention_traffic, probs_times_values, row_softmax)
     import torch
 

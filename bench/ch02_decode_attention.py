@@ -51,9 +51,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-# Import the kernels first: on a CPU-only machine minillm.kernels sets TRITON_INTERPRET
-# before Triton is imported.
-from minillm.kernels.kv_cache import decode_attention, decode_attention_bytes, write_kv
+from minillm.kernels.ch02_kv_cache import decode_attention, decode_attention_bytes, write_kv
 
 from bench.common import Results, TimeBudget, attempt, free_memory, graph_time_ms, rel_err, time_ms
 

@@ -1,12 +1,12 @@
 """Chapter 3 benchmark: the online-softmax kernel on long rows, and FlashAttention-1's loop order.
 
-Part 1, softmax of long rows. `minillm.kernels.online_softmax.online_softmax` against
+Part 1, softmax of long rows. `minillm.kernels.ch03_online_softmax.online_softmax` against
 ``torch.softmax(x, dim=-1)`` on the same random ``[ROWS, cols]`` input, cols = 1k … 256k,
 bf16 and fp32 (the output in the input's dtype, as torch gives it). Rows of up to
 `MAX_ONE_TILE` elements stay in registers (read once); longer rows are streamed twice
 (statistics, then output).
 
-Part 2, attention. `minillm.kernels.tiled_attention.tiled_attention` (FA1 order: K/V outer,
+Part 2, attention. `minillm.kernels.ch03_online_softmax.tiled_attention` (FA1 order: K/V outer,
 Q inner, one program per (batch, head), the running O/ℓ/m through HBM) against
 ``F.scaled_dot_product_attention`` pinned to ``SDPBackend.MATH`` (``sdpa_math``, the
 materialising algorithm) and to ``SDPBackend.FLASH_ATTENTION`` (``sdpa_flash``, FlashAttention-2),
@@ -54,13 +54,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-# Import the kernels first: on a CPU-only machine minillm.kernels sets TRITON_INTERPRET
-# before Triton is imported.
-from minillm.kernels.naive_attention import naive_attention_traffic
-from minillm.kernels.online_softmax import MAX_ONE_TILE, online_softmax, online_softmax_traffic
-from minillm.kernels.tiled_attention import BLOCK_N as ATTN_BLOCK_N
-from minillm.kernels.tiled_attention import tiled_attention, tiled_attention_traffic
-from minillm.reference.online_softmax import total_bytes
+from minillm.kernels.ch01_naive_attention import naive_attention_traffic
+from minillm.kernels.ch03_online_softmax import MAX_ONE_TILE, online_softmax, online_softmax_traffic
+from minillm.kernels.ch03_online_softmax import FA1_BLOCK_N as ATTN_BLOCK_N
+from minillm.kernels.ch03_online_softmax import tiled_attention, tiled_attention_traffic
+from minillm.reference.ch03_online_softmax import total_bytes
 
 from bench.ch01_naive_attention import attention_flops
 from bench.common import Results, TimeBudget, attempt, free_memory, rel_err, time_ms

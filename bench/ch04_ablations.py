@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from minillm.kernels.flash_attention import (
+from minillm.kernels.ch04_flash_attention import (
     ABLATIONS, FWD_TILES, FWD_TILES_TMA, Packing, _forward, attention_flops, flash_attention, use_tma,
 )
-from minillm.kernels.tiled_attention import tiled_attention
+from minillm.kernels.ch03_online_softmax import tiled_attention
 
 from bench.common import Results, attempt, free_memory, rel_err, time_ms
 

@@ -39,7 +39,7 @@ to measure what TMA buys).
 What to expect (targets for Hopper, to be measured): forward at head_dim 128 and N >= 4k
 about 1.15x sdpa_flash, at head_dim 64 about 1.1x; backward at least on par. Our dQ kernel
 recomputes S and dP (7 matmuls per tile pair instead of FA2's 5 with atomics; see
-`minillm.kernels.flash_attention_bwd`), which the conventional 2.5x FLOP count does not credit.
+`minillm.kernels.ch04_flash_attention`), which the conventional 2.5x FLOP count does not credit.
 
 `compile_report` (no GPU needed) compiles every tile candidate for sm_90 and lists registers,
 spills and shared memory: how the candidate lists in the kernel modules were chosen.
@@ -53,9 +53,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-# Import the kernels first: on a CPU-only machine minillm.kernels sets TRITON_INTERPRET
-# before Triton is imported.
-from minillm.kernels.flash_attention import Packing, attention_flops, flash_attention, use_tma
+from minillm.kernels.ch04_flash_attention import Packing, attention_flops, flash_attention, use_tma
 
 from bench.common import Results, TimeBudget, attempt, free_memory, rel_err, time_ms
 
@@ -263,8 +261,8 @@ def compile_report(head_dims=(64, 128, 256), dtype=torch.bfloat16, arch: int = 9
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction, MockTensor
 
-    from minillm.kernels import flash_attention as fa
-    from minillm.kernels import flash_attention_bwd as fb
+    from minillm.kernels import ch04_flash_attention as fa
+    from minillm.kernels import ch04_flash_attention as fb
 
     if not isinstance(fa._fwd_kernel, JITFunction):
         raise RuntimeError("the kernels were loaded for the interpreter: run with TRITON_INTERPRET=0")

@@ -61,10 +61,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-# Import the kernels first: on a CPU-only machine minillm.kernels sets TRITON_INTERPRET
-# before Triton is imported.
-from minillm.kernels.flash_attention import flash_attention_varlen
-from minillm.kernels.paged_attention import (
+from minillm.kernels.ch04_flash_attention import flash_attention_varlen
+from minillm.kernels.ch05_paged_attention import (
     _blocks_per_tile, _paged_decode, contiguous_as_paged, decode_block_n, paged_decode_attention,
     paged_decode_attention_bytes,
     paged_prefill_attention,

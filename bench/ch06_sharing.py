@@ -10,11 +10,11 @@ rows                          what
                               the most KV blocks held at once with fork-sharing (``ours``)
                               and what the same sequences would hold alone (peer
                               ``unshared``); ``saving`` rows give the time-averaged and
-                              the peak fraction saved (`minillm.decoding.prefix_workload.
+                              the peak fraction saved (`minillm.experiments.ch06_prefix_workload.
                               decoder_sharing`)
 ``simulated_saving``          the same bookkeeping over many requests whose lengths follow
                               the Alpaca-like and ShareGPT-like distributions of
-                              `minillm.paged.fragmentation` (`minillm.paged.sharing.
+                              `minillm.experiments.ch05_fragmentation` (`minillm.experiments.ch06_sharing.
                               sharing_savings`, widths 2, 4, 6; no model involved)
 ``prefill_ms``, ``hit_rate``  a shared-system-prompt workload (8 requests, system prompts of
                               64, 256 and 512 tokens, 32-token user messages cut from the
@@ -45,10 +45,10 @@ SYSTEM_LENS = (64, 256, 512)
 def run(results: Results, device) -> None:
     """Run the three measurements on ``device`` (CUDA) and add the rows to ``results``."""
     from minillm.cli import BUNDLED_MODEL
-    from minillm.decoding.prefix_workload import compare_prefix_caching, decoder_sharing, shakespeare_workload
+    from minillm.experiments.ch06_prefix_workload import compare_prefix_caching, decoder_sharing, shakespeare_workload
     from minillm.model.loader import load_model, load_tokenizer
-    from minillm.paged.fragmentation import ALPACA_LIKE, SHAREGPT_LIKE
-    from minillm.paged.sharing import sharing_savings
+    from minillm.experiments.ch05_fragmentation import ALPACA_LIKE, SHAREGPT_LIKE
+    from minillm.experiments.ch06_sharing import sharing_savings
 
     device = torch.device(device)
     if device.type != "cuda":

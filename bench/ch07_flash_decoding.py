@@ -78,13 +78,11 @@ from typing import Any, Callable
 
 import torch
 
-# Import the kernels first: on a CPU-only machine minillm.kernels sets TRITON_INTERPRET
-# before Triton is imported.
-from minillm.kernels.flash_decoding import (
+from minillm.kernels.ch07_flash_decoding import (
     VLLM_PARTITION, _flash_decode, _reduce_splits, _split_attention, fa2_num_splits, num_sms, num_splits_heuristic,
     partition_splits, split_counters, split_workspace,
 )
-from minillm.kernels.paged_attention import decode_block_n, paged_decode_attention, paged_decode_attention_bytes
+from minillm.kernels.ch05_paged_attention import decode_block_n, paged_decode_attention, paged_decode_attention_bytes
 
 from bench.ch02_decode_attention import cache_bytes, time_sdpa
 from bench.ch05_paged_attention import _decode_error, shuffled_tables

@@ -6,7 +6,7 @@ the peer, cuBLAS through ``torch.nn.functional.linear``, on the same random inpu
 Then, per shape, `find_inflection_points` turns the three curves into ``(M1, M2)``; the
 table of every shape swept is saved to ``bench/results/<gpu-slug>.flat_gemm.json``
 (`DispatchTable`; merged with the shapes an earlier run saved, ``MINILLM_RESULTS_DIR``
-overrides the folder), the file `minillm.kernels.flat_gemm.linear` loads at run time. Last,
+overrides the folder), the file `minillm.kernels.ch08_flat_gemm.linear` loads at run time. Last,
 the dispatcher `linear` itself is timed at every ``M`` with that table, against the best of
 the three kernels at that ``M``: the heuristic dataflow should lose nothing (ratio >= 0.97).
 
@@ -34,7 +34,7 @@ they are 25-35 % lower for every kernel, cuBLAS included, on these 10-40 µs cal
 stand-in timer (the CPU tests) the graph time is the stand-in's time of one call. The sweep stops starting points after
 ``MINILLM_CH08_BUDGET_S`` seconds (default 150; status "partial"), compile and tuning time
 included: the first ``flat_gemm`` call of a shape and rows bucket times up to 7 candidate
-tiles at up to 4 splits of K each, the first ``gemv`` call of a row count 3 (`minillm.kernels.flat_gemm.FLAT_GEMM_TILES`,
+tiles at up to 4 splits of K each, the first ``gemv`` call of a row count 3 (`minillm.kernels.ch08_flat_gemm.FLAT_GEMM_TILES`,
 `GEMV_TILES`), each compiled once per dtype, row count and split-K variant (~1 s each; some
 60 kernels in all, fewer when Triton's cache already holds them).
 
@@ -75,9 +75,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-# Import the kernels first: on a CPU-only machine minillm.kernels sets TRITON_INTERPRET
-# before Triton is imported.
-from minillm.kernels.flat_gemm import (
+from minillm.kernels.ch08_flat_gemm import (
     DEFAULT_THRESHOLDS, DispatchTable, choose_kernel, find_inflection_points, flat_gemm, gemv, linear, pick_config,
 )
 from minillm.costs import gemm_bytes

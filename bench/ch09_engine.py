@@ -1,7 +1,7 @@
 """Chapter 9 benchmark: the minillm engine against transformers' static batching, same model,
 same GPU, same run.
 
-**Model.** A random-weight Llama built locally (`minillm.engine.benchmark.build_random_llama`,
+**Model.** A random-weight Llama built locally (`minillm.experiments.ch09_engine_benchmark.build_random_llama`,
 preset ``llama-280m``: 24 layers, hidden 1024, 16 query and 4 KV heads of 64, SwiGLU 2816,
 vocabulary 4096 (the bundled tokenizer's), 279M parameters), bf16. Random weights are fine:
 every request is greedy with ``ignore_eos``, so its output length is exact and every system
@@ -95,7 +95,7 @@ PEER = "hf_static_batching"
 
 
 def run(results: Results, device) -> None:
-    from minillm.engine import benchmark as bench
+    from minillm.experiments import ch09_engine_benchmark as bench
     from minillm.model import load_model, load_tokenizer
 
     device = torch.device(device)

@@ -6,9 +6,8 @@ run, never against datasheet numbers. Times are medians from ``triton.testing.do
 which flushes the L2 cache before every repetition (so every timing is cold-L2), on random
 inputs (never zeros). Nothing here asserts a timing.
 
-Triton is imported lazily: on a machine without a GPU, ``minillm.kernels`` must set
-``TRITON_INTERPRET`` before Triton is first imported, and importing this module must not
-get in its way.
+Triton is imported lazily, after the kernels' base module (`minillm.kernels.base`) has
+decided whether kernels run in the interpreter.
 """
 from __future__ import annotations
 

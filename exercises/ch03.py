@@ -1,8 +1,8 @@
 """Chapter 3 exercises: the online softmax and tiling. Grade your work with ``make grade CH=3``.
 
 Replace each ``raise NotImplementedError(...)`` with your implementation, in NumPy. Tests
-compare your functions with the float64 references in `minillm.reference.online_softmax`
-and `minillm.reference.attention` on fresh random inputs, including scores in the
+compare your functions with the float64 references in `minillm.reference.ch03_online_softmax`
+and `minillm.reference.ch01_naive_attention` on fresh random inputs, including scores in the
 thousands (where ``exp`` overflows) and fully masked rows (all ``-inf``).
 
 Conventions: ``m`` is a row's running max, ``l`` its running sum of ``exp(x - m)``. A row

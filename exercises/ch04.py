@@ -1,8 +1,8 @@
 """Chapter 4 exercises: FlashAttention-2. Grade your work with ``make grade CH=4``.
 
 Replace each ``raise NotImplementedError(...)`` with your implementation, in NumPy. Tests
-compare your functions with the float64 references in `minillm.reference.flash_attention`
-and `minillm.reference.attention` on fresh random inputs, including scores in the hundreds,
+compare your functions with the float64 references in `minillm.reference.ch04_flash_attention`
+and `minillm.reference.ch01_naive_attention` on fresh random inputs, including scores in the hundreds,
 blocks that do not divide the sequence, more queries than keys (whose first rows see no key
 at all) and fully masked rows.
 

@@ -2,7 +2,7 @@
 
 Replace each ``raise NotImplementedError(...)`` with your implementation, in plain Python and
 NumPy. The tests compare your code with `minillm.paged.BlockManager` (on random sequences of
-operations) and with the float64 references in `minillm.reference.paged_attention`, on pools
+operations) and with the float64 references in `minillm.reference.ch05_paged_attention`, on pools
 whose blocks are randomly shuffled, with block sizes 1, 3, 7, 16 and more (powers of two are
 not special).
 
@@ -187,7 +187,7 @@ def paged_decode_one(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bl
     ``h // (q_heads // kv_heads)`` (GQA). ``scale`` defaults to ``1/sqrt(head_dim)``.
 
     Return ``(out: [q_heads, head_dim], lse: [q_heads])`` (natural log), as
-    `minillm.reference.paged_attention.paged_decode_attention` computes for one sequence.
+    `minillm.reference.ch05_paged_attention.paged_decode_attention` computes for one sequence.
     Walk the blocks in table order, one at a time, with Chapter 3's online softmax (running
     max ``m``, sum ``l`` and unscaled output), as the kernel walks its tiles; the last block
     may be partly filled. ``seq_len = 0`` gives ``out = 0`` and ``lse = -inf``.

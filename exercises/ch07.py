@@ -2,8 +2,8 @@
 
 Replace each ``raise NotImplementedError(...)`` with your implementation, in plain Python and
 NumPy. The tests compare your code with the float64 references in
-`minillm.reference.flash_decoding` and with the split heuristics of
-`minillm.kernels.flash_decoding`, on fresh random inputs.
+`minillm.reference.ch07_flash_decoding` and with the split heuristics of
+`minillm.kernels.ch07_flash_decoding`, on fresh random inputs.
 
 The setting: one new query per sequence attends to the sequence's cached keys. Flash-decoding
 cuts the keys into **splits**, computes for each split its *partial result* (the output

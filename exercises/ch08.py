@@ -2,7 +2,7 @@
 
 Replace each ``raise NotImplementedError(...)`` with your implementation, in plain Python and
 NumPy. The tests compare your code with the float64 references in
-`minillm.reference.flat_gemm` and with `minillm.kernels.flat_gemm.find_inflection_points`, on
+`minillm.reference.ch08_flat_gemm` and with `minillm.kernels.ch08_flat_gemm.find_inflection_points`, on
 fresh random inputs whose sizes are rarely multiples of the tiles (ragged last tiles).
 
 The layout is ``nn.Linear``'s: ``x: [M, K]`` (one row per token of the batch), ``w: [N, K]``
@@ -87,7 +87,7 @@ def flat_gemm_tile(x: np.ndarray, w: np.ndarray, pid_m: int, pid_n: int, out: np
 
     Split-K: the ``ceil(K / block_k)`` tiles of K are dealt to ``split_k`` runs of
     ``ceil(tiles / split_k)`` consecutive tiles (the last runs shorter, possibly empty),
-    as `minillm.reference.flat_gemm.split_k_ranges` computes. Each run accumulates its
+    as `minillm.reference.ch08_flat_gemm.split_k_ranges` computes. Each run accumulates its
     own partial tile, ``Σ x_tile @ w_tileᵀ`` over its K tiles, in float32.
 
     Return ``partials: [split_k, block_m, block_n]`` (float32, one per run, padding

@@ -2,7 +2,7 @@
 
     minillm serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY]   # OpenAI-compatible server
     minillm generate "ROMEO:" ["JULIET:" ...] [--n 2] [--max-new-tokens 64] [--temperature 0.8] [--stop STR]
-    minillm bench ...                                  # throughput and serving latency (minillm.engine.benchmark)
+    minillm bench ...                                  # throughput and serving latency (minillm.experiments.ch09_engine_benchmark)
     minillm train --preset shakespeare --out PATH      # how the bundled model was made
 
 ``PATH`` is a local Hugging Face-format folder (``config.json`` + ``*.safetensors`` +
@@ -131,14 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stop", action="append", help="a string that ends a completion (repeatable)")
     gen.set_defaults(func=cmd_generate)
 
-    bench = sub.add_parser("bench", help="offline throughput and online serving latency (minillm.engine.benchmark)")
+    bench = sub.add_parser("bench", help="offline throughput and online serving latency (minillm.experiments.ch09_engine_benchmark)")
     if argv[:1] == ["bench"]:  # imported only when asked for
         try:
-            benchmark = importlib.import_module("minillm.engine.benchmark")
+            benchmark = importlib.import_module("minillm.experiments.ch09_engine_benchmark")
         except ModuleNotFoundError as e:
-            if e.name != "minillm.engine.benchmark":
+            if e.name != "minillm.experiments.ch09_engine_benchmark":
                 raise
-            parser.error("this installation has no minillm.engine.benchmark")
+            parser.error("this installation has no minillm.experiments.ch09_engine_benchmark")
         benchmark.add_arguments(bench)
         bench.set_defaults(func=benchmark.main)
 

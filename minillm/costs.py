@@ -210,7 +210,7 @@ def attention_pairs(q_len: int, kv_len: int, causal: bool = True) -> int:
     """Number of (query, key) pairs that are actually scored.
 
     Queries are bottom-right aligned (query ``i`` sits at position ``kv_len - q_len + i``, as in
-    `minillm.reference.attention`). Causal: query at position ``p`` sees keys ``0..p``, so
+    `minillm.reference.ch01_naive_attention`). Causal: query at position ``p`` sees keys ``0..p``, so
     prefill (``q_len == kv_len == L``) scores ``L·(L+1)/2`` pairs and decode (``q_len == 1``)
     scores ``kv_len``.
     """

@@ -18,6 +18,8 @@ import os
 import numpy as np
 import torch
 
+from minillm.kernels.base import interpreting  # noqa: F401  (tests define kernels: the switch first)
+
 # The Triton interpreter has no bf16, so CPU runs test fp32 and fp16; bf16 runs on the GPU.
 CPU_DTYPES = (torch.float32, torch.float16)
 GPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -13,7 +13,7 @@
 #   PYTHON          interpreter (default python3)
 #   OUT             folder for logs and copies of the results (optional)
 #   TEST_TIMEOUT    seconds for the GPU tests (default 300)
-#   TEST_PATHS      what pytest collects (default "tests"; e.g. "tests/test_kernels_ch07.py")
+#   TEST_PATHS      what pytest collects (default "tests"; e.g. "tests/test_ch07_flash_decoding_kernels.py")
 #   TEST_JOBS       pytest processes run side by side (default 1). The GPU tests spend most
 #                   of their time compiling kernels on the CPU, so on a many-core host 4
 #                   processes (test files dealt round-robin) finish several times sooner

@@ -7,11 +7,7 @@ import os
 import pytest
 import torch
 
-# Must happen before any module defines a @triton.jit kernel (exercises and solutions too).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from minillm.testing import default_device, fresh_seed, kernel_dtypes  # noqa: E402
+from minillm.testing import default_device, fresh_seed, kernel_dtypes
 
 # Under pytest-xdist (`make test`: one worker per core) each worker computes on one thread:
 # torch's default pool (one thread per core in every worker) oversubscribes the cores, and

@@ -9,7 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from minillm import costs as C
-from minillm.reference.attention import attention_mask
+from minillm.reference.ch01_naive_attention import attention_mask
 
 TINY = [
     C.ModelShape("tiny-mha", layers=2, hidden=8, heads=2, kv_heads=2, head_dim=4, intermediate=12, vocab=11),

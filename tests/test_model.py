@@ -3,7 +3,7 @@
 Tiny random Llama and Qwen2 checkpoints are built locally with transformers' config
 classes and saved to a temp folder (never downloaded). minillm loads them and must match
 transformers' logits (fp32, CPU) and greedy generations; the NumPy reference must match
-the torch model. (Decoding with the KV cache against recomputation: tests/test_kv_cache.py.)
+the torch model. (Decoding with the KV cache against recomputation: tests/test_ch02_kv_cache_reference.py.)
 """
 from __future__ import annotations
 

@@ -211,7 +211,7 @@ def test_gqa_fallback_without_enable_gqa(monkeypatch):
 def test_triton_backend_matches_torch(dtype, device):
     """The Chapter 5 kernels (in Triton's interpreter on a CPU) behind the same forward: a
     mixed prefill batch, then a decode step."""
-    pytest.importorskip("minillm.kernels.paged_attention")
+    pytest.importorskip("minillm.kernels.ch05_paged_attention")
     model, rng = tiny_model(dtype).to(device), np.random.default_rng(4)
     prompts = {"a": random_tokens(7, rng), "b": random_tokens(3, rng)}
     steps = []
@@ -233,7 +233,7 @@ def test_triton_backend_matches_torch(dtype, device):
 def test_decode_with_async_softmax_matches_torch(phi, device):
     """Decode steps through Chapter 7's asynchronized softmax (`softmax_phi`) give the torch
     backend's logits, whether φ fits the scores or is so far off that every split falls back."""
-    pytest.importorskip("minillm.kernels.flash_decoding")
+    pytest.importorskip("minillm.kernels.ch07_flash_decoding")
     model, rng = tiny_model(torch.float32).to(device), np.random.default_rng(5)
     prompts = {"a": random_tokens(9, rng), "b": random_tokens(4, rng)}
     logits = []

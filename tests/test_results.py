@@ -18,8 +18,6 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `pytest` without `python -m` does not put the root on the path
     sys.path.insert(0, str(REPO))
 
-# Import the kernels' package before anything imports Triton (it sets TRITON_INTERPRET on CPU).
-import minillm.kernels  # noqa: E402,F401
 from minillm import results as mr  # noqa: E402
 from bench import common  # noqa: E402
 from bench.common import Results, compute_ratio, metric_direction  # noqa: E402
@@ -328,7 +326,7 @@ def test_bench_run_refuses_without_gpu():
 
 def test_ch01_flops_and_counted_bytes():
     from bench import ch01_naive_attention as ch01
-    from minillm.kernels.naive_attention import naive_attention_traffic
+    from minillm.kernels.ch01_naive_attention import naive_attention_traffic
 
     assert ch01.attention_flops(1, 16, 4096, 4096, 128, False) == 4 * 16 * 4096 ** 2 * 128
     assert ch01.attention_flops(1, 16, 4096, 4096, 128, True) == 2 * 16 * 4096 ** 2 * 128
@@ -405,7 +403,7 @@ RAW_CSV = '''"ID","Process ID","Process Name","Host Name","Kernel Name","Context
 
 def _meta():
     from bench import ch01_traffic as tr
-    from minillm.kernels.naive_attention import naive_attention_traffic
+    from minillm.kernels.ch01_naive_attention import naive_attention_traffic
 
     p = tr.PARAMS
     counts = naive_attention_traffic(p["batch"], p["heads"], p["heads"], p["seq_len"], p["seq_len"], p["head_dim"], 2)

@@ -9,7 +9,7 @@ computed and stored once, whatever the number of continuations.
 - `minillm.decoding.beams`: beam search with Hugging Face transformers' semantics
   (`beam_search`, `BeamSearchParams`, `FinishedHypotheses`).
 
-Each returns, with its tokens, a `minillm.paged.sharing.SharingTrace` of the blocks it held at
+Each returns, with its tokens, a `minillm.decoding.sharing_trace.SharingTrace` of the blocks it held at
 every forward step and the blocks the same sequences would have held without sharing: the
 measurement of the chapter, taken on real decoding rather than the simulator.
 """

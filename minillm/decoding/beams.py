@@ -49,7 +49,7 @@ import torch
 from minillm.decoding.sampling import KVPool
 from minillm.model.paged import PagedKVCache
 from minillm.paged import BlockManager
-from minillm.paged.sharing import SharingTrace
+from minillm.decoding.sharing_trace import SharingTrace
 
 __all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamState", "FinishedHypotheses", "Hypothesis", "beam_search",
            "reassign_beams"]

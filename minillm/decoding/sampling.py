@@ -27,7 +27,7 @@ import torch
 
 from minillm.model.paged import PagedBatch, PagedKVCache
 from minillm.paged import BlockManager, blocks_for
-from minillm.paged.sharing import SharingTrace
+from minillm.decoding.sharing_trace import SharingTrace
 
 __all__ = ["Completion", "KVPool", "ParallelSampler", "SamplingOutput", "SamplingParams", "completion_generator",
            "parallel_sample", "sample_token"]

@@ -203,11 +203,11 @@ class ModelRunner:
 
 
 def _reused_kernel_buffers() -> list:
-    """The workspaces flash-decoding reuses across calls (`minillm.kernels.flash_decoding`):
+    """The workspaces flash-decoding reuses across calls (`minillm.kernels.ch07_flash_decoding`):
     the graphs captured their addresses, so the runner holds a reference to each, lest the
     kernel module's cache drop one and its memory go to another tensor."""
     try:
-        from minillm.kernels.flash_decoding import _WORKSPACES
+        from minillm.kernels.ch07_flash_decoding import _WORKSPACES
     except ImportError:
         return []
     return list(_WORKSPACES.values())

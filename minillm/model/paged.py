@@ -22,12 +22,12 @@ kv_heads, head_dim]``; slot ``block_id * block_size + offset``; block tables int
 padded; slot mappings int64.
 
 Attention backends: on CUDA in fp16/bf16, the Triton kernels: decode steps (one new token
-per sequence) run Chapter 7's flash-decoding (`minillm.kernels.flash_decoding`, each sequence
+per sequence) run Chapter 7's flash-decoding (`minillm.kernels.ch07_flash_decoding`, each sequence
 split over several programs); steps where every sequence is a fresh prompt with nothing
 cached (`PagedBatch.fresh_prefill`) run Chapter 4's FlashAttention-2 varlen kernel
-(`minillm.kernels.flash_attention`) on the new tokens' own K/V, which need no block table;
+(`minillm.kernels.ch04_flash_attention`) on the new tokens' own K/V, which need no block table;
 any other step (chunks after a cached prefix, decodes mixed with prefills) runs Chapter 5's
-paged prefill kernel (`minillm.kernels.paged_attention`). Everywhere else, and whenever
+paged prefill kernel (`minillm.kernels.ch05_paged_attention`). Everywhere else, and whenever
 those modules cannot be imported, a plain torch version that gathers each sequence's K/V
 through its block table and calls SDPA. The torch version is the readable definition; the
 kernels must agree with it.
@@ -58,7 +58,7 @@ class _Kernels:
     5's cache write and prefill, Chapter 7's flash-decoding."""
 
     def __init__(self):
-        from minillm.kernels import flash_attention, flash_decoding, paged_attention
+        from minillm.kernels import ch04_flash_attention, ch07_flash_decoding, ch05_paged_attention
         self.write_paged_kv = paged_attention.write_paged_kv
         self.paged_prefill_attention = paged_attention.paged_prefill_attention
         self.flash_decode_attention = flash_decoding.flash_decode_attention
@@ -90,7 +90,7 @@ class PagedKVCache:
             otherwise), ``"torch"``, or ``"triton"`` (force the kernels; on a CPU they run in
             Triton's interpreter, which is how the tests check them without a GPU).
         softmax_phi: FlashDecoding++'s unified max for the decode kernel (Chapter 7; natural-log
-            units of the scaled score, see `minillm.model.softmax_stats.choose_phi`), or
+            units of the scaled score, see `minillm.experiments.ch07_softmax_stats.choose_phi`), or
             ``None`` for the exact online softmax. Either gives the same outputs (the kernel
             falls back to the exact path where φ does not fit); only the speed may differ.
     """

@@ -1,7 +1,7 @@
 """The Llama-family decoder in NumPy (float64): one sequence, written to be read.
 
 ``forward`` recomputes everything from the whole sequence; ``forward_cached`` processes only
-new tokens and keeps keys and values in a `minillm.reference.kv_cache` cache (Chapter 2).
+new tokens and keeps keys and values in a `minillm.reference.ch02_kv_cache` cache (Chapter 2).
 
 ``params`` maps Hugging Face tensor names (``model.layers.0.self_attn.q_proj.weight``, ...)
 to float64 arrays; ``minillm.model.loader.load_reference_params`` builds it from a checkpoint.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from minillm.model.config import ModelConfig
-from minillm.reference.attention import attention
-from minillm.reference.kv_cache import KVCache, RingKVCache
+from minillm.reference.ch01_naive_attention import attention
+from minillm.reference.ch02_kv_cache import KVCache, RingKVCache
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -51,7 +51,7 @@ def decoder_layer(params: dict, config: ModelConfig, i: int, x: np.ndarray, posi
     """Layer ``i`` on the hidden states ``x: [T, hidden]`` of the tokens at ``positions: [T]``.
 
     Without a cache the ``T`` tokens are the whole sequence. With one (a
-    `minillm.reference.kv_cache.KVCache` or `RingKVCache`), they come after the
+    `minillm.reference.ch02_kv_cache.KVCache` or `RingKVCache`), they come after the
     ``cache.seq_len`` cached ones: their keys and values are appended to the cache, and
     attention runs over what the cache hands back (earlier positions, then the new ones).
     Either way the keys end with the newest token, so the same bottom-right aligned causal

@@ -33,10 +33,10 @@ _SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
 @functools.cache
 def _flat_gemm_linear():
-    """Chapter 8's dispatcher `minillm.kernels.flat_gemm.linear`, or ``None`` when it cannot be
+    """Chapter 8's dispatcher `minillm.kernels.ch08_flat_gemm.linear`, or ``None`` when it cannot be
     imported (no Triton). Imported on first use: a model on a CPU never needs Triton."""
     try:
-        from minillm.kernels.flat_gemm import linear
+        from minillm.kernels.ch08_flat_gemm import linear
     except ImportError:
         return None
     return linear
@@ -44,7 +44,7 @@ def _flat_gemm_linear():
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state-dict keys) whose forward on a CUDA tensor in
-    fp16/bf16 is Chapter 8's `minillm.kernels.flat_gemm.linear`: decode steps have a handful
+    fp16/bf16 is Chapter 8's `minillm.kernels.ch08_flat_gemm.linear`: decode steps have a handful
     of rows, for which a GEMV or a flat GEMM reads the weights faster than cuBLAS's tiles.
     The dispatcher picks per call from the GPU's measured table, so prefill batches still go
     to cuBLAS."""

@@ -13,9 +13,9 @@ Modules, one job each:
 - `minillm.paged.prefix_cache`: hash-chained keys of full blocks, verified hits, LRU eviction.
 - `minillm.paged.layout`: the padded arrays the kernels read, and NumPy/torch references of
   the pool operations.
-- `minillm.paged.fragmentation`: how much memory contiguous and paged caches waste.
-- `minillm.paged.sharing`: how much memory fork-sharing saves for parallel sampling and beam
-  search.
+
+The measurements of Chapters 5 and 6 (how much memory contiguous and paged caches waste, how much
+fork-sharing saves) use these classes from `minillm.experiments`.
 
 KV layout (the contract with the Triton kernels)
 ------------------------------------------------

@@ -2,21 +2,21 @@
 
 Every Triton kernel in `minillm.kernels` is tested against one of these.
 """
-from minillm.reference.attention import attention, attention_mask, attention_scores, kv_head_for, softmax
-from minillm.reference.kv_cache import KVCache, RingKVCache
+from minillm.reference.ch01_naive_attention import attention, attention_mask, attention_scores, kv_head_for, softmax
+from minillm.reference.ch02_kv_cache import KVCache, RingKVCache
 # Chapter 3. Its `online_softmax` function is not re-exported here, so that the name
-# `minillm.reference.online_softmax` stays the module.
-from minillm.reference.online_softmax import (
+# `minillm.reference.ch03_online_softmax` stays the module.
+from minillm.reference.ch03_online_softmax import (
     fa1_block_sizes, fa1_traffic, merge_partials, merge_stats, online_softmax_update, softmax_stats, tile_step,
     tiled_attention,
 )
 # Chapter 4.
-from minillm.reference.flash_attention import (
+from minillm.reference.ch04_flash_attention import (
     backward_delta, classify_blocks, fa2_backward, fa2_backward_tile, fa2_finalize, fa2_forward, fa2_tile_step,
     nonmatmul_flops, warp_partition_traffic,
 )
 # Chapter 5.
-from minillm.reference.paged_attention import (
+from minillm.reference.ch05_paged_attention import (
     gather_paged_kv, paged_decode_attention, paged_kv_addresses, paged_prefill_attention,
 )
 

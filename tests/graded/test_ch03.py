@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from minillm import reference as ref
-from minillm.reference.online_softmax import partial_attention, softmax_stats
-from minillm.reference.online_softmax import tile_step as reference_tile_step
+from minillm.reference.ch03_online_softmax import partial_attention, softmax_stats
+from minillm.reference.ch03_online_softmax import tile_step as reference_tile_step
 
 update_ex = pytest.mark.exercise(id="3.1", title="The online softmax update", points=2)
 merge_ex = pytest.mark.exercise(id="3.2", title="Merging partial attention outputs", points=3)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from minillm import reference as ref
-from minillm.reference import flash_attention as fa2
+from minillm.reference import ch04_flash_attention as fa2
 
 tile_ex = pytest.mark.exercise(id="4.1", title="FA2 tile step with an unscaled output", points=3)
 classify_ex = pytest.mark.exercise(id="4.2", title="Causal block skipping", points=2)

@@ -13,7 +13,7 @@ from minillm.paged import Admission, BlockManager
 from minillm.paged.errors import (
     BlockManagerError, DuplicateSequence, OutOfBlocks, RequestTooLong, UnknownSequence,
 )
-from minillm.reference import paged_attention as ref
+from minillm.reference import ch05_paged_attention as ref
 
 tables_ex = pytest.mark.exercise(id="5.1", title="Block tables: allocate, append, free, admission", points=3)
 gather_ex = pytest.mark.exercise(id="5.2", title="The paged gather in NumPy", points=2)

@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from minillm.kernels.flash_decoding import fa2_num_splits as fa2_reference
-from minillm.reference import flash_decoding as ref
+from minillm.kernels.ch07_flash_decoding import fa2_num_splits as fa2_reference
+from minillm.reference import ch07_flash_decoding as ref
 
 merge_ex = pytest.mark.exercise(id="7.1", title="Merging the splits by their log-sum-exp", points=2)
 fa2_ex = pytest.mark.exercise(id="7.2", title="FlashAttention-2's number of splits", points=2)

@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from minillm.kernels.flat_gemm import find_inflection_points as kernels_find_inflection_points
-from minillm.reference import flat_gemm as ref
+from minillm.kernels.ch08_flat_gemm import find_inflection_points as kernels_find_inflection_points
+from minillm.reference import ch08_flat_gemm as ref
 
 gemv_ex = pytest.mark.exercise(id="8.1", title="The GEMV reduction, tile by tile", points=3)
 inflection_ex = pytest.mark.exercise(id="8.2", title="Inflection points from a sweep", points=3)

@@ -1,0 +1,232 @@
+"""Chapter 7 tuning sweeps (a tool, not part of `bench.run`): stage 1's launch config, the
+split count, the asynchronized softmax's variants and the host overhead of one call.
+
+Run on a GPU: ``python -m bench.ch07_tune_flash_decoding [part ...]`` (parts: overhead, config,
+async, splits, fused; default all). Prints compact tables; times are per call replaying a CUDA
+graph of 16 calls (`bench.common.graph_time_ms`) unless marked eager."""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from minillm.kernels import ch07_flash_decoding as fd
+from minillm.kernels.ch05_paged_attention import paged_decode_attention_bytes
+
+from bench.common import graph_time_ms
+from bench.ch07_flash_decoding import paged_cache
+from bench.common import time_ms
+
+DEV = torch.device("cuda")
+HQ, D, BS, DT = 32, 128, 16, torch.bfloat16
+COPY_TBPS = 4.25
+
+
+def timer(fn):
+    return time_ms(fn, warmup=10, rep=40)
+
+
+def host_us(fn, n: int) -> float:
+    """CPU-side microseconds per call of ``fn`` over ``n`` calls after a warm-up call (the
+    clock stops before the final synchronize: the host's cost, not the GPU's)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def inputs(batch, hkv, ctx):
+    gen = torch.Generator(device=DEV)
+    gen.manual_seed(0)
+    k, v, tables = paged_cache(3, batch, hkv, ctx, D, BS, DT, DEV, gen)
+    q = torch.randn(batch, HQ, D, device=DEV, dtype=DT)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    return q, k, v, tables, lens
+
+
+def caller(inp, splits, block_n=None, phi=None, config=None, fused=None):
+    q, k, v, tables, lens = inp
+    out = torch.empty(q.shape, device=DEV, dtype=DT)
+    lse = torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)
+    ws = ((*fd.split_workspace(q.shape[0], HQ, splits, D, DEV), fd.split_counters(q.shape[0], HQ, DEV))
+          if splits > 1 else None)
+    return lambda: fd._flash_decode(q, k, v, tables, lens, out=out, lse=lse, num_splits=splits, block_n=block_n,
+                                    phi=phi, config=config, workspace=ws, fused_merge=fused)
+
+
+def frac(batch, hkv, ctx, ms):
+    return paged_decode_attention_bytes([ctx] * batch, HQ, hkv, D, 2, BS) / (ms * 1e-3) / 1e12 / COPY_TBPS
+
+
+def overhead():
+    print("\n== host overhead, B=1 Hkv=8 L=4k (us per call) ==")
+    inp = inputs(1, 8, 4096)
+    q, k, v, tables, lens = inp
+    for s in (1, 8, 32):
+        fn = caller(inp, s)
+        cpu = host_us(fn, 300)
+        print(f"S={s:3}: cpu-side {cpu:6.1f}  eager {timer(fn) * 1e3:6.1f}  graph {graph_time_ms(fn, 16, timer) * 1e3:6.1f}")
+    parts = {
+        "_plan": lambda: fd._plan(q, k, v, tables, lens, None, None, None),
+        "num_sms": lambda: fd.num_sms(q.device),
+        "split_workspace S=32": lambda: fd.split_workspace(1, HQ, 32, D, DEV),
+        "torch.empty out+lse": lambda: (torch.empty(1, HQ, D, device=DEV, dtype=DT),
+                                        torch.empty(1, HQ, device=DEV, dtype=torch.float32)),
+    }
+    ws = fd.split_workspace(1, HQ, 32, D, DEV)
+    out = torch.empty(1, HQ, D, device=DEV, dtype=DT)
+    lse = torch.empty(1, HQ, device=DEV, dtype=torch.float32)
+    dims = fd._plan(q, k, v, tables, lens, None, None, None)[0]
+    parts["stage-1 launch"] = lambda: fd._split_attention(q, k, v, tables, lens, ws[0], ws[1], dims=dims)
+    parts["stage-2 launch"] = lambda: fd._reduce_splits(ws[0], ws[1], out, lse)
+    for name, fn in parts.items():
+        print(f"  {name:22} {host_us(fn, 2000):6.1f} us")
+
+
+CONFIG_POINTS = {(1, 8, 4096): (4, 8, 16, 32), (1, 8, 32768): (16, 33, 66), (1, 32, 32768): (8, 16, 33),
+                 (8, 8, 32768): (4, 8, 16), (1, 8, 131072): (33, 66), (32, 8, 32768): (1, 2)}
+
+
+def config():
+    print("\n== stage-1 config (graph ms; best per point marked *) ==")
+    configs = [(bn, w, st) for bn in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
+    for pt, splits in CONFIG_POINTS.items():
+        inp = inputs(*pt)
+        res = {}
+        for bn, w, st in configs:
+            for s in splits:
+                try:
+                    fn = caller(inp, s, bn, config=dict(num_warps=w, num_stages=st))
+                    fn()
+                    res[(bn, w, st, s)] = graph_time_ms(fn, 16, timer)
+                except Exception as e:  # noqa: BLE001
+                    res[(bn, w, st, s)] = None
+                    print(f"  {pt} bn={bn} w={w} st={st} S={s}: {type(e).__name__}: {str(e)[:80]}")
+        best = min((x for x in res.values() if x), default=None)
+        print(f"B,Hkv,L={pt}")
+        for bn, w, st in configs:
+            cells = []
+            for s in splits:
+                t = res[(bn, w, st, s)]
+                cells.append(f"S={s}:" + ("   --  " if t is None else f"{t:.4f}{'*' if t == best else ' '}"
+                                          f"({frac(*pt, t):.0%})"))
+            print(f"  bn={bn:3} w={w} st={st}  " + "  ".join(cells))
+        del inp
+        torch.cuda.empty_cache()
+    # registers / spills / shared memory of each config
+    inp = inputs(1, 8, 4096)
+    q, k, v, tables, lens = inp
+    ws = fd.split_workspace(1, HQ, 8, D, DEV)
+    for bn, w, st in configs:
+        for phi, lanes in ((None, True), (0.0, True), (0.0, False)):
+            try:
+                kern = fd._split_attention(q, k, v, tables, lens, ws[0], ws[1], phi=phi, block_n=bn,
+                                           config=dict(num_warps=w, num_stages=st, ASYNC_LANES=lanes))
+                print(f"  bn={bn:3} w={w} st={st} {'exact' if phi is None else 'async lanes' if lanes else 'async rows'}: "
+                      f"regs {kern.n_regs} spills {kern.n_spills} smem {kern.metadata.shared}")
+            except Exception as e:  # noqa: BLE001
+                print(f"  bn={bn} w={w} st={st}: {type(e).__name__}")
+
+
+ASYNC_POINTS = {(1, 8, 32768): 33, (8, 8, 32768): 4, (32, 8, 32768): 1, (32, 32, 32768): 1}
+
+
+def async_variants():
+    print("\n== async variants (graph ms; exact/variant > 1 = variant faster) ==")
+    variants = {"lanes+fb": dict(ASYNC_LANES=True, FALLBACK=True), "rows+fb": dict(ASYNC_LANES=False, FALLBACK=True),
+                "lanes nofb": dict(ASYNC_LANES=True, FALLBACK=False), "rows nofb": dict(ASYNC_LANES=False, FALLBACK=False)}
+    for w in (8, 4):
+        for pt, s in ASYNC_POINTS.items():
+            inp = inputs(*pt)
+            base = dict(num_warps=w, num_stages=3)
+            fn = caller(inp, s, config=base)
+            fn()
+            exact = graph_time_ms(fn, 16, timer)
+            cells = []
+            for name, cfg in variants.items():
+                fn = caller(inp, s, phi=0.0, config={**base, **cfg})
+                fn()
+                t = graph_time_ms(fn, 16, timer)
+                cells.append(f"{name} {t:.4f} ({exact / t:.3f})")
+            print(f"  w={w} {pt} S={s}: exact {exact:.4f} ({frac(*pt, exact):.0%}) | " + " | ".join(cells))
+            del inp
+            torch.cuda.empty_cache()
+
+
+SPLIT_POINTS = [(1, 8), (2, 8), (4, 8), (8, 8), (16, 8), (1, 32), (2, 32), (4, 32)]
+SPLITS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 16, 17, 22, 24, 32, 33, 48, 66, 99, 132)
+
+
+def splits(cfg=None):
+    print(f"\n== split count, L=32k (graph ms, fraction of copy), config {cfg} ==")
+    for b, hkv in SPLIT_POINTS:
+        inp = inputs(b, hkv, 32768)
+        cells = []
+        for s in SPLITS:
+            if b * hkv * s > 1100:
+                break
+            fn = caller(inp, s, config=cfg)
+            fn()
+            t = graph_time_ms(fn, 16, timer)
+            cells.append(f"{s}:{t:.4f}({frac(b, hkv, 32768, t):.0%})")
+        print(f"  B={b:2} Hkv={hkv:2} base={b * hkv:3}: " + " ".join(cells), flush=True)
+        del inp
+        torch.cuda.empty_cache()
+
+
+FUSED_POINTS = [(b, hkv, ctx) for ctx in (4096, 32768) for hkv in (8, 32) for b in (1, 8, 32)]
+
+
+def fused():
+    """The one-launch merge (stage 1's last program) against the two-launch path, at the
+    default heuristic's S: eager and graph ms, host (CPU-side) us per call, and the stage-2
+    launch's share of the two-launch time."""
+    print("\n== fused merge vs two launches (default S; ratio = two_launch / fused, > 1: fused faster) ==")
+    sms = fd.num_sms(DEV)
+    for pt in FUSED_POINTS:
+        b, hkv, ctx = pt
+        s = fd.num_splits_heuristic(b, hkv, ctx, sms, 128)
+        inp = inputs(*pt)
+        row = {}
+        for name, flag in (("fused", True), ("two", False)):
+            fn = caller(inp, s, fused=flag)
+            cpu = host_us(fn, 200)
+            row[name] = (timer(fn), graph_time_ms(fn, 16, timer), cpu)
+        q = inp[0]
+        ws = fd.split_workspace(b, HQ, s, D, DEV) if s > 1 else None
+        red = 0.0
+        if ws is not None:
+            out = torch.empty(q.shape, device=DEV, dtype=DT)
+            lse = torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)
+            caller(inp, s, fused=False)()
+            red = timer(lambda: fd._reduce_splits(ws[0], ws[1], out, lse))
+        (fe, fg, fc), (te, tg, tc) = row["fused"], row["two"]
+        print(f"  B={b:2} Hkv={hkv:2} L={ctx:5} S={s:3}: eager fused {fe:.4f} two {te:.4f} ({te / fe:.3f}) | "
+              f"graph fused {fg:.4f} two {tg:.4f} ({tg / fg:.3f}) | host us fused {fc:5.1f} two {tc:5.1f} | "
+              f"reduce {red:.4f} = {red / te:.0%} of two-launch eager", flush=True)
+        del inp
+        torch.cuda.empty_cache()
+    inp = inputs(1, 8, 4096)
+    q, k, v, tables, lens = inp
+    ws = fd.split_workspace(1, HQ, 16, D, DEV)
+    out = torch.empty(q.shape, device=DEV, dtype=DT)
+    lse = torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)
+    cnt = fd.split_counters(1, HQ, DEV)
+    for phi in (None, 0.0):
+        for merge in (None, (out, lse, cnt)):
+            kern = fd._split_attention(q, k, v, tables, lens, ws[0], ws[1], phi=phi, merge_into=merge)
+            print(f"  stage 1 {'exact' if phi is None else 'async'} {'fused' if merge else 'plain'}: regs "
+                  f"{kern.n_regs} spills {kern.n_spills} smem {kern.metadata.shared}")
+
+
+if __name__ == "__main__":
+    parts = sys.argv[1:] or ["overhead", "config", "async", "splits", "fused"]
+    t0 = time.time()
+    for part in parts:
+        {"overhead": overhead, "config": config, "async": async_variants, "splits": splits, "fused": fused}[part]()
+        print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)

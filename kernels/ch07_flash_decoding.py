@@ -1,0 +1,898 @@
+"""Chapter 7: flash-decoding over the paged KV cache, with FlashDecoding++'s asynchronized softmax.
+
+**Why split.** Chapter 5's `paged_decode_attention` runs one program per (sequence, KV head):
+the query heads of a GQA group are the rows of one ``tl.dot``, and the program streams the
+sequence's whole cache past them. At batch 1 with 8 KV heads that is 8 programs on a GPU of
+132 SMs; each SM can pull only so many bytes per second through its own load units, so 124
+SMs sit idle while 8 stream 128k tokens each, and the kernel reaches a small fraction of HBM
+bandwidth (6–21 % on an H200). Decode is memory bound: its speed is the number of bytes in
+flight, and that needs programs on every SM. Flash-decoding (Dao, Haziza, Massa and Sizov,
+"Flash-Decoding for long-context inference", PyTorch blog, October 2023; the split-KV path of
+FlashAttention-2, arXiv 2307.08691; vLLM's PagedAttention V2) cuts each sequence's keys into
+``S`` **splits** and gives every split its own program:
+
+1. *Stage 1* (`_split_kernel`): grid ``(batch, kv_heads, S)``. Program ``(b, j, s)`` runs
+   Chapter 5's loop over the tiles of split ``s`` only, and writes a **partial result** for
+   each query head ``h`` of the group: the output normalised over the split's keys,
+   ``o_s = Σ_{i∈s} e^{x_i} v_i / Σ_{i∈s} e^{x_i}``, and the split's log-sum-exp
+   ``lse_s = log Σ_{i∈s} e^{x_i}`` (``x_i`` the scaled score of key ``i``).
+2. *Stage 2* (`_merge_splits_kernel`): grid ``(batch, q_heads)``. The softmax over all keys
+   weights split ``s`` by its share of the total sum, ``e^{lse_s} / Σ_t e^{lse_t}``, so
+
+       M = max_s lse_s,   w_s = e^{lse_s − M},   out = Σ_s w_s o_s / Σ_s w_s,
+       lse = M + log Σ_s w_s.
+
+   This is Chapter 3's `merge_partials` applied to ``S`` pieces at once; subtracting ``M``
+   keeps every weight in ``(0, 1]``. An empty split has ``lse_s = −∞`` and weight 0; if every
+   split of a row is empty (length 0) the row gets ``out = 0`` and ``lse = −∞``.
+
+The price is the workspace: ``S`` fp32 partial outputs and logsumexps per query head, written
+by stage 1 and read back by stage 2 (`split_workspace_bytes`), and a second launch (which the
+default path avoids: "One launch" below). With
+``S = 1`` there is nothing to merge: stage 1 writes the final output and lse directly and
+stage 2 is not launched, so large batches, which fill the GPU without splitting, pay nothing.
+
+**One launch: the last program merges.** Stage 2 as a second kernel costs a launch (~35 µs
+of host time per call on the H200 with Triton's launcher), and at batch 1 the GPU work of a
+whole call is 10-60 µs, so small decode steps are launch-bound. The standard fix (the
+"semaphore" or "last block" pattern of split-K GEMMs and CUB's single-pass reductions) folds
+stage 2 into stage 1 (``FUSED_MERGE``, the default): each (sequence ``b``, KV head ``j``)
+has an int32 **arrival counter** in a small zero-initialised buffer (`split_counters`,
+cached with the workspace). Program ``(b, j, s)`` writes its partials, then adds 1 to the
+counter; the program that reads back ``S − 1`` is the last of the ``S`` to finish, so every
+partial of the group is written: it merges them (the same code as stage 2, `_merge_rows`, all
+of the group's query heads at once), writes the final ``out``/``lse``, and sets the counter
+back to 0, so the buffer needs no clearing between calls and works inside a CUDA graph
+(each replay finds it zero). A split past its sequence's end still writes its empty partial
+(``lse = −∞``) and counts itself in: the count is always ``S``. With ``S = 1`` nothing
+changes (no workspace, no counter, direct write).
+
+*Why it is correct* (the memory-ordering argument). Three things must hold for the last
+program to read every partial. (i) A program's partial stores are made by all of its
+threads, but the atomic by one: a CTA barrier (`tl.debug_barrier`) before the atomic orders
+every thread's stores before it. (ii) The atomic is ``acq_rel`` at GPU scope: its release
+half (cumulative: it covers the stores the barrier ordered before it) makes the partials
+visible GPU-wide before the incremented count is; its acquire half, in the program that reads
+``S − 1``, orders that program's later loads after every earlier increment, hence after every
+other program's partial stores (the increments form one modification order, each a release).
+(iii) The SMs' L1 caches are not coherent: a line of the workspace cached in the last
+program's L1 from earlier could be stale, so its loads of the partials use ``.cg`` (cache in
+L2 only, the GPU's point of coherence). Nothing is assumed about scheduling: programs of a
+group may run in any order or on any SM, and no program waits for another (no spin-wait, so
+no deadlock when the grid exceeds one wave). Under Triton's interpreter the programs run one
+after another, so the last in grid order merges, and the tests exercise the fused path on the
+CPU too. The two-launch path (`_reduce_splits`) stays, behind ``fused_merge=False``, for the
+benchmark's ``reduce_share`` row and the ``two_launch`` comparison. Measured on the H200 (CUDA
+graphs, bf16): equal or 1-4 % faster at every point (batch 1 x 8 KV heads: 9.8 against 10.3
+µs at 4k tokens, 42.2 against 43.7 µs at 32k), and 17-50 µs less host time per eager call.
+A first version that merged the group's query heads one after another in a loop ran 30-45 %
+*slower* at batch 1 x 8 KV heads: the last program's dependent L2 round trips, times the
+group size, sat on the critical path; merging the group as one ``[group, BLOCK_S, head_dim]``
+tile fixed it.
+
+**Where the splits fall.** A sequence of ``n`` keys has ``T = ⌈n / BLOCK_N⌉`` tiles; each of
+its ``S`` splits gets ``⌈T / S⌉`` consecutive tiles, so split boundaries are multiples of
+``BLOCK_N`` and Chapter 5's fast tile paths (one table entry per tile, or ``n`` whole blocks
+per tile) still apply, and only a sequence's last tile needs the length mask. The split size
+is computed **per sequence**, in the kernel, from its own length (as FlashAttention-2's
+split-KV kernel does): every sequence, short or long, is shared by all ``S`` programs, and
+``max_seq_len``, the host's bound on the lengths, only chooses ``S`` (without a device sync);
+a loose bound never leaves programs idle. A split that starts past its sequence's end (more
+splits than tiles) reads nothing and writes an empty partial (``o = 0``, ``lse = −∞``).
+
+**How many splits.** Three rules, all plain Python, compared by the Chapter 7 benchmark:
+
+- `num_splits_heuristic` (ours, the default): as many splits as fit in **one wave** of
+  resident programs (`SPLIT_PROGRAMS_PER_SM` per SM, set by stage 1's register use), so
+  every SM streams its share and no short second wave trails behind (measured on the H200:
+  256 programs beat 320 by 25-30 %), at least `MIN_TILES_PER_SPLIT` tiles per split, at most
+  `MAX_SPLITS`.
+- `fa2_num_splits`: FlashAttention-2's `num_splits_heuristic` (flash_api.cpp), which
+  maximises *wave efficiency*, the fraction of the last wave of programs that is occupied.
+- `partition_splits`: vLLM V2's fixed partitions of 512 tokens (split count grows with the
+  length, whatever the batch).
+
+**Asynchronized softmax** (FlashDecoding++, Hong et al., arXiv 2311.01282). The online
+softmax keeps a running max ``m`` so that ``e^{x − m}`` never overflows, and pays for it per
+tile: a row max (a reduction across the lanes of a warp), and a rescale of the accumulator by
+``e^{m_old − m_new}`` that sits on the critical path between the two dots. Between splits it
+forces the merge above. FlashDecoding++ observes that for a given model the scores of a layer
+fall in a narrow range, and uses one **unified max** ``φ`` (``phi``, natural-log units of the
+scaled score ``q·k·scale``) for every tile of every split: ``p = e^{x − φ}``, no max, no
+rescale, and partial results that need no rescaling against each other (each split's "m" is
+``φ``, so FlashDecoding++ merges them by plain sums). This kernel writes the same partials
+(``o_s``, ``lse_s = φ + log Σ p``) in both modes, so one stage 2 serves both; with a unified
+max its weights ``e^{lse_s − M}`` are just the splits' sums relative to the largest. The
+kernel keeps the running sum of ``p`` and the running max of the scores (for the window
+check only, off the critical path) as one row reduction per tile; a variant keeps them as
+``[group, BLOCK_N]`` lane tiles reduced once after the loop (``ASYNC_LANES``), which the
+H200 measured no faster (see `SPLIT_WARPS`).
+
+It is only safe if ``e^{x − φ}`` neither overflows nor underflows where it matters, which
+depends on the dtype ``p`` is rounded to for the tensor-core dot with ``V`` (`async_window`):
+
+- fp16 (max 65504 ≈ 2^16; normal numbers down to 2^-14; 11 significant bits): the largest
+  ``p`` of each row must stay below 2^15 (``p`` itself, and a partial sum of a few of them,
+  must be representable) and above 2^-6: terms more than 8 binades below it become fp16
+  subnormals, and a simulation of fp16-rounded ``P`` (NumPy, 512–32768 keys, score spreads
+  0.3–3) gave the same output error as exact mode down to a largest ``p`` of 2^-6, up to
+  1.9x it at 2^-8 and up to 5.7x at 2^-10. Window: ``[−6, 15]`` in log2 units of
+  ``max(x) − φ``.
+- bf16 and fp32 share fp32's exponent range (2^-126 … 2^128): the window only has to keep
+  ``Σ p`` and ``Σ p·v`` finite over up to 2^17 keys with ``|v|`` up to 2^20 (2^60 · 2^17 ·
+  2^20 = 2^97) and the largest ``p`` far above the subnormals (at 2^-60, every term within
+  fp32's 24 bits of it, down to 2^-84, is still a normal number > 2^-126). Window:
+  ``[−60, 60]``.
+
+Detection is cheap (the elementwise max tile is reduced once per program). If any row of a
+program's group ends up outside the window, the program **falls back**: it recomputes its
+split with the exact online-softmax loop (Chapter 5's tiles, inside the same kernel: no host
+sync, no second launch) and stores its true max instead; stage 2 is unchanged, since its merge
+works with any mix of per-split maxima. The fallback costs a second pass over that split's
+K/V; `_flash_decode` can count how often it fires (``fallbacks``).
+
+What it buys here: FlashDecoding++ puts the synchronized update of partial softmax results
+at about 20 % of attention time in the designs it compares against. In this kernel, decode
+attention is bound by HBM bandwidth, and the work the unified max removes (a row max per tile,
+a ``[group, head_dim]`` rescale, the rescaling in the merge) runs while the next tile's loads
+are in flight, so the gain is expected to be small or zero. The Chapter 7 benchmark measures
+it (the async/exact time ratio at every point) rather than assuming it. Measured on the H200:
+0.99-1.00x at the large points (within noise), up to 1.1x at batch 1. One trap: with 8 warps
+the fallback loop compiled into the kernel raised its registers from 92 to 167 a thread,
+halving the programs per SM and making async 13-25 % *slower*; without the fallback code it
+was 0-4 % faster. With 4 warps (`SPLIT_WARPS`) both kernels need ~210 registers and the
+fallback costs nothing while it does not fire, so it stays in the kernel.
+
+Layouts and contract: exactly those of `paged_decode_attention` (`minillm.paged`'s pool
+``[num_blocks, block_size, kv_heads, head_dim]``, int32 block tables padded with -1, any block
+size, GQA/MQA/MHA, invalid block ids read as zeros, lengths clamped to the table, any strides,
+fp16/bf16/fp32). Workspace (`split_workspace`): partial outputs ``[batch, q_heads, S,
+head_dim]`` and partial lse ``[batch, q_heads, S]``, fp32, split axis next to last so that one
+(sequence, head)'s ``S`` partials, which one stage-2 program reads, are one contiguous
+``S·head_dim·4``-byte run (FlashAttention-2 puts the split axis first instead; its combine
+kernel reads the same bytes with a stride).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from minillm.kernels.ch04_flash_attention import (
+    _LN2, LOG2E, _head_dim_offsets, _scale_and_window, block_d, dot_precision,
+)
+from minillm.kernels.base import launch
+from minillm.kernels.ch05_paged_attention import (
+    _blocks_per_tile, _check_paged, _decode_outputs, _paged_fwd_tiles, _tile_rows, decode_block_n,
+    paged_decode_attention_bytes,
+)
+
+__all__ = ["flash_decode_attention", "flash_decode_attention_bytes", "split_workspace", "split_workspace_bytes",
+           "split_counters", "FUSED_MERGE",
+           "num_splits_heuristic", "fa2_num_splits", "partition_splits", "num_sms", "async_window",
+           "SPLIT_PROGRAMS_PER_SM", "MIN_TILES_PER_SPLIT", "MAX_SPLITS", "CPU_NUM_SMS", "VLLM_PARTITION",
+           "ASYNC_WINDOW_FP16", "ASYNC_WINDOW_WIDE"]
+
+
+_LOG2E = tl.constexpr(LOG2E)
+
+# ----------------------------------------------------------------------------------------
+# How many splits (plain Python)
+# ----------------------------------------------------------------------------------------
+#: Stage-1 programs resident per SM, the size of one wave `num_splits_heuristic` fills. On
+#: the H200 (bf16, head dim 128, ``BLOCK_N = 128``, 4 warps, 3 stages) a program uses 207-211
+#: registers per thread and 73.7 KB of shared memory: 128 x 211 = 27k of an SM's 64k
+#: registers, so two programs fit per SM (shared memory would allow three). The split sweep
+#: of `bench.ch07_tune_flash_decoding` (L = 32k, CUDA-graph times) shows the wave at work: every
+#: batch x heads is fastest at the S that gives 256-264 programs and clearly slower just past
+#: it: batch 1 x 8 KV heads 0.044 ms at S = 32 (256 programs, 72 % of copy bandwidth), 0.048 at
+#: 24, 0.051 at 48; 1 x 32: 0.132 at S = 8 (256), 0.172 at 10 (320); 8 x 8: 0.255 at S = 4,
+#: 0.332 at 5 (320: 2.4 waves, the old heuristic's pick), 0.257 at 8 (512, two whole waves);
+#: 16 x 8: 0.497 at S = 2, 0.567 at 3. One full wave of resident programs, not "more programs".
+SPLIT_PROGRAMS_PER_SM = 2
+#: The shortest split `num_splits_heuristic` makes, in tiles of ``BLOCK_N`` keys. The
+#: workspace is not what limits it: a split writes and stage 2 reads ``2·(head_dim + 1)·4``
+#: bytes per query head, against ``2·BLOCK_N·head_dim·elem`` bytes of K/V per tile and KV
+#: head, i.e. ``≈ 4·group / (tiles·BLOCK_N·elem)`` of the traffic. On the H200 at batch 1,
+#: 8 KV heads, 4k tokens (32 tiles of 128), CUDA-graph times: S = 4 (8 tiles each) 18.0 µs,
+#: S = 8 (4 tiles) 12.5 µs, S = 16 (2 tiles) 11.2 µs, S = 32 (1 tile) 11.9 µs: two tiles per
+#: split is where splitting further stops paying.
+MIN_TILES_PER_SPLIT = 2
+#: The most splits any rule picks (FlashAttention-2's limit too): beyond it, stage 2's
+#: per-row work grows and no GPU has that many SMs per sequence to feed.
+MAX_SPLITS = 128
+#: What `num_sms` reports without a GPU: an H200's (and H100 SXM's) 132 SMs, so that the
+#: heuristics pick under the interpreter what they would pick on the book's GPU.
+CPU_NUM_SMS = 132
+#: vLLM's PagedAttention V2 partition: 512 tokens per split.
+VLLM_PARTITION = 512
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of ``device``: the CUDA device's ``multi_processor_count``,
+    or `CPU_NUM_SMS` for a CPU (the interpreter), so the heuristics behave as on an H200.
+    Cached per device: it is asked on every decode call, and the answer never changes."""
+    return _num_sms(device if isinstance(device, torch.device) else torch.device(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return CPU_NUM_SMS
+
+
+def num_splits_heuristic(batch: int, kv_heads: int, max_seq_len: int, num_sms: int, block_n: int) -> int:
+    """Splits per sequence for a decode step (ours; the default of `flash_decode_attention`).
+
+    Unsplit, the kernel runs ``batch · kv_heads`` programs, and ``SPLIT_PROGRAMS_PER_SM ·
+    num_sms`` of them fit on the GPU at once (one *wave*). Split each sequence into as many
+    pieces as still fit in that one wave, ``⌊wave / (batch · kv_heads)⌋``: every SM gets its
+    full complement of programs, all of the same length, and no program is left for a second,
+    mostly empty wave (a wave and a bit costs nearly two waves of short programs: on the H200
+    320 programs, 2.4 waves of 132, ran 30 % slower than 256). Then at most one split per
+    `MIN_TILES_PER_SPLIT` tiles of ``block_n`` keys of the longest sequence (``max_seq_len``)
+    and at most `MAX_SPLITS`. Returns 1 (no stage 2) when the batch alone fills a wave or the
+    sequences are too short to split.
+    """
+    base = max(1, batch * kv_heads)
+    fits = SPLIT_PROGRAMS_PER_SM * num_sms // base
+    tiles = -(-max(0, max_seq_len) // block_n)
+    return max(1, min(fits, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
+def fa2_num_splits(batch_heads: int, n_blocks: int, num_sms: int, max_splits: int = MAX_SPLITS) -> int:
+    """FlashAttention-2's split rule (``num_splits_heuristic`` in ``csrc/flash_attn/flash_api.cpp``).
+
+    - ``batch_heads``: programs without splitting (``batch · heads · m_blocks``; for decode
+      with GQA, FlashAttention-2 packs a group's query heads into the rows of one program, so
+      ``batch · kv_heads``);
+    - ``n_blocks``: key blocks of the longest sequence (``⌈L / 128⌉`` at head dim 128);
+    - ``num_sms``: program slots per wave. FlashAttention-2 (since 2.5) passes **twice** the
+      SM count (two 128-thread programs fit per SM); the benchmark does the same.
+
+    If ``batch_heads`` already fills 80 % of the slots: 1. Otherwise, for each split count
+    ``s = 1 … min(max_splits, num_sms, n_blocks)`` the *wave efficiency* is ``w / ⌈w⌉`` with
+    ``w = batch_heads · s / num_sms`` waves (the occupied fraction of the last wave); split
+    counts that give the same blocks per split as ``s − 1`` are skipped (e.g. 64 blocks in 11
+    or 12 splits are both 6 per split: the 12th would be empty). The answer is the smallest
+    ``s`` whose efficiency is at least 0.85 of the best one: fewer splits, less merging.
+
+    The arithmetic is single precision, as in the C++ (``float n_waves``, ``0.8f``; the 0.85
+    product is in double): ties with 0.85 · best are exact in real numbers for some inputs
+    (41 programs, 40 blocks, 100 slots: 0.82 against 0.85 · 16.4/17), and float and double
+    rounding decide them differently (7 splits here; 2 in double).
+    """
+    f32 = np.float32
+    if f32(batch_heads) >= f32(0.8) * f32(num_sms):
+        return 1
+    max_splits = min(max_splits, num_sms, n_blocks)
+
+    def eligible(s: int) -> bool:
+        return s == 1 or -(-n_blocks // s) != -(-n_blocks // (s - 1))
+
+    efficiency = {}
+    for s in range(1, max_splits + 1):
+        if eligible(s):
+            waves = f32(batch_heads * s) / f32(num_sms)
+            efficiency[s] = waves / f32(math.ceil(waves))
+    best = max(efficiency.values(), default=f32(0))
+    for s, eff in efficiency.items():  # in increasing s
+        if float(eff) >= 0.85 * float(best):
+            return s
+    return 1
+
+
+def partition_splits(max_seq_len: int, partition: int = VLLM_PARTITION) -> int:
+    """Fixed-size partitions (vLLM's PagedAttention V2 uses 512 tokens): ``⌈max_seq_len /
+    partition⌉`` splits, at least 1, whatever the batch."""
+    if partition < 1:
+        raise ValueError(f"partition must be >= 1, got {partition}")
+    return max(1, -(-max(0, max_seq_len) // partition))
+
+
+# ----------------------------------------------------------------------------------------
+# The asynchronized softmax's safe window
+# ----------------------------------------------------------------------------------------
+#: ``(lo, hi)``: with ``P`` rounded to fp16 for the PV dot, each row's largest ``2^(x − φ)``
+#: (log2 units) must lie in ``[2^lo, 2^hi]`` (module docstring: ``2^15 < 65504``; below
+#: ``2^-6`` fp16's subnormals start costing accuracy).
+ASYNC_WINDOW_FP16 = (-6.0, 15.0)
+#: The same for bf16 and fp32 ``P``: fp32's exponent range (module docstring).
+ASYNC_WINDOW_WIDE = (-60.0, 60.0)
+
+
+def async_window(dtype: torch.dtype) -> tuple[float, float]:
+    """The safe window of ``max(x) − φ`` in log2 units (binades) for a cache of ``dtype``
+    (``P`` is rounded to it for the PV dot)."""
+    return ASYNC_WINDOW_FP16 if dtype == torch.float16 else ASYNC_WINDOW_WIDE
+
+
+# ----------------------------------------------------------------------------------------
+# Stage 1: one program per (sequence, KV head, split)
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _exact_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb, stride_vo,
+                 offs_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len, block_size, num_blocks, qk_scale,
+                 BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_PAD: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online softmax over key positions ``[lo, hi)``: ``(acc, l, m)`` (base 2, ``acc``
+    unscaled), as Chapter 5's kernels compute it.
+
+    The tiles are Chapter 5's prefill tiles (`_paged_fwd_tiles`), with the group's query
+    heads as the rows (``q_len = group_size``: padding rows are masked where masks are
+    computed) and no causal mask: ``[lo, full_hi)`` are whole tiles inside the sequence and
+    need no mask at all; ``[full_hi, hi)`` is the sequence's ragged last tile, if it falls in
+    this split."""
+    m = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((GROUP_PAD,), dtype=tl.float32)
+    acc = tl.zeros((GROUP_PAD, BLOCK_D), dtype=tl.float32)
+    acc, l, m = _paged_fwd_tiles(acc, l, m, q, k_head, v_head, table, stride_tn, stride_kb, stride_ko,
+                                 stride_vb, stride_vo, offs_g, offs_n0, d_ok, lo, full_hi, group_size, seq_len,
+                                 block_size, num_blocks, qk_scale, False, False, BLOCKS_PER_TILE, DOT_PRECISION,
+                                 BLOCK_N)
+    acc, l, m = _paged_fwd_tiles(acc, l, m, q, k_head, v_head, table, stride_tn, stride_kb, stride_ko,
+                                 stride_vb, stride_vo, offs_g, offs_n0, d_ok, full_hi, hi, group_size, seq_len,
+                                 block_size, num_blocks, qk_scale, True, False, BLOCKS_PER_TILE, DOT_PRECISION,
+                                 BLOCK_N)
+    return acc, l, m
+
+
+@triton.jit
+def _async_tiles(acc, l_run, x_max, q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb,
+                 stride_vo, offs_n0, d_ok, lo, hi, seq_len, block_size, num_blocks, qk_scale, phi2,
+                 MASKED: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 BLOCK_N: tl.constexpr, LANES: tl.constexpr):
+    """Key tiles ``[lo, hi)`` with the unified max ``phi2`` (log2 units): ``p = 2^(x − φ)``.
+
+    No running max and no rescale: ``acc`` accumulates ``p·v``. ``l_run`` and ``x_max`` are
+    the running sum of ``p`` and the running max of the scores (the max only checks the
+    window). ``LANES``: they are ``[GROUP_PAD, BLOCK_N]`` register tiles, updated elementwise
+    and reduced once by the caller (no reduction in the loop at all); else ``[GROUP_PAD]``
+    rows, updated with one ``tl.sum``/``tl.max`` per tile. ``MASKED``: positions ``>=
+    seq_len`` may occur (the last tile): they score ``−inf``, so ``p = 0``."""
+    for start in range(lo, hi, BLOCK_N):
+        k_rows, v_rows, row_ok = _tile_rows(table, stride_tn, start, offs_n0, seq_len, block_size, num_blocks,
+                                            stride_kb, stride_ko, stride_vb, stride_vo, BLOCKS_PER_TILE, MASKED,
+                                            BLOCK_N)
+        kv_ok = row_ok[:, None] & d_ok
+        k = tl.load(k_head + k_rows[:, None], mask=kv_ok, other=0.0)
+        x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
+        if MASKED:
+            x = tl.where((start + offs_n0 < seq_len)[None, :], x, float("-inf"))
+        p = tl.math.exp2(x - phi2)
+        if LANES:
+            x_max = tl.maximum(x_max, x)
+            l_run += p
+        else:
+            x_max = tl.maximum(x_max, tl.max(x, axis=1))
+            l_run += tl.sum(p, axis=1)
+        v = tl.load(v_head + v_rows[:, None], mask=kv_ok, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_run, x_max
+
+
+@triton.jit
+def _split_kernel(
+    Q, K, V, BlockTables, SeqLens, O, LSE, Fallbacks, Out, OutLse, Counters,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_ko, stride_kh, stride_kd,
+    stride_vb, stride_vo, stride_vh, stride_vd,
+    stride_tb, stride_tn, stride_sl,
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lh, stride_ls,
+    stride_fb, stride_fh, stride_fs,
+    stride_outb, stride_outh, stride_outd,
+    stride_olb, stride_olh,
+    stride_cb, stride_ch,
+    group_size, block_size, num_blocks, max_blocks, qk_scale, phi2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr, ASYNC: tl.constexpr,
+    WINDOW_LO: tl.constexpr, WINDOW_HI: tl.constexpr, TRACK_FALLBACKS: tl.constexpr,
+    ASYNC_LANES: tl.constexpr, FALLBACK: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr,
+MERGE_BLOCK_S: tl.constexpr,
+):
+    """Program ``(b, kv_h, s)``: split ``s`` of sequence ``b``'s keys, for the ``group_size``
+    query heads that read KV head ``kv_h``.
+
+    Writes each head's partial result to ``O[b, h, s, :]`` (normalised over the split) and
+    ``LSE[b, h, s]`` (natural log); with one split these are the final output and lse (the
+    launcher passes them with a split stride of 0). ``ASYNC``: the unified max ``phi2``
+    (log2 units) instead of the online softmax, with the in-kernel fallback when a row's max
+    leaves ``[phi2 + WINDOW_LO, phi2 + WINDOW_HI]``; ``TRACK_FALLBACKS``: store 1 (fell back)
+    or 0 at ``Fallbacks[b, kv_h, s]``.
+
+    ``FUSED_MERGE`` ("last program merges"): after writing its partials the program counts
+    itself in at ``Counters[b, kv_h]``; the last of the group's ``S`` programs to arrive merges
+    the ``S`` partials of the group's query heads (`_merge_rows`, stage 2's code) into ``Out[b,
+    h, :]`` and ``OutLse[b, h]``, and puts the counter back to 0 (module docstring: the memory
+    ordering)."""
+    b, kv_h, split = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    in_g = offs_g < group_size
+    heads = kv_h * group_size + tl.minimum(offs_g, group_size - 1)  # padding rows: clamped, never stored
+    offs_d, d_ok = _head_dim_offsets(HEAD_DIM, BLOCK_D)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=in_g[:, None] & d_ok, other=0.0)
+
+    # This split's keys: ⌈tiles / S⌉ whole tiles of this sequence's own length, so every
+    # boundary is a multiple of BLOCK_N and only the sequence's last tile is ragged. A split
+    # past the end gets lo >= seq_len: hi = lo, no tile is visited, the partial is empty.
+    seq_len = tl.minimum(tl.maximum(tl.load(SeqLens + b * stride_sl), 0), max_blocks * block_size)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.maximum(tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len), lo)
+    full_hi = hi // BLOCK_N * BLOCK_N  # end of the whole tiles (>= lo: lo is a multiple of BLOCK_N)
+
+    table = BlockTables + b * stride_tb
+    k_head = K + kv_h * stride_kh + offs_d[None, :] * stride_kd
+    v_head = V + kv_h * stride_vh + offs_d[None, :] * stride_vd
+    offs_n0 = tl.arange(0, BLOCK_N)
+
+    if ASYNC:
+        acc = tl.zeros((GROUP_PAD, BLOCK_D), dtype=tl.float32)
+        if ASYNC_LANES:
+            l_run = tl.zeros((GROUP_PAD, BLOCK_N), dtype=tl.float32)
+            x_max = tl.full((GROUP_PAD, BLOCK_N), float("-inf"), dtype=tl.float32)
+        else:
+            l_run = tl.zeros((GROUP_PAD,), dtype=tl.float32)
+            x_max = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
+        acc, l_run, x_max = _async_tiles(acc, l_run, x_max, q, k_head, v_head, table, stride_tn, stride_kb,
+                                         stride_ko, stride_vb, stride_vo, offs_n0, d_ok, lo, full_hi, seq_len,
+                                         block_size, num_blocks, qk_scale, phi2, False, BLOCKS_PER_TILE,
+                                         DOT_PRECISION, BLOCK_N, ASYNC_LANES)
+        acc, l_run, x_max = _async_tiles(acc, l_run, x_max, q, k_head, v_head, table, stride_tn, stride_kb,
+                                         stride_ko, stride_vb, stride_vo, offs_n0, d_ok, full_hi, hi, seq_len,
+                                         block_size, num_blocks, qk_scale, phi2, True, BLOCKS_PER_TILE,
+                                         DOT_PRECISION, BLOCK_N, ASYNC_LANES)
+        if ASYNC_LANES:
+            l = tl.sum(l_run, axis=1)
+            row_max = tl.max(x_max, axis=1)
+        else:
+            l = l_run
+            row_max = x_max
+        m = tl.zeros((GROUP_PAD,), dtype=tl.float32) + phi2
+        # The window check, once per program: how far each real row's largest score lies from φ.
+        offset = row_max - phi2
+        outside = in_g & ((offset < WINDOW_LO) | (offset > WINDOW_HI))
+        fell_back = (hi > lo) & (tl.max(outside.to(tl.int32), axis=0) > 0)
+        if FALLBACK:
+            if fell_back:  # recompute this split exactly (its K/V are read a second time)
+                acc, l, m = _exact_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb,
+                                         stride_vo, offs_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len,
+                                         block_size, num_blocks, qk_scale, BLOCKS_PER_TILE, DOT_PRECISION,
+                                         GROUP_PAD, BLOCK_D, BLOCK_N)
+        if TRACK_FALLBACKS:
+            tl.store(Fallbacks + b * stride_fb + kv_h * stride_fh + split * stride_fs, fell_back.to(tl.int32))
+    else:
+        acc, l, m = _exact_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb, stride_vo,
+                                 offs_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len, block_size,
+                                 num_blocks, qk_scale, BLOCKS_PER_TILE, DOT_PRECISION, GROUP_PAD, BLOCK_D,
+                                 BLOCK_N)
+
+    # An empty split: l = 0 -> o = 0 and lse = log2(0) = -inf (m is -inf or φ; either way -inf).
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    lse = (m + tl.math.log2(l)) * _LN2
+    tl.store(O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :] * stride_od,
+             out.to(O.dtype.element_ty), mask=in_g[:, None] & d_ok)
+    tl.store(LSE + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=in_g)
+
+    if FUSED_MERGE:
+        # Memory ordering (module docstring, "One launch"): the barrier orders every thread's
+        # partial stores above before the atomic, whose release half (acq_rel, gpu scope; it is
+        # cumulative) publishes them to the whole GPU before the count; the program that sees
+        # S - 1 has, by the acquire half, every other program's release before it, so their
+        # partials are in L2 when it reads them, bypassing its own (incoherent) L1 with `.cg`.
+        tl.debug_barrier()
+        counter = Counters + b * stride_cb + kv_h * stride_ch
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:  # the last of the S programs of (b, kv_h): merge the group
+            h0 = kv_h * group_size
+            o_g, lse_g = _merge_rows(O + b * stride_ob + h0 * stride_oh, LSE + b * stride_lb + h0 * stride_lh,
+                                     stride_oh, stride_os, stride_od, stride_lh, stride_ls, group_size, num_splits,
+                                     offs_d, d_ok, MERGE_ROWS, MERGE_BLOCK_S, ".cg")
+            offs_r = tl.arange(0, MERGE_ROWS)
+            r_ok = offs_r < group_size
+            tl.store(Out + b * stride_outb + (h0 + offs_r[:, None]) * stride_outh + offs_d[None, :] * stride_outd,
+                     o_g.to(Out.dtype.element_ty), mask=r_ok[:, None] & d_ok)
+            tl.store(OutLse + b * stride_olb + (h0 + offs_r) * stride_olh, lse_g, mask=r_ok)
+            # Back to zero for the next call (which a later launch on the stream, or the next
+            # replay of a CUDA graph, orders after this one).
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+# ----------------------------------------------------------------------------------------
+# Stage 2: merge the splits of one (sequence, query head)
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _merge_rows(o_rows, lse_rows, stride_ph, stride_ps, stride_pd, stride_qh, stride_qs, n_rows, num_splits,
+                offs_d, d_ok, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
+    """Merge the ``num_splits`` partials of ``n_rows <= ROWS`` query heads of one sequence:
+    head ``r``'s split ``s`` is ``o_rows + r·stride_ph + s·stride_ps + d·stride_pd`` and
+    ``lse_rows + r·stride_qh + s·stride_qs`` (fp32, natural log). Returns ``(out, lse)``,
+    ``[ROWS, BLOCK_D]`` and ``[ROWS]`` fp32: ``out = Σ_s w_s o_s / Σ_s w_s`` and ``lse = M +
+    log Σ_s w_s`` with ``w_s = e^{lse_s − M}``, ``M = max_s lse_s``, ``BLOCK_S`` splits of all
+    rows at a time (``[ROWS, BLOCK_S, BLOCK_D]`` tiles: the rows' loads are independent, so
+    merging a GQA group costs one row's latency, not ``group`` of them).
+
+    Two passes over the lse (``S`` floats a row, from cache the second time), one over the
+    outputs. An empty split's output is not even read (its weight is 0; masked load); padding
+    rows get ``out = 0``, ``lse = −∞`` (the caller does not store them). ``CACHE``: the loads'
+    cache modifier: ``""`` in stage 2 (a later launch: every partial is visible), ``".cg"``
+    (cache in L2 only, i.e. bypass L1) when stage 1's last program merges partials other
+    programs wrote during the same launch."""
+    offs_r = tl.arange(0, ROWS)
+    r_ok = (offs_r < n_rows)[:, None]
+    offs_s0 = tl.arange(0, BLOCK_S)
+    lse_base = lse_rows + offs_r[:, None] * stride_qh
+    m_lanes = tl.full((ROWS, BLOCK_S), float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + offs_s0
+        m_lanes = tl.maximum(m_lanes, tl.load(lse_base + offs_s[None, :] * stride_qs,
+                                              mask=r_ok & (offs_s < num_splits)[None, :], other=float("-inf"),
+                                              cache_modifier=CACHE))
+    m = tl.max(m_lanes, axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights e^{-inf} = 0, no NaN
+
+    o_base = o_rows + offs_r[:, None, None] * stride_ph + offs_d[None, None, :] * stride_pd
+    acc = tl.zeros((ROWS, offs_d.shape[0]), dtype=tl.float32)
+    w_lanes = tl.zeros((ROWS, BLOCK_S), dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + offs_s0
+        lse_s = tl.load(lse_base + offs_s[None, :] * stride_qs, mask=r_ok & (offs_s < num_splits)[None, :],
+                        other=float("-inf"), cache_modifier=CACHE)
+        w = tl.math.exp2((lse_s - m[:, None]) * _LOG2E)  # e^{lse_s - M}, in (0, 1]; 0 when empty
+        o_s = tl.load(o_base + offs_s[None, :, None] * stride_ps,
+                      mask=(lse_s > float("-inf"))[:, :, None] & d_ok[None, :, :], other=0.0,
+                      cache_modifier=CACHE)
+        acc += tl.sum(w[:, :, None] * o_s, axis=1)
+        w_lanes += w
+    w_sum = tl.sum(w_lanes, axis=1)
+    out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
+    return out, m + tl.math.log2(w_sum) * _LN2
+
+
+@triton.jit
+def _merge_splits_kernel(
+    OP, LP, O, LSE, num_splits,
+    stride_pb, stride_ph, stride_ps, stride_pd,
+    stride_qb, stride_qh, stride_qs,
+    stride_ob, stride_oh, stride_od,
+    stride_lb, stride_lh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Program ``(b, h)``: `_merge_rows` over the partials ``OP[b, h, :, :]`` and ``LP[b, h, :]``
+    into ``O[b, h, :]`` and ``LSE[b, h]`` (the two-launch path; `_split_kernel` with
+    ``FUSED_MERGE`` runs the same merge in its last program instead)."""
+    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    offs_d, d_ok = _head_dim_offsets(HEAD_DIM, BLOCK_D)
+    out, lse = _merge_rows(OP + b * stride_pb + h * stride_ph, LP + b * stride_qb + h * stride_qh, 0, stride_ps,
+                           stride_pd, 0, stride_qs, 1, num_splits, offs_d, d_ok, 1, BLOCK_S, "")
+    # (Not `offs_d < HEAD_DIM`: the padding columns' offsets are clamped onto the last real one.)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
+             mask=tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM)
+    tl.store(LSE + b * stride_lb + h * stride_lh + tl.arange(0, 1), lse)
+
+
+#: Warps and pipeline stages of stage 1 (``BLOCK_N = 128``, `decode_block_n`). Chosen on the
+#: H200 by `bench.ch07_tune_flash_decoding` (bf16, head dim 128, CUDA-graph times at the best S of
+#: six points from batch 1 x 8 KV heads x 4k to batch 32 x 8 x 32k; BLOCK_N 64/128 x warps 4/8
+#: x stages 2/3/4). For the exact softmax 4 and 8 warps are within 1-3 % of each other (4
+#: warps: 11.2 against 11.9 µs at 1 x 8 x 4k, 0.135 against 0.136 ms at 1 x 8 x 128k, 0.969
+#: against 0.985 ms at 32 x 8 x 32k); BLOCK_N = 64 is 5-15 % slower with 8 warps and at best
+#: equal with 4. What decides is the asynchronized softmax: with 8 warps its kernel needs 167
+#: registers a thread against the exact one's 92 (the fallback loop is compiled into it), so
+#: one program fits per SM instead of two and it ran 13-25 % slower; with 4 warps both kernels
+#: need 207-211 registers, two programs per SM, and async ran at 1.00-1.10x the exact speed.
+#: Stages: 2 and 3 tie at small points; 2 lost 5-10 % at some (batch 8 x 8, S = 8), so 3.
+SPLIT_WARPS, SPLIT_STAGES = 4, 3
+#: Stage 1's launch options (``config`` of `_flash_decode` overrides them, for measurements):
+#: warps, pipeline stages, ``ASYNC_LANES`` (the asynchronized softmax's running sum and max
+#: as ``[group, BLOCK_N]`` lane tiles instead of per-tile row reductions) and ``FALLBACK``
+#: (compile the in-kernel exact fallback; False is for measuring its cost only: a split
+#: outside the window is then wrong).
+_STAGE1_DEFAULTS = dict(num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES, ASYNC_LANES=False, FALLBACK=True)
+
+#: Merge the splits inside stage 1 (its last program per (sequence, KV head); one launch) by
+#: default, instead of in a second launch (`_reduce_splits`). See the module docstring.
+FUSED_MERGE = True
+
+#: Splits merged per step by stage 2 (``[BLOCK_S, head_dim]`` fp32 tiles; 16 x 128 is 8 KB).
+MERGE_BLOCK_S = 16
+#: The one-launch merge's tile is ``[group, BLOCK_S, head_dim]`` (all of a GQA group's query
+#: heads at once): at most this many (head, split) rows per step (64 x 128 fp32 = 32 KB, 64
+#: registers a thread at 4 warps).
+MERGE_TILE_ROWS = 64
+MERGE_WARPS = 4
+
+
+# ----------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------
+def split_workspace(batch: int, q_heads: int, num_splits: int, head_dim: int, device
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partials stage 1 writes and stage 2 reads: ``(o_part, lse_part)``, fp32,
+    ``[batch, q_heads, num_splits, head_dim]`` and ``[batch, q_heads, num_splits]``, both
+    contiguous views of one allocation (one allocator call instead of two)."""
+    n_o = batch * q_heads * num_splits * head_dim
+    buf = torch.empty(n_o + batch * q_heads * num_splits, device=device, dtype=torch.float32)
+    return buf[:n_o].view(batch, q_heads, num_splits, head_dim), buf[n_o:].view(batch, q_heads, num_splits)
+
+
+#: ``(device, batch, q_heads, S, head_dim) -> (o_part, lse_part)``: the workspaces
+#: `flash_decode_attention` reuses when the caller gives none (`_cached_workspace`).
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, ...] | torch.Tensor] = {}
+#: Shapes kept in `_WORKSPACES` before it is emptied (an engine's batch size changes from
+#: step to step; each entry is ``batch · q_heads · S · (head_dim + 1) · 4`` bytes, 0.5 MB at
+#: batch 1 with 32 heads and 33 splits).
+WORKSPACE_CACHE_SIZE = 64
+
+
+def split_counters(batch: int, q_heads: int, device) -> torch.Tensor:
+    """The arrival counters of the one-launch merge (``FUSED_MERGE``): int32 ``[batch,
+    q_heads]``, zero (entry ``[b, kv_h]`` counts the finished splits of sequence ``b``, KV
+    head ``kv_h``; ``q_heads`` columns so that one buffer serves any number of KV heads). The
+    kernel leaves them zero again after every call."""
+    return torch.zeros(batch, q_heads, device=device, dtype=torch.int32)
+
+
+def _reused(key: tuple, device, make):
+    """``_WORKSPACES[key]``, made by ``make()`` on first use: the buffers `flash_decode_attention`
+    reuses across calls when the caller gives none. Nothing is kept while a CUDA graph is being
+    captured: memory allocated during capture belongs to the graph's private pool (and a zero
+    fill is captured with the graph, so every replay starts from zero)."""
+    buf = _WORKSPACES.get(key)
+    if buf is None:
+        buf = make()
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if len(_WORKSPACES) >= WORKSPACE_CACHE_SIZE:
+                _WORKSPACES.clear()
+            _WORKSPACES[key] = buf
+    return buf
+
+
+def _cached_workspace(batch: int, q_heads: int, num_splits: int, head_dim: int, device
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o_part, lse_part, counters)`` reused across calls of one shape on one device (`_reused`).
+
+    Allocating them per call cost a few microseconds of the ~15-50 µs a small decode step takes
+    (it is host time: at batch 1 and 4k tokens the GPU work is ~14 µs). Reuse is safe for calls
+    ordered on one stream, which is how a decode loop runs: the next call's stage 1 cannot
+    overwrite the partials before this call's merge has read them. Callers that run decode
+    steps of the same shape concurrently on several streams must pass their own workspaces
+    (``workspace`` of `_flash_decode`)."""
+    return _reused((device, batch, q_heads, num_splits, head_dim), device,
+                   lambda: (*split_workspace(batch, q_heads, num_splits, head_dim, device),
+                            _cached_counters(batch, q_heads, device)))
+
+
+def _cached_counters(batch: int, q_heads: int, device) -> torch.Tensor:
+    """`split_counters` reused across calls (`_reused`); one buffer serves every split count."""
+    return _reused(("counters", device, batch, q_heads), device, lambda: split_counters(batch, q_heads, device))
+
+
+def split_workspace_bytes(batch: int, q_heads: int, num_splits: int, head_dim: int) -> int:
+    """HBM bytes the workspace adds to a call with ``num_splits > 1``: stage 1 writes
+    ``(head_dim + 1)`` fp32 per (sequence, query head, split) and stage 2 reads them back;
+    0 with one split (no workspace)."""
+    if num_splits <= 1:
+        return 0
+    return 2 * batch * q_heads * num_splits * (head_dim + 1) * 4
+
+
+def flash_decode_attention_bytes(seq_lens, q_heads: int, kv_heads: int, head_dim: int, elem_bytes: int,
+                                 block_size: int | None = None, num_splits: int = 1) -> int:
+    """HBM bytes one `flash_decode_attention` call moves at least: those of Chapter 5's
+    kernel (`paged_decode_attention_bytes`: K, V, q, out, lse, table) plus the workspace
+    (`split_workspace_bytes`). The benchmark reports bandwidth over the first part only (the
+    useful bytes), so that the workspace shows up as lost bandwidth."""
+    lens = [int(n) for n in seq_lens]
+    return (paged_decode_attention_bytes(lens, q_heads, kv_heads, head_dim, elem_bytes, block_size)
+            + split_workspace_bytes(len(lens), q_heads, num_splits, head_dim))
+
+
+def flash_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None, *,
+                           num_splits: int | None = None, max_seq_len: int | None = None, phi: float | None = None,
+                           out: torch.Tensor | None = None,
+                           lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one new query per sequence over its paged K/V cache, each sequence split
+    over ``num_splits`` programs per KV head (flash-decoding).
+
+    The contract of `paged_decode_attention`:
+
+    - ``q: [batch, q_heads, head_dim]``; ``k_cache, v_cache: [num_blocks, block_size,
+      kv_heads, head_dim]`` (one dtype with q: fp16, bf16 or fp32; any block size >= 1;
+      ``q_heads % kv_heads == 0``); ``block_tables: [batch, max_blocks]`` int32 (int64
+      accepted), -1 past each length; ``seq_lens: [batch]`` integers, clamped to
+      ``[0, max_blocks · block_size]``; a table entry that is not a valid block reads as zeros;
+    - ``scale`` defaults to ``1/sqrt(head_dim)``.
+
+    And:
+
+    - ``num_splits``: splits per sequence; ``None`` picks `num_splits_heuristic` for this
+      device, an int forces it (any ``>= 1``; more splits than tiles leaves some empty);
+    - ``max_seq_len``: a Python int bounding ``seq_lens`` (default ``max_blocks · block_size``),
+      used only to choose ``num_splits`` without reading the lengths from the device; the
+      splits themselves are sized per sequence in the kernel, so a loose bound is harmless;
+    - ``phi``: FlashDecoding++'s unified max, in natural-log units of the scaled score
+      ``q·k·scale``; ``None`` is the exact online softmax. With ``phi`` a split whose largest
+      score per row leaves the safe window `async_window` around ``phi`` is recomputed
+      exactly, inside the kernel: the result is correct for any ``phi``, only its speed
+      depends on it.
+
+    Returns ``(out, lse)``: ``out: [batch, q_heads, head_dim]`` in q's dtype and ``lse:
+    [batch, q_heads]`` float32 (natural log; length 0 gives ``out = 0``, ``lse = -inf``).
+    ``out``/``lse`` may be given preallocated (any strides).
+    """
+    return _flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse, num_splits=num_splits,
+                         max_seq_len=max_seq_len, phi=phi)
+
+
+def _flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=None, lse=None, *,
+                  num_splits: int | None = None, max_seq_len: int | None = None, phi: float | None = None,
+                  block_n: int | None = None, tile_in_block: bool | None = None,
+                  workspace: tuple[torch.Tensor, ...] | None = None,
+                  fallbacks: torch.Tensor | None = None, config: dict | None = None,
+                  fused_merge: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flash_decode_attention` with the knobs of tests and measurements:
+
+    - ``block_n``: keys per tile (default `decode_block_n`); ``tile_in_block``: the tile path
+      of `_tile_rows` (True = one table entry per tile, False = the general path, None = the
+      best that applies);
+    - ``workspace``: ``(o_part, lse_part)`` as `split_workspace` makes them for this
+      ``num_splits``, optionally with a third member, the int32 arrival counters
+      (`split_counters`; else cached ones); without it a cached workspace
+      (`_cached_workspace`) when ``num_splits > 1``. After the call it holds the partials,
+      which tests compare and the benchmark merges again with `_reduce_splits`;
+    - ``fused_merge``: merge the splits in stage 1's last program (one launch; True) or in
+      the separate stage-2 launch (`_reduce_splits`; False); None = `FUSED_MERGE`;
+    - ``fallbacks``: int32 ``[batch, kv_heads, num_splits]``, written with 1 where a program
+      of the asynchronized softmax fell back to the exact loop, else 0 (needs ``phi``).
+    """
+    dims, num_splits, block_n = _plan(q, k_cache, v_cache, block_tables, seq_lens, num_splits, max_seq_len, block_n)
+    batch, (q_heads, head_dim) = q.shape[0], q.shape[1:]
+    out, lse = _decode_outputs(q, out, lse)
+    if batch * q_heads == 0:
+        return out, lse
+    if num_splits == 1:  # nothing to merge: stage 1 writes the final output (split stride 0)
+        _split_attention(q, k_cache, v_cache, block_tables, seq_lens, out[:, :, None], lse[:, :, None], scale,
+                         phi, block_n, tile_in_block, fallbacks, dims, config)
+        return out, lse
+    if workspace is None:
+        workspace = _cached_workspace(batch, q_heads, num_splits, head_dim, q.device)
+    o_part, lse_part = workspace[:2]
+    if o_part.dim() != 4 or o_part.shape[2] != num_splits:
+        raise ValueError(f"workspace {tuple(o_part.shape)} was made for another number of splits than {num_splits}")
+    if FUSED_MERGE if fused_merge is None else fused_merge:
+        counters = workspace[2] if len(workspace) > 2 else _cached_counters(batch, q_heads, q.device)
+        _split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale, phi, block_n,
+                         tile_in_block, fallbacks, dims, config, merge_into=(out, lse, counters))
+    else:
+        _split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale, phi, block_n,
+                         tile_in_block, fallbacks, dims, config)
+        _reduce_splits(o_part, lse_part, out, lse)
+    return out, lse
+
+
+def _plan(q, k_cache, v_cache, block_tables, seq_lens, num_splits, max_seq_len, block_n):
+    """Check the inputs (`_check_paged`) and pick the splits: ``(dims, num_splits, block_n)``
+    with ``dims`` what `_check_paged` returned."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, q_heads, head_dim], got {tuple(q.shape)}")
+    batch = q.shape[0]
+    dims = _check_paged(q, k_cache, v_cache, block_tables, seq_lens, batch)
+    _, block_size, kv_heads, head_dim, _ = dims
+    block_n = block_n or decode_block_n(head_dim, q.dtype)
+    if num_splits is None:
+        bound = block_tables.shape[1] * block_size if max_seq_len is None else int(max_seq_len)
+        if bound < 0:
+            raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
+        num_splits = num_splits_heuristic(batch, kv_heads, bound, num_sms(q.device), block_n)
+    if int(num_splits) != num_splits or num_splits < 1:
+        raise ValueError(f"num_splits must be an integer >= 1, got {num_splits}")
+    return dims, int(num_splits), block_n
+
+
+def _split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale=None, phi=None,
+                     block_n=None, tile_in_block=None, fallbacks=None, dims=None, config=None, merge_into=None):
+    """Stage 1: write the partials of ``S = o_part.shape[2]`` splits per sequence, and with
+    ``merge_into = (out, lse, counters)`` also merge them in the same launch (``FUSED_MERGE``:
+    the last program of each (sequence, KV head) writes ``out``/``lse`` of its query heads;
+    ``counters``: int32, at least ``[batch, kv_heads]``, all zero, left zero).
+
+    ``o_part: [batch, q_heads, S, head_dim]`` (fp32 workspace, or the final output viewed
+    with a split axis of 1), ``lse_part: [batch, q_heads, S]`` fp32; any strides. ``dims``:
+    `_check_paged`'s answer when the caller already checked the inputs (a launch is a few
+    microseconds of Python; checking twice would add to it)."""
+    batch = q.shape[0]
+    num_blocks, block_size, kv_heads, head_dim, q_heads = dims or _check_paged(q, k_cache, v_cache, block_tables,
+                                                                                seq_lens, batch)
+    num_splits = o_part.shape[2]
+    if tuple(o_part.shape) != (batch, q_heads, num_splits, head_dim) or tuple(lse_part.shape) != (
+            batch, q_heads, num_splits) or lse_part.dtype != torch.float32 or num_splits < 1:
+        raise ValueError(f"workspace {tuple(o_part.shape)}, {tuple(lse_part.shape)} {lse_part.dtype} must be "
+                         f"[batch, q_heads, S, head_dim] and float32 [batch, q_heads, S] for q {tuple(q.shape)}")
+    scale, _ = _scale_and_window(head_dim, scale, None)
+    if phi is not None and not math.isfinite(phi):
+        raise ValueError(f"phi must be a finite float, got {phi}")
+    track = fallbacks is not None
+    if track:
+        if phi is None:
+            raise ValueError("fallbacks are counted for the asynchronized softmax only: give phi")
+        if tuple(fallbacks.shape) != (batch, kv_heads, num_splits) or fallbacks.dtype != torch.int32:
+            raise ValueError(f"fallbacks must be int32 [batch, kv_heads, num_splits] = "
+                             f"[{batch}, {kv_heads}, {num_splits}], got {tuple(fallbacks.shape)} {fallbacks.dtype}")
+    flags = fallbacks if track else lse_part  # a placeholder pointer when not tracking (never written)
+    flag_strides = fallbacks.stride() if track else (0, 0, 0)
+    fused = merge_into is not None and num_splits > 1
+    if fused:
+        out, lse, counters = merge_into
+        if tuple(out.shape) != (batch, q_heads, head_dim) or tuple(lse.shape) != (batch, q_heads):
+            raise ValueError(f"out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match q {tuple(q.shape)}")
+        if (counters.dim() != 2 or counters.dtype != torch.int32 or counters.shape[0] < batch
+                or counters.shape[1] < kv_heads):
+            raise ValueError(f"counters must be int32 [>= {batch}, >= {kv_heads}], got {tuple(counters.shape)} "
+                             f"{counters.dtype}")
+        out_strides, lse_strides, counter_strides = out.stride(), lse.stride(), counters.stride()
+    else:  # placeholders, never touched
+        out, lse, counters = o_part, lse_part, seq_lens
+        out_strides, lse_strides, counter_strides = (0, 0, 0), (0, 0), (0, 0)
+    meta = _stage1_meta(head_dim, q.dtype, q_heads // kv_heads, block_size,
+                        block_n or decode_block_n(head_dim, q.dtype), tile_in_block, phi is not None, track, fused,
+                        num_splits, tuple(sorted(config.items())) if config else ())
+    return launch(
+        _split_kernel, (batch, kv_heads, num_splits),
+        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, flags, out, lse, counters,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), seq_lens.stride(0),
+        *o_part.stride(), *lse_part.stride(), *flag_strides, *out_strides, *lse_strides, *counter_strides,
+        q_heads // kv_heads, block_size, num_blocks, block_tables.shape[1], scale * LOG2E,
+        0.0 if phi is None else phi * LOG2E, **meta,
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage1_meta(head_dim: int, dtype: torch.dtype, group: int, block_size: int, block_n: int,
+                 tile_in_block: bool | None, is_async: bool, track: bool, fused: bool, num_splits: int,
+                 config: tuple) -> dict:
+    """Stage 1's compile-time parameters and launch options for one kind of call (cached: a
+    decode loop asks for the same ones every step, and recomputing them was a visible part
+    of a call's few microseconds of host time). ``config``: overrides, as sorted items."""
+    window_lo, window_hi = async_window(dtype)
+    return dict(
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, BLOCKS_PER_TILE=_blocks_per_tile(block_size, block_n, tile_in_block),
+        DOT_PRECISION=dot_precision(dtype), ASYNC=is_async, WINDOW_LO=window_lo, WINDOW_HI=window_hi,
+        TRACK_FALLBACKS=track, FUSED_MERGE=fused,
+        MERGE_ROWS=triton.next_power_of_2(group) if fused else 1,
+        MERGE_BLOCK_S=(min(MERGE_BLOCK_S, triton.next_power_of_2(num_splits),
+                           max(1, MERGE_TILE_ROWS // triton.next_power_of_2(group))) if fused else 1),
+        **{**_STAGE1_DEFAULTS, **dict(config)},
+    )
+
+
+def _reduce_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Stage 2 alone: merge ``o_part: [batch, q_heads, S, head_dim]``, ``lse_part: [batch,
+    q_heads, S]`` (fp32; an empty split has lse -inf) into ``out: [batch, q_heads, head_dim]``
+    (any float dtype) and ``lse: [batch, q_heads]`` fp32 (natural log). Any strides."""
+    if o_part.dim() != 4 or tuple(lse_part.shape) != tuple(o_part.shape[:3]):
+        raise ValueError(f"partials {tuple(o_part.shape)}, {tuple(lse_part.shape)} must be [batch, q_heads, S, "
+                         "head_dim] and [batch, q_heads, S]")
+    batch, q_heads, num_splits, head_dim = o_part.shape
+    if tuple(out.shape) != (batch, q_heads, head_dim) or tuple(lse.shape) != (batch, q_heads):
+        raise ValueError(f"out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match the partials "
+                         f"{tuple(o_part.shape)}")
+    if batch * q_heads == 0:
+        return
+    launch(
+        _merge_splits_kernel, (batch, q_heads), o_part, lse_part, out, lse, num_splits,
+        *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(num_splits)),
+        num_warps=MERGE_WARPS,
+    )
