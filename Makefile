@@ -45,7 +45,7 @@ docs: $(VENV)
 	.venv/bin/mkdocs build --strict
 
 grade: $(VENV)
-	$(PY) -m minillm.grade $(CH)
+	$(PY) -m minillm.grade $(CH) $(if $(HINT),--hint $(HINT))
 
 # On a GPU machine whose python3 already has torch+triton (e.g. the project's device), no
 # venv is needed: scripts/gpu.sh uses $PYTHON, defaulting to .venv's python if present.

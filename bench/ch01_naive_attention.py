@@ -17,12 +17,13 @@ Rows (``params``: batch, heads, seq_len, head_dim, causal, dtype; per-pass rows 
 =====================  =========================================================================
 ``oom``                ours / peer_value: True if that side ran out of memory (peer: sdpa_math)
 ``time_ms``            median time; one row against sdpa_math, one against sdpa_flash
-``TFLOPs``             4·B·H·N²·D / time, halved when causal; fraction of the bf16 matmul ceiling
+``TFLOPs``             4·B·H·N²·D / time, halved when causal (`minillm.costs.nominal_attention_flops`);
+                       fraction of the bf16 matmul ceiling
 ``peak_memory_bytes``  ``max_memory_allocated`` during one call minus what was allocated before
 ``bandwidth_TBps``     counted bytes of all three passes / our time; fraction of copy bandwidth
 ``rel_err``            ‖ours − peer‖ / ‖peer‖ against the math output (flash if math OOMed)
 ``pass_time_ms``       one pass alone (scores, softmax, pv), outputs preallocated
-``pass_bandwidth_TBps``  that pass's counted bytes (``naive_attention_traffic``) / its time
+``pass_bandwidth_TBps``  that pass's counted bytes (`minillm.costs.naive_attention_traffic`) / its time
 =====================  =========================================================================
 
 The FLOP count follows the usual convention (FlashAttention-2 paper): causal attention is
@@ -41,10 +42,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from minillm.costs import naive_attention_traffic, nominal_attention_flops, per_array_bytes, total_bytes
 from minillm.kernels.ch01_naive_attention import (
     attention_scores,
     naive_attention,
-    naive_attention_traffic,
     probs_times_values,
     row_softmax,
 )
@@ -63,23 +64,6 @@ PASS_WARMUP_MS, PASS_REP_MS = 10, 50   # per-pass timings
 BUDGET_S = float(os.environ.get("MINILLM_CH01_BUDGET_S", "300"))
 
 PEERS = ("sdpa_math", "sdpa_flash")
-
-
-def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, causal: bool) -> float:
-    """FLOPs credited to one attention forward: ``4·B·H·q_len·kv_len·D`` (two matmuls of
-    ``2·…`` each), halved when causal — the convention, whether or not a kernel skips the
-    masked half (the naive kernels don't)."""
-    flops = 4.0 * batch * heads * q_len * kv_len * head_dim
-    return flops / 2 if causal else flops
-
-
-def counted_bytes(batch: int, heads: int, seq_len: int, head_dim: int, elem_bytes: int = 2) -> dict[str, int]:
-    """Counted HBM bytes (read + written) per pass, and ``"total"``, from
-    `naive_attention_traffic` (MHA: kv_heads = heads, q_len = kv_len = seq_len)."""
-    t = naive_attention_traffic(batch, heads, heads, seq_len, seq_len, head_dim, elem_bytes)
-    per_pass = {name: rw["read"] + rw["write"] for name, rw in t.items()}
-    per_pass["total"] = sum(per_pass.values())
-    return per_pass
 
 
 def measure(fn: Callable[[], Any], warmup: int = WARMUP_MS, rep: int = REP_MS) -> dict[str, Any]:
@@ -205,8 +189,9 @@ def _run_point(results: Results, device, gen, n: int, head_dim: int, causal: boo
     add(params, "oom", ours_status == "oom", "sdpa_math", math_status == "oom",
         note=f"sdpa_flash: {peers['sdpa_flash'][1] or 'ran'}")
 
-    flops = attention_flops(BATCH, HEADS, n, n, head_dim, causal)
-    counts = counted_bytes(BATCH, HEADS, n, head_dim, elem_bytes=2)
+    flops = nominal_attention_flops(BATCH, HEADS, n, n, head_dim, causal)
+    traffic = naive_attention_traffic(BATCH, HEADS, HEADS, n, n, head_dim, elem_bytes=2)
+    counts = per_array_bytes(traffic)  # per pass
     ours_ms = ours["ms"] if ours else None
     ours_tflops = flops / (ours_ms * 1e-3) / 1e12 if ours_ms else None
     for name, (res, status) in peers.items():
@@ -221,7 +206,7 @@ def _run_point(results: Results, device, gen, n: int, head_dim: int, causal: boo
             res["peak_bytes"] if res else None, note=note)
 
     if ours is not None:
-        bw = counts["total"] / (ours_ms * 1e-3) / 1e12
+        bw = total_bytes(traffic) / (ours_ms * 1e-3) / 1e12
         add(params, "bandwidth_TBps", bw, fraction_of_ceiling=_frac(bw, copy_tbps),
             note="counted bytes of the three passes (naive_attention_traffic) / time of the whole call")
         ref_name = "sdpa_math" if math_res is not None else "sdpa_flash"

@@ -1,5 +1,5 @@
 """Chapter 1: DRAM traffic of the three naive-attention passes, measured by Nsight Compute,
-against the count of `minillm.kernels.ch01_naive_attention.naive_attention_traffic`.
+against the count of `minillm.costs.naive_attention_traffic`.
 
 Three roles in one module:
 
@@ -90,7 +90,7 @@ def ncu_command(ncu: str, python: str, meta_path: str | os.PathLike) -> list[str
     ]
 
 
-def _to_number(text: str, unit: str) -> float:
+def to_number(text: str, unit: str) -> float:
     """A CSV cell in ``unit`` -> bytes. Thousands separators are removed; an unknown unit or
     a non-number raises ``ValueError`` (never guess)."""
     text = (text or "").strip().replace(",", "")
@@ -118,7 +118,7 @@ def parse_ncu_csv(text: str) -> list[dict]:
 
     def add(rid, kernel, metric, value, unit):
         try:
-            records.append({"id": rid, "kernel": kernel, "metric": metric, "value": _to_number(value, unit)})
+            records.append({"id": rid, "kernel": kernel, "metric": metric, "value": to_number(value, unit)})
         except ValueError as exc:
             print(f"ch01_traffic: skipping {metric} of {kernel}: {value!r} {unit!r} ({exc})", file=sys.stderr)
 
@@ -187,8 +187,8 @@ def add_rows(results, measured: dict[str, dict[str, float]], meta: dict) -> int:
 # ----------------------------------------------------------------------------------------
 def profile_target(meta_path: str | os.PathLike) -> None:
     """Run each pass once at ``PARAMS`` on random inputs and write the meta file."""
-    from minillm.kernels.ch01_naive_attention import (
-        attention_scores, naive_attention_traffic, probs_times_values, row_softmax)
+    from minillm.costs import naive_attention_traffic
+    from minillm.kernels.ch01_naive_attention import attention_scores, probs_times_values, row_softmax
     import torch
 
     from bench.common import environment

@@ -23,7 +23,7 @@ context but ``max_len``):
 ===================  ========================================================================
 ``oom``              True when the inputs of a point did not fit (nothing else is recorded)
 ``time_ms``          median time of `decode_attention`; one row per peer (sdpa_default, sdpa_flash)
-``bandwidth_TBps``   `decode_attention_bytes` (K and V over L, q, out, lse) / time; ours with
+``bandwidth_TBps``   `minillm.costs.decode_attention_bytes` (K and V over L, q, out, lse) / time; ours with
                      the pinned peer's value; fraction of the measured copy bandwidth (it
                      can pass 1: a copy reads and writes, this kernel almost only reads,
                      and HBM serves pure reads a little faster than a read/write mix)
@@ -51,7 +51,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from minillm.kernels.ch02_kv_cache import decode_attention, decode_attention_bytes, write_kv
+from minillm.costs import decode_attention_bytes, kv_cache_bytes
+from minillm.kernels.ch02_kv_cache import decode_attention, write_kv
 
 from bench.common import Results, TimeBudget, attempt, free_memory, graph_time_ms, rel_err, time_ms
 
@@ -73,11 +74,6 @@ GRAPH_REPEATS = 64
 def budget_s() -> float:
     """Seconds after which no new point is started: ``MINILLM_CH02_BUDGET_S`` (default 120)."""
     return float(os.environ.get("MINILLM_CH02_BUDGET_S", "120"))
-
-
-def cache_bytes(batch: int, kv_heads: int, context: int, head_dim: int, elem_bytes: int = 2) -> int:
-    """Bytes of the K and V caches of one layer: ``2·B·Hkv·L·D·elem_bytes``."""
-    return 2 * batch * kv_heads * context * head_dim * elem_bytes
 
 
 def _frac(value, ceiling):
@@ -154,7 +150,7 @@ def sweep(results: Results, device, q_heads: int = Q_HEADS, kv_heads_list=KV_HEA
     for kv_heads in kv_heads_list:
         for batch in batches:
             for context in contexts:
-                if cache_bytes(batch, kv_heads, context, head_dim, dtype.itemsize) > MAX_CACHE_BYTES:
+                if kv_cache_bytes(batch * context, kv_heads, head_dim, dtype.itemsize) > MAX_CACHE_BYTES:
                     continue
                 if out_of_time():
                     return
@@ -183,7 +179,7 @@ def _run_decode_point(results: Results, device, gen, batch: int, q_heads: int, k
 
     inputs, status = attempt(make)
     if inputs is None:
-        add("oom", True, note=f"inputs ({cache_bytes(batch, kv_heads, context, head_dim, dtype.itemsize) / 1e9:.1f}"
+        add("oom", True, note=f"inputs ({kv_cache_bytes(batch * context, kv_heads, head_dim, dtype.itemsize) / 1e9:.1f}"
                               " GB of cache) did not fit")
         return
     q, k, v = inputs

@@ -290,7 +290,7 @@ def cpu_ceilings(copy_bytes: int = 256 << 20, matmul_n: int = 1024) -> dict[str,
     a, b = torch.randn(matmul_n, matmul_n), torch.randn(matmul_n, matmul_n)
     c = torch.empty(matmul_n, matmul_n)
     ms = cpu_time_ms(lambda: torch.matmul(a, b, out=c))
-    return {"copy_TBps": copy_tbps, "fp32_matmul_TFLOPs": 2 * matmul_n ** 3 / (ms * 1e-3) / 1e12}
+    return {"copy_TBps": copy_tbps, "fp32_matmul_TFLOPs": costs.gemm_flops(matmul_n, matmul_n, matmul_n) / (ms * 1e-3) / 1e12}
 
 
 def _loadavg() -> float | None:

@@ -54,13 +54,13 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from minillm.kernels.ch01_naive_attention import naive_attention_traffic
-from minillm.kernels.ch03_online_softmax import MAX_ONE_TILE, online_softmax, online_softmax_traffic
+from minillm.costs import (
+    naive_attention_traffic, nominal_attention_flops, online_softmax_traffic, tiled_attention_traffic, total_bytes,
+)
+from minillm.kernels.ch03_online_softmax import MAX_ONE_TILE, online_softmax
 from minillm.kernels.ch03_online_softmax import FA1_BLOCK_N as ATTN_BLOCK_N
-from minillm.kernels.ch03_online_softmax import tiled_attention, tiled_attention_traffic
-from minillm.reference.ch03_online_softmax import total_bytes
+from minillm.kernels.ch03_online_softmax import tiled_attention
 
-from bench.ch01_naive_attention import attention_flops
 from bench.common import Results, TimeBudget, attempt, free_memory, rel_err, time_ms
 
 BENCHMARK = "ch03_online_softmax"
@@ -219,14 +219,15 @@ def _run_attention_point(results: Results, device, gen, batch: int, heads: int, 
                 return timer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)), res
         peers[name] = attempt(call, allow_errors=True)
 
-    flops = attention_flops(batch, heads, seq_len, seq_len, head_dim, causal)
+    flops = nominal_attention_flops(batch, heads, seq_len, seq_len, head_dim, causal)
     tflops = lambda ms: flops / (ms * 1e-3) / 1e12 if ms else None  # noqa: E731
     for name, (res, st) in peers.items():
         peer_ms = res[0] if res else None
         add("time_ms", ours_ms, name, peer_ms, note=st)
         add("TFLOPs", tflops(ours_ms), name, tflops(peer_ms), fraction_of_ceiling=_frac(tflops(ours_ms), mm_tflops),
             note=st)
-    fa1_bytes = total_bytes(tiled_attention_traffic(batch, heads, seq_len, seq_len, head_dim, dtype.itemsize))
+    fa1_bytes = total_bytes(tiled_attention_traffic(batch, heads, seq_len, seq_len, head_dim, dtype.itemsize,
+                                                    block_n=ATTN_BLOCK_N))
     naive_bytes = total_bytes(naive_attention_traffic(batch, heads, heads, seq_len, seq_len, head_dim, dtype.itemsize))
     bw = _tbps(fa1_bytes, ours_ms)
     add("bandwidth_TBps", bw, fraction_of_ceiling=_frac(bw, copy_tbps),

@@ -17,7 +17,7 @@ peer                        what is taken away
                             one program per (batch, head)); its own tile sizes
 ==========================  ================================================================
 
-Metrics: ``time_ms`` and ``TFLOPs`` (FLOPs as in `attention_flops`); ratio > 1 means the
+Metrics: ``time_ms`` and ``TFLOPs`` (FLOPs as in `minillm.costs.nominal_attention_flops`); ratio > 1 means the
 idea helps. FA2 change (3) (store only ``L = m + log ℓ``) is a memory claim: ``peak_bytes``
 rows give the peak memory allocated during one forward + backward (inputs excluded) for
 ours and for SDPA's math backend, which keeps the N x N probabilities for its backward.
@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from minillm.costs import nominal_attention_flops
 from minillm.kernels.ch04_flash_attention import (
-    ABLATIONS, FWD_TILES, FWD_TILES_TMA, Packing, _forward, attention_flops, flash_attention, use_tma,
+    ABLATIONS, FWD_TILES, FWD_TILES_TMA, Packing, _forward, flash_attention, use_tma,
 )
 from minillm.kernels.ch03_online_softmax import tiled_attention
 
@@ -71,7 +72,7 @@ def _ablations(results: Results, device, gen, batch: int, causal: bool) -> None:
     bm, bn, warps, stages = (FWD_TILES_TMA if tma else FWD_TILES)[HEAD_DIM][0]
     config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
     scale = HEAD_DIM ** -0.5
-    flops = attention_flops(batch, HEADS, SEQ_LEN, SEQ_LEN, HEAD_DIM, causal)
+    flops = nominal_attention_flops(batch, HEADS, SEQ_LEN, SEQ_LEN, HEAD_DIM, causal)
     tflops = lambda ms: flops / (ms * 1e-3) / 1e12 if ms else None  # noqa: E731
     note = f"tile {bm}x{bn}, {warps} warps, {stages} stages, {'TMA' if tma else 'pointer'} path"
 

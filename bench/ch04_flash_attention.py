@@ -24,7 +24,7 @@ Rows (``params``: batch, heads, seq_len, head_dim, causal, dtype, pass):
 ``time_ms``    median time of our call; one row per peer. Forward: `flash_attention`.
                Backward: ``torch.autograd.grad`` of a saved forward (preprocess, dK/dV and
                dQ kernels for us), the same call for the peers
-``TFLOPs``     `attention_flops` / time (forward 4·B·H·N²·D, halved when causal; backward
+``TFLOPs``     `minillm.costs.nominal_attention_flops` / time (forward 4·B·H·N²·D, halved when causal; backward
                2.5x that); one row per peer; fraction of the measured bf16 matmul ceiling
 ``rel_err``    ‖ours − peer‖ / ‖peer‖ in fp32 against sdpa_flash (sdpa_cudnn if flash
                refused): the output (forward), the largest of dQ, dK, dV's (backward)
@@ -53,7 +53,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from minillm.kernels.ch04_flash_attention import Packing, attention_flops, flash_attention, use_tma
+from minillm.costs import nominal_attention_flops
+from minillm.kernels.ch04_flash_attention import Packing, flash_attention, use_tma
 
 from bench.common import Results, TimeBudget, attempt, free_memory, rel_err, time_ms
 
@@ -172,7 +173,7 @@ def _run_point(results: Results, device, gen, batch: int, heads: int, n: int, he
     ours_ms, ours_out = _measure(lambda a, b, c: flash_attention(a, b, c, causal=causal), q, k, v, dout, pass_, timer)
     path = "ours: TMA path" if use_tma(Packing(batch, n, n), q, k, v, q) else "ours: pointer path"
 
-    flops = attention_flops(batch, heads, n, n, head_dim, causal, backward=pass_ == "bwd")
+    flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal, backward=pass_ == "bwd")
     tflops = lambda ms: flops / (ms * 1e-3) / 1e12 if ms else None  # noqa: E731
     ref = None
     for name in PEERS:

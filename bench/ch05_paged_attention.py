@@ -36,10 +36,11 @@ block_size, blocks = "shuffled"; decode: context; prefill: cached, new):
                      ``BLOCK_N`` (one table entry per tile), a second row with peer
                      ``general_path``: the same paged call forced onto the per-position path
                      (ratio > 1: the fast path pays). Prefill: peer ``flash_attention_varlen``
-``bandwidth_TBps``   decode: `paged_decode_attention_bytes` (K and V over the context, q, out,
+``bandwidth_TBps``   decode: `minillm.costs.paged_decode_attention_bytes` (K and V over the context, q, out,
                      lse, the table entries) / time; ours paged, peer contiguous; fraction of
                      the measured copy bandwidth
-``TFLOPs``           prefill: 4·D·q_heads·(visible query-key pairs) / time, peer
+``TFLOPs``           prefill: 4·D·q_heads·(visible query-key pairs) / time
+                     (`minillm.costs.attention_head_flops`), peer
                      flash_attention_varlen; fraction of the measured bf16 matmul rate
 ``rel_err``          ‖ours − ref‖ / ‖ref‖ (fp32). Decode: sequence 0 against SDPA in fp32 on
                      its gathered K/V. Prefill: against flash_attention_varlen
@@ -61,14 +62,13 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from minillm.costs import attention_head_flops, kv_cache_bytes, paged_decode_attention_bytes
 from minillm.kernels.ch04_flash_attention import flash_attention_varlen
 from minillm.kernels.ch05_paged_attention import (
-    _blocks_per_tile, _paged_decode, contiguous_as_paged, decode_block_n, paged_decode_attention,
-    paged_decode_attention_bytes,
+    blocks_per_tile, _paged_decode, contiguous_as_paged, decode_block_n, paged_decode_attention,
     paged_prefill_attention,
 )
 
-from bench.ch02_decode_attention import cache_bytes
 from bench.common import Results, TimeBudget, attempt, free_memory, rel_err, time_ms
 
 BENCHMARK = "ch05_paged_attention"
@@ -96,12 +96,6 @@ WARMUP_MS, REP_MS = 25, 100
 def budget_s() -> float:
     """Seconds after which no new point is started: ``MINILLM_CH05_BUDGET_S`` (default 300)."""
     return float(os.environ.get("MINILLM_CH05_BUDGET_S", "300"))
-
-
-def visible_pairs(cached: int, new: int) -> int:
-    """(query, key) pairs a causal bottom-right aligned sequence computes: query ``i`` sits at
-    ``cached + i`` and sees ``cached + i + 1`` keys."""
-    return new * cached + new * (new + 1) // 2
 
 
 def shuffled_tables(batch: int, blocks_per_seq: int, device, gen) -> torch.Tensor:
@@ -153,7 +147,7 @@ def sweep(results: Results, device, q_heads: int = Q_HEADS, kv_heads_list=KV_HEA
     for kv_heads in kv_heads_list:
         for batch in batches:
             for context in contexts:
-                if cache_bytes(batch, kv_heads, context, head_dim, dtype.itemsize) > MAX_CACHE_BYTES:
+                if kv_cache_bytes(batch * context, kv_heads, head_dim, dtype.itemsize) > MAX_CACHE_BYTES:
                     continue
                 if out_of_time():
                     return
@@ -192,7 +186,7 @@ def _run_decode_point(results: Results, device, gen, batch: int, q_heads: int, k
 
     inputs, _ = attempt(make)
     if inputs is None:
-        gb = cache_bytes(batch, kv_heads, context, head_dim, dtype.itemsize) / 1e9
+        gb = kv_cache_bytes(batch * context, kv_heads, head_dim, dtype.itemsize) / 1e9
         for bs in block_sizes:
             results.add(BENCHMARK, {**base, "block_size": bs, "blocks": "shuffled"}, "oom", True,
                         note=f"inputs ({gb:.1f} GB of cache) did not fit")
@@ -232,7 +226,7 @@ def _run_decode_point(results: Results, device, gen, batch: int, q_heads: int, k
         paged_ms = timer(paged_call)
         note = "same kernel on the contiguous view of the same bytes; blocks randomly permuted"
         add("time_ms", paged_ms, "contiguous", contig_ms, note=note)
-        n_per_tile = _blocks_per_tile(bs, block_n, None)
+        n_per_tile = blocks_per_tile(bs, block_n, None)
         if n_per_tile:  # a special tile path ran: what does it buy over the general one?
             general_ms = timer(lambda: paged_call(False))
             what = (f"block_size is a multiple of BLOCK_N={block_n}: one table entry per tile" if n_per_tile == 1
@@ -296,7 +290,7 @@ def _run_prefill_point(results: Results, device, gen, batch: int, cached: int, n
     ours_out, peer_out = ours(), peer()
     ours_ms = timer(ours)
     peer_ms, status = attempt(lambda: timer(peer), allow_errors=True)
-    flops = 4.0 * head_dim * q_heads * batch * visible_pairs(cached, new)
+    flops = batch * q_heads * attention_head_flops(new, cached + new, head_dim)  # causal, bottom-right aligned
     tflops = lambda ms: flops / (ms * 1e-3) / 1e12 if ms else None  # noqa: E731
     note = "; ".join(x for x in ("varlen: contiguous packed K/V, autotuned (TMA on Hopper)", status) if x)
     add("time_ms", ours_ms, "flash_attention_varlen", peer_ms, note=note)

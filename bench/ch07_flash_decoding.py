@@ -45,7 +45,7 @@ blocks = "shuffled", num_splits = the S that ``ours`` used; split_sweep rows add
                       one-launch merge is faster (equal calls with one split: no merge).
                       long_context: peer ch05_unsplit. split_sweep: ours = the time with
                       ``num_splits`` splits, peer ``num_splits_1`` (the same kernel unsplit)
-``bandwidth_TBps``    `paged_decode_attention_bytes` (K, V, q, out, lse, table: the useful
+``bandwidth_TBps``    `minillm.costs.paged_decode_attention_bytes` (K, V, q, out, lse, table: the useful
                       bytes; the workspace is not counted, so its cost shows as lost
                       bandwidth) / time; one row per peer as for time_ms; fraction of the
                       measured copy bandwidth
@@ -78,13 +78,14 @@ from typing import Any, Callable
 
 import torch
 
+from minillm.costs import kv_cache_bytes, paged_decode_attention_bytes
 from minillm.kernels.ch07_flash_decoding import (
     VLLM_PARTITION, _flash_decode, _reduce_splits, _split_attention, fa2_num_splits, num_sms, num_splits_heuristic,
     partition_splits, split_counters, split_workspace,
 )
-from minillm.kernels.ch05_paged_attention import decode_block_n, paged_decode_attention, paged_decode_attention_bytes
+from minillm.kernels.ch05_paged_attention import decode_block_n, paged_decode_attention
 
-from bench.ch02_decode_attention import cache_bytes, time_sdpa
+from bench.ch02_decode_attention import time_sdpa
 from bench.ch05_paged_attention import _decode_error, shuffled_tables
 from bench.common import Results, TimeBudget, attempt, free_memory, graph_time_ms, rel_err, time_ms
 
@@ -257,7 +258,7 @@ def sweep(results: Results, device, q_heads: int = Q_HEADS, kv_heads_list=KV_HEA
         timed(f"split sweep B={batch} Hkv={kv_heads} L={context}", _run_split_sweep, batch, kv_heads, context,
               ablation_splits)
     points = [(kv, b, L) for kv in kv_heads_list for b in batches for L in contexts
-              if cache_bytes(b, kv, L, head_dim, dtype.itemsize) <= max_cache_bytes]
+              if kv_cache_bytes(b * L, kv, head_dim, dtype.itemsize) <= max_cache_bytes]
     for kv_heads, batch, context in sorted(points, key=lambda p: (p[0] * p[1] * p[2], p)):
         if out_of_time():
             return
@@ -282,15 +283,11 @@ def _paged_inputs(results, params, seed, batch, q_heads, kv_heads, context, head
 
     inputs, _ = attempt(make)
     if inputs is None:
-        gb = cache_bytes(batch, kv_heads, context, head_dim, dtype.itemsize) / 1e9
+        gb = kv_cache_bytes(batch * context, kv_heads, head_dim, dtype.itemsize) / 1e9
         results.add(BENCHMARK, params, "oom", True, note=f"paged inputs ({gb:.1f} GB of cache) did not fit")
         return None
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     return (*inputs, lens)
-
-
-def _bytes(batch, q_heads, kv_heads, context, head_dim, block_size, dtype) -> int:
-    return paged_decode_attention_bytes([context] * batch, q_heads, kv_heads, head_dim, dtype.itemsize, block_size)
 
 
 def _run_decode_point(results: Results, device, batch: int, kv_heads: int, context: int, *, q_heads, head_dim,
@@ -301,7 +298,7 @@ def _run_decode_point(results: Results, device, batch: int, kv_heads: int, conte
     splits = num_splits_heuristic(batch, kv_heads, context, sms, block_n)
     params = _params("decode", batch, q_heads, kv_heads, context, head_dim, block_size, dtype, num_splits=splits)
     add = lambda *a, **kw: results.add(BENCHMARK, params, *a, **kw)  # noqa: E731
-    n_bytes = _bytes(batch, q_heads, kv_heads, context, head_dim, block_size, dtype)
+    n_bytes = paged_decode_attention_bytes([context] * batch, q_heads, kv_heads, head_dim, dtype.itemsize, block_size)
     tbps = lambda ms: n_bytes / (ms * 1e-3) / 1e12 if ms else None  # noqa: E731
 
     # 1. The SDPA peers on the contiguous cache, which is then freed.
@@ -309,7 +306,7 @@ def _run_decode_point(results: Results, device, batch: int, kv_heads: int, conte
     gen.manual_seed(seed)
     q = torch.randn(batch, q_heads, head_dim, device=device, dtype=dtype, generator=gen)
     use_graphs = torch.device(device).type == "cuda" and (
-        cache_bytes(batch, kv_heads, context, head_dim, dtype.itemsize) <= GRAPH_MAX_CACHE_BYTES)
+        kv_cache_bytes(batch * context, kv_heads, head_dim, dtype.itemsize) <= GRAPH_MAX_CACHE_BYTES)
     sdpa, sdpa_out, graph_ms = _sdpa_peers(q, seed, batch, kv_heads, context, head_dim, dtype, device, timer,
                                            use_graphs)
     free_memory()
@@ -419,7 +416,7 @@ def _run_long_point(results: Results, device, batch: int, kv_heads: int, context
 
     err = rel_err(ours(), ch05())
     ours_ms, ch05_ms = timer(ours), timer(ch05)
-    n_bytes = _bytes(batch, q_heads, kv_heads, context, head_dim, block_size, dtype)
+    n_bytes = paged_decode_attention_bytes([context] * batch, q_heads, kv_heads, head_dim, dtype.itemsize, block_size)
     tbps = lambda ms: n_bytes / (ms * 1e-3) / 1e12 if ms else None  # noqa: E731
     add = lambda *a, **kw: results.add(BENCHMARK, params, *a, **kw)  # noqa: E731
     add("time_ms", ours_ms, "ch05_unsplit", ch05_ms, note=f"goal: ratio >= 5; {splits} splits")
@@ -445,7 +442,7 @@ def _run_split_sweep(results: Results, device, batch: int, kv_heads: int, contex
     q, k_pool, v_pool, tables, lens = inputs
     out = torch.empty(batch, q_heads, head_dim, device=device, dtype=dtype)
     lse = torch.empty(batch, q_heads, device=device, dtype=torch.float32)
-    n_bytes = _bytes(batch, q_heads, kv_heads, context, head_dim, block_size, dtype)
+    n_bytes = paged_decode_attention_bytes([context] * batch, q_heads, kv_heads, head_dim, dtype.itemsize, block_size)
     tbps = lambda ms: n_bytes / (ms * 1e-3) / 1e12 if ms else None  # noqa: E731
     use_graphs = torch.device(device).type == "cuda"
     times: dict[int, tuple[float, float | None]] = {}  # splits -> (eager ms, graph ms)

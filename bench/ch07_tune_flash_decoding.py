@@ -11,8 +11,8 @@ import time
 
 import torch
 
+from minillm.costs import paged_decode_attention_bytes
 from minillm.kernels import ch07_flash_decoding as fd
-from minillm.kernels.ch05_paged_attention import paged_decode_attention_bytes
 
 from bench.common import graph_time_ms
 from bench.ch07_flash_decoding import paged_cache

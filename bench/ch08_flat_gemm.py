@@ -6,7 +6,7 @@ the peer, cuBLAS through ``torch.nn.functional.linear``, on the same random inpu
 Then, per shape, `find_inflection_points` turns the three curves into ``(M1, M2)``; the
 table of every shape swept is saved to ``bench/results/<gpu-slug>.flat_gemm.json``
 (`DispatchTable`; merged with the shapes an earlier run saved, ``MINILLM_RESULTS_DIR``
-overrides the folder), the file `minillm.kernels.ch08_flat_gemm.linear` loads at run time. Last,
+overrides the folder; `minillm.engine.gemm_table`), the file the model's linear layers load at run time. Last,
 the dispatcher `linear` itself is timed at every ``M`` with that table, against the best of
 the three kernels at that ``M``: the heuristic dataflow should lose nothing (ratio >= 0.97).
 
@@ -78,7 +78,8 @@ import torch.nn.functional as F
 from minillm.kernels.ch08_flat_gemm import (
     DEFAULT_THRESHOLDS, DispatchTable, choose_kernel, find_inflection_points, flat_gemm, gemv, linear, pick_config,
 )
-from minillm.costs import gemm_bytes
+from minillm.costs import gemm_bytes, gemm_flops
+from minillm.engine.gemm_table import load_table, save_table, table_path
 
 from bench.ch02_decode_attention import _dtype_name, _frac
 from bench.common import GRAPH_REPEATS, Results, TimeBudget, free_memory, graph_time_ms, rel_err, time_ms
@@ -145,7 +146,7 @@ def sweep(results: Results, device, shapes=None, ms=MS, gemv_max_m: int = GEMV_M
     and the dispatcher's sweep; then bf16 at ``bf16_ms`` (none if empty); until the time
     budget is spent. ``timer(fn) -> ms`` defaults to `bench.common.time_ms` (CUDA only); the
     CPU tests pass a stand-in. Saves and returns the dispatch table (``table_dir``: where;
-    default `DispatchTable.path_for`'s). Only shapes whose whole sweep ran enter the table."""
+    default `minillm.engine.gemm_table.table_path`'s). Only shapes whose whole sweep ran enter the table."""
     if timer is None:
         timer = lambda fn: time_ms(fn, warmup=WARMUP_MS, rep=REP_MS)  # noqa: E731
         graph_timer = lambda fns: graph_time_ms(fns, GRAPH_REPEATS)  # noqa: E731
@@ -156,8 +157,8 @@ def sweep(results: Results, device, shapes=None, ms=MS, gemv_max_m: int = GEMV_M
     gen.manual_seed(0)
     out_of_time = TimeBudget(results, BENCHMARK, budget_s()).spent
     shapes = default_shapes() if shapes is None else list(shapes)
-    path = DispatchTable.path_for(results.device, table_dir)
-    table = DispatchTable.load(path) if path.is_file() else DispatchTable()  # keep the shapes it has
+    path = table_path(results.device, table_dir)
+    table = load_table(path) if path.is_file() else DispatchTable()  # keep the shapes it has
     table.info = {"device": results.device, "gpu_slug": results.slug, "dtype": "float16", "ms": list(ms),  # this run's
                   "tolerance": TOLERANCE, "benchmark": BENCHMARK, "torch": results.env.get("torch"),
                   "triton": results.env.get("triton"),
@@ -180,7 +181,7 @@ def sweep(results: Results, device, shapes=None, ms=MS, gemv_max_m: int = GEMV_M
             m1, m2 = find_inflection_points(ms, sweep_times["gemv"], sweep_times["flat_gemm"],
                                             sweep_times["cublas"], tolerance=TOLERANCE)
             table.entries[(n, k)] = (m1, m2)
-            table.save(path)
+            save_table(table, path)
             found = f", M1={m1} M2={m2}"
             shape_params = {"shape": name, "n": n, "k": k, "dtype": "float16"}
             note = f"find_inflection_points over M in {list(ms)} of the graph times, tolerance {TOLERANCE}"
@@ -233,7 +234,7 @@ def _kernels_point(name: str, weights: list[torch.Tensor], m: int, with_gemv: bo
     outs = [torch.empty(m, n, device=device, dtype=dtype) for _ in weights]
     ref = F.linear(x.float(), weight.float())
     base = {"shape": name, "n": n, "k": k, "m": m, "dtype": _dtype_name(dtype)}
-    flops, nbytes = 2.0 * m * n * k, gemm_bytes(m, n, k, dtype.itemsize)
+    flops, nbytes = gemm_flops(m, n, k), gemm_bytes(m, n, k, dtype.itemsize)
     graph_note = f"per call, replaying a CUDA graph of {GRAPH_REPEATS} calls over {len(weights)} weight copies"
 
     def record(kind: str, ms: float, gms: float, out: torch.Tensor, cublas: tuple | None, extra=None) -> None:

@@ -75,6 +75,7 @@ from pathlib import Path
 import torch
 
 from bench.common import Results, free_memory
+from minillm.experiments.ch09_engine_benchmark import bench_engine_config
 
 BENCHMARK = "ch09_engine"
 NEEDS_CEILINGS = False
@@ -84,8 +85,9 @@ ONLINE_REQUESTS = int(os.environ.get("MINILLM_CH09_ONLINE_REQUESTS", 96))
 CONCURRENCY = 64
 PROMPT_LEN = (32, 512)
 OUTPUT_LEN = (32, 512)
-BLOCK_SIZE = 16
-MAX_NUM_BATCHED_TOKENS = 2048
+#: The engine of every minillm mode (each replaces ``cuda_graphs``, see MODES): that of
+#: ``minillm bench`` (its defaults) on CUDA with ``CONCURRENCY`` sequences.
+ENGINE = bench_engine_config(CONCURRENCY, device="cuda")
 PRESET = "llama-280m"
 DTYPE = "bfloat16"
 #: minillm modes: name -> ``cuda_graphs`` argument of `build_engine`.
@@ -112,8 +114,8 @@ def run(results: Results, device) -> None:
                                  mconfig.vocab_size)
     base = {"model": PRESET + "-random", "parameters_m": round(n_params / 1e6, 1), "dtype": DTYPE,
             "num_requests": NUM_REQUESTS, "concurrency": CONCURRENCY, "prompt_len": f"{PROMPT_LEN[0]}-{PROMPT_LEN[1]}",
-            "output_len": f"{OUTPUT_LEN[0]}-{OUTPUT_LEN[1]}", "block_size": BLOCK_SIZE,
-            "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS}
+            "output_len": f"{OUTPUT_LEN[0]}-{OUTPUT_LEN[1]}", "block_size": ENGINE.block_size,
+            "max_num_batched_tokens": ENGINE.max_num_batched_tokens}
     print(f"  [{BENCHMARK}] {path.name}: {n_params / 1e6:.1f}M parameters ({time.perf_counter() - t0:.1f} s to "
           f"build/load); {spec.describe()}", flush=True)
     timeline: dict = {"workload": spec.describe(), "model": base["model"]}
@@ -143,12 +145,9 @@ def run(results: Results, device) -> None:
                 note="tokens asked for / tokens generated (static batching decodes every batch to its longest)")
 
     offline: dict = {}
-    engine_config = dict(device="cuda", block_size=BLOCK_SIZE, max_num_seqs=CONCURRENCY,
-                         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, gpu_memory_utilization=0.5, seed=0,
-                         record_steps=True)
     for name, graphs in MODES.items():
         t1 = time.perf_counter()
-        engine = bench.build_engine(path, model=model, tokenizer=tokenizer, cuda_graphs=graphs, **engine_config)
+        engine = bench.build_engine(path, model=model, tokenizer=tokenizer, config=ENGINE, cuda_graphs=graphs)
         bench.run_offline(engine, warmup, use_tqdm=False)
         setup = time.perf_counter() - t1
         r = offline[name] = bench.run_offline(engine, workload, mode=name, use_tqdm=False)
@@ -156,7 +155,7 @@ def run(results: Results, device) -> None:
               f"({r.output_tokens_per_s / peer.output_tokens_per_s:.2f}x the peer) in {r.elapsed_s:.2f} s, "
               f"{r.steps} steps ({r.eager_steps} eager), decode step {_f(r.decode_step_ms)} ms, KV waste "
               f"{r.kv_waste_mean:.2%}, {r.preemptions} preemptions; setup+warm-up {setup:.1f} s", flush=True)
-        _add_offline(results, base, name, r, peer)
+        add_offline(results, base, name, r, peer)
         if name == "cuda_graphs_all":
             timeline["minillm"] = _engine_timeline(engine, r)
             _run_online(results, bench, engine, base, r, mconfig.vocab_size)
@@ -195,7 +194,7 @@ def _timed_hf(bench, hf, workload, batch_times: list):
         generated_tokens=generated, useful_fraction=out / generated, steps=sum(p.steps for p in parts))
 
 
-def _add_offline(results: Results, base: dict, name: str, r, peer) -> None:
+def add_offline(results: Results, base: dict, name: str, r, peer) -> None:
     params = {**base, "kind": "offline", "mode": name}
     add = lambda *a, **kw: results.add(BENCHMARK, params, *a, **kw)  # noqa: E731
     add("output_tokens_per_s", r.output_tokens_per_s, PEER, peer.output_tokens_per_s,

@@ -19,6 +19,7 @@ import platform
 from pathlib import Path
 from typing import Any, Callable
 
+from minillm.costs import gemm_flops
 from minillm.results import gpu_slug, markdown_table, format_value
 
 __all__ = ["measure_ceilings", "time_ms", "cpu_time_ms", "Results", "metric_direction", "gpu_slug",
@@ -177,7 +178,7 @@ def measure_ceilings(device, copy_bytes: int = 1 << 30, matmul_n: int = 8192) ->
     b = torch.randn(matmul_n, matmul_n, device=device, dtype=torch.bfloat16)
     c = torch.empty(matmul_n, matmul_n, device=device, dtype=torch.bfloat16)
     ms = time_ms(lambda: torch.matmul(a, b, out=c))
-    matmul_tflops = 2 * matmul_n ** 3 / (ms * 1e-3) / 1e12
+    matmul_tflops = gemm_flops(matmul_n, matmul_n, matmul_n) / (ms * 1e-3) / 1e12
     del a, b, c
     torch.cuda.empty_cache()
     return {"copy_TBps": copy_tbps, "bf16_matmul_TFLOPs": matmul_tflops}

@@ -32,6 +32,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("ch04_ablations", "bench.ch04_ablations"),
     ("ch05_paged_attention", "bench.ch05_paged_attention"),
     ("ch06_sharing", "bench.ch06_sharing"),
+    ("ch06_copy_on_write", "bench.ch06_copy_on_write"),
     ("ch07_flash_decoding", "bench.ch07_flash_decoding"),
     ("ch08_flat_gemm", "bench.ch08_flat_gemm"),
     ("ch09_engine", "bench.ch09_engine"),

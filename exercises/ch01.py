@@ -2,6 +2,8 @@
 
 Replace each ``raise NotImplementedError(...)`` with your implementation. Tests compare your
 functions with the float64 reference in ``minillm.reference`` on fresh random inputs.
+Exercise 1.5 is a Triton kernel: write the body of its ``@triton.jit`` function, then delete
+the ``raise`` at the top of its launcher.
 """
 from __future__ import annotations
 
@@ -20,10 +22,7 @@ def safe_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     are non-negative and sum to 1. A slice that is entirely ``-inf`` (every key masked) must
     come out as all zeros, not NaN.
     """
-    raise NotImplementedError(
-        "Exercise 1.1 (safe_softmax): subtract the max along `axis` before np.exp (keepdims=True); "
-        "treat a max of -inf as 0 and a zero sum as 'all zeros' so fully masked rows don't give NaN."
-    )
+    raise NotImplementedError("Exercise 1.1 (safe_softmax): not started. Read its docstring; hints: python -m minillm.grade 1 --hint 1.1")
 
 
 def attention_mask(q_len: int, kv_len: int, causal: bool = False, window: int | None = None) -> np.ndarray:
@@ -33,11 +32,7 @@ def attention_mask(q_len: int, kv_len: int, causal: bool = False, window: int | 
     ``causal``: key ``j`` visible iff ``j <= position``. ``window=W``: visible only iff
     ``|position - j| < W``. Both may be combined.
     """
-    raise NotImplementedError(
-        "Exercise 1.2 (attention_mask): build column vectors of query positions "
-        "(np.arange(q_len)[:, None] + kv_len - q_len) and row vectors of key positions, then "
-        "combine the causal and window conditions with broadcasting and &."
-    )
+    raise NotImplementedError("Exercise 1.2 (attention_mask): not started. Read its docstring; hints: python -m minillm.grade 1 --hint 1.2")
 
 
 def kv_head_for(q_head: int, q_heads: int, kv_heads: int) -> int:
@@ -47,10 +42,7 @@ def kv_head_for(q_head: int, q_heads: int, kv_heads: int) -> int:
     ``q_heads // kv_heads`` (MHA: one each; MQA: all share head 0). Raise ``ValueError`` if
     ``q_heads`` is not a multiple of ``kv_heads``.
     """
-    raise NotImplementedError(
-        "Exercise 1.3 (kv_head_for): the group size is q_heads // kv_heads; integer-divide the "
-        "query head by it. Check q_heads % kv_heads first and raise ValueError."
-    )
+    raise NotImplementedError("Exercise 1.3 (kv_head_for): not started. Read its docstring; hints: python -m minillm.grade 1 --hint 1.3")
 
 
 def attention_scores(q: torch.Tensor, k: torch.Tensor, causal: bool = False, scale: float | None = None) -> torch.Tensor:
@@ -62,10 +54,37 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, causal: bool = False, sca
     (default scale ``1/sqrt(head_dim)``) and ``-inf`` where the causal mask (bottom-right
     aligned) hides a key. Must run under ``TRITON_INTERPRET=1`` on CPU and on a GPU.
     """
-    raise NotImplementedError(
-        "Exercise 1.4 (attention_scores): write a @triton.jit kernel with a 3-D grid "
-        "(q tiles, kv tiles, batch*heads); each program loads a [BLOCK_M, D] tile of q and a "
-        "[BLOCK_N, D] tile of k (masked at the tails), computes tl.dot(q, tl.trans(k)) "
-        "(input_precision='ieee' for fp32), scales, applies the causal mask with tl.where, and "
-        "stores a masked [BLOCK_M, BLOCK_N] tile of S. See minillm/kernels/naive_attention.py."
-    )
+    raise NotImplementedError("Exercise 1.4 (attention_scores): not started. Read its docstring; hints: python -m minillm.grade 1 --hint 1.4")
+
+
+@triton.jit
+def softmax_kernel(S, P, n_cols, stride_row, BLOCK_N: tl.constexpr):
+    """Exercise 1.5 — softmax of one row of scores per program, the whole row in one tile.
+
+    Program ``r`` reads row ``r`` of ``S`` (``n_cols`` scores starting at ``S + r·stride_row``,
+    ``-inf`` where a key is masked; fp32 or fp16) and writes ``softmax`` of it, in fp32, to the
+    same place in ``P``. ``BLOCK_N`` is ``n_cols`` rounded up to a power of two, so the row
+    fits one tile: the lanes ``n_cols … BLOCK_N-1`` lie past the row's end and must neither
+    be read nor written (load them as a value that adds nothing to the softmax). Compute in
+    fp32 and never overflow (scores may be in the thousands). A row that is entirely ``-inf``
+    (every key masked) must come out as zeros, not NaN.
+    """
+    row = tl.program_id(0).to(tl.int64)  # int64: row x stride can pass 2^31 for long rows
+    cols = tl.arange(0, BLOCK_N)
+    pass  # your code: load the row (masked), its max, exp, sum, divide, store (masked)
+
+
+def row_softmax(s: torch.Tensor) -> torch.Tensor:
+    """Exercise 1.5 (launcher, complete) — softmax over the last axis of ``s: [..., n]``.
+
+    Returns ``P`` shaped like ``s``, float32. One program per row of the flattened
+    ``[rows, n]`` matrix.
+    """
+    raise NotImplementedError("Exercise 1.5 (softmax_kernel): not started. Read its docstring; hints: python -m minillm.grade 1 --hint 1.5")
+    s = s.contiguous()
+    n_cols = s.shape[-1]
+    p = torch.empty(s.shape, device=s.device, dtype=torch.float32)
+    rows = s.numel() // n_cols
+    if rows:
+        softmax_kernel[(rows,)](s, p, n_cols, n_cols, BLOCK_N=triton.next_power_of_2(n_cols))
+    return p

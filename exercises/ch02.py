@@ -1,13 +1,22 @@
 """Chapter 2 exercises: the KV cache. Grade your work with ``make grade CH=2``.
 
-Replace each ``raise NotImplementedError(...)`` with your implementation. Everything here is
-NumPy for one sequence; shapes have no batch axis. Tests compare your functions with the
+Replace each ``raise NotImplementedError(...)`` with your implementation. Exercises 2.1–2.4 are
+NumPy for one sequence; their shapes have no batch axis. Exercises 2.5 and 2.6 are Triton
+kernels over a batched cache: write the body of the ``@triton.jit`` function, then delete the
+``raise`` at the top of its launcher. Tests compare your functions with the
 float64 references (``minillm.reference``) and the cost model (``minillm.costs``) on fresh
 random inputs.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from minillm.kernels.base import interpreting  # noqa: F401  (also: no GPU -> the interpreter)
 
 
 def kv_cache_write(cache_k: np.ndarray, cache_v: np.ndarray, k_new: np.ndarray, v_new: np.ndarray,
@@ -22,11 +31,7 @@ def kv_cache_write(cache_k: np.ndarray, cache_v: np.ndarray, k_new: np.ndarray, 
     ``(k, v)``, the visible prefix ``[kv_heads, start+T, head_dim]`` as *views* of the cache
     (no copies: the point of preallocating). Raise ``ValueError`` if the cache is too small.
     """
-    raise NotImplementedError(
-        "Exercise 2.1 (kv_cache_write): end = start + k_new.shape[1]; check it against "
-        "cache_k.shape[1]; assign cache_k[:, start:end] = k_new (same for v); return the basic "
-        "slices cache_k[:, :end], cache_v[:, :end] (basic slicing gives views, not copies)."
-    )
+    raise NotImplementedError("Exercise 2.1 (kv_cache_write): not started. Read its docstring; hints: python -m minillm.grade 2 --hint 2.1")
 
 
 def decode_step(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, cache_k: np.ndarray, cache_v: np.ndarray,
@@ -43,12 +48,7 @@ def decode_step(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, cache_k: np
     ``h`` reads KV head ``h // (heads // kv_heads)`` (Exercise 1.3). It must equal the last
     row of full causal attention recomputed over the whole sequence.
     """
-    raise NotImplementedError(
-        "Exercise 2.2 (decode_step): write cache_k[:, pos] = k_new (and v), take the first pos+1 "
-        "slots, reshape q to [kv_heads, group, head_dim] so each group of query heads meets its KV "
-        "head, compute scores = scale * qg @ k.transpose(0, 2, 1), a safe softmax over the last "
-        "axis (no mask: the newest token sees every cached position), multiply by v, reshape back."
-    )
+    raise NotImplementedError("Exercise 2.2 (decode_step): not started. Read its docstring; hints: python -m minillm.grade 2 --hint 2.2")
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
@@ -57,10 +57,7 @@ def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: i
     Every layer caches a key and a value vector of ``head_dim`` elements per KV head, each
     element ``dtype_bytes`` bytes. (Query heads do not count: queries are never cached.)
     """
-    raise NotImplementedError(
-        "Exercise 2.3a (kv_bytes_per_token): count the elements one token adds to the cache: "
-        "K and V (2), in every layer, for every KV head, head_dim each; times dtype_bytes."
-    )
+    raise NotImplementedError("Exercise 2.3a (kv_bytes_per_token): not started. Read its docstring; hints: python -m minillm.grade 2 --hint 2.3")
 
 
 def max_batch(mem_bytes: int, weight_bytes: int, alpha: int, beta: int, context: int) -> int:
@@ -71,10 +68,7 @@ def max_batch(mem_bytes: int, weight_bytes: int, alpha: int, beta: int, context:
     sequence holds ``context`` tokens, so ``TN = BS · context``. Return the largest integer
     ``BS >= 0`` satisfying the budget (0 when the weights alone do not fit).
     """
-    raise NotImplementedError(
-        "Exercise 2.3b (max_batch): each sequence costs alpha + beta * context bytes; divide the "
-        "memory left after the weights by that and round down (integer //); 0 if nothing is left."
-    )
+    raise NotImplementedError("Exercise 2.3b (max_batch): not started. Read its docstring; hints: python -m minillm.grade 2 --hint 2.3")
 
 
 def ring_slot(pos, window: int):
@@ -84,10 +78,7 @@ def ring_slot(pos, window: int):
     slots suffices: the new token overwrites the one ``W`` positions back, which nobody can
     see any more. ``pos`` may be an int or an integer array.
     """
-    raise NotImplementedError(
-        "Exercise 2.4a (ring_slot): which slot does position pos - window leave free? "
-        "One arithmetic operator, and it works on arrays too."
-    )
+    raise NotImplementedError("Exercise 2.4a (ring_slot): not started. Read its docstring; hints: python -m minillm.grade 2 --hint 2.4")
 
 
 def ring_read(ring_k: np.ndarray, ring_v: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -99,7 +90,94 @@ def ring_read(ring_k: np.ndarray, ring_v: np.ndarray, seq_len: int) -> tuple[np.
     Attention over them with ``causal=True, window=window`` must equal the sliding-window
     attention of the full sequence.
     """
-    raise NotImplementedError(
-        "Exercise 2.4b (ring_read): the held positions are max(0, seq_len - window) .. seq_len-1; "
-        "turn them into slots with ring_slot (np.arange works) and index the slot axis with them."
-    )
+    raise NotImplementedError("Exercise 2.4b (ring_read): not started. Read its docstring; hints: python -m minillm.grade 2 --hint 2.4")
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels (Exercises 2.5 and 2.6): a batch of sequences, each at its own length.
+# Caches are ``[batch, kv_heads, max_len, head_dim]`` (any strides, head_dim contiguous).
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def cache_write_kernel(K_new, V_new, K_cache, V_cache, Pos,
+                       stride_cb, stride_ch, stride_cn, kv_heads, head_dim,
+                       BLOCK_D: tl.constexpr):
+    """Exercise 2.5 — store one decode step's key and value rows into the cache.
+
+    Program ``(b, h)`` copies ``k_new[b, h, :]`` to ``k_cache[b, h, Pos[b], :]`` and
+    ``v_new[b, h, :]`` to ``v_cache[b, h, Pos[b], :]``.
+
+    - ``K_new, V_new``: ``[batch, kv_heads, head_dim]``, contiguous;
+    - ``K_cache, V_cache``: ``[batch, kv_heads, max_len, head_dim]`` with strides
+      ``(stride_cb, stride_ch, stride_cn, 1)`` (the same for both caches; head_dim contiguous);
+    - ``Pos``: ``[batch]`` int32, the slot of sequence ``b``'s new token. ``Pos[b] < 0`` marks
+      a padding row (a finished sequence in the batch): write nothing for it.
+
+    ``BLOCK_D`` is ``head_dim`` rounded up to a power of two: lanes ``d >= head_dim`` must not
+    be read or written (a store there would land in the next slot). Every other element of
+    the caches must stay as it was.
+    """
+    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # int64: caches pass 2^31 elements
+    d = tl.arange(0, BLOCK_D)
+    pass  # your code: load Pos[b]; load the two rows of head_dim values; store them at slot Pos[b]
+
+
+def cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                pos: torch.Tensor) -> None:
+    """Exercise 2.5 (launcher, complete) — ``cache[b, :, pos[b]] = new[b]`` in place.
+
+    ``k_cache, v_cache: [batch, kv_heads, max_len, head_dim]`` (equal strides, head_dim
+    contiguous), ``k_new, v_new: [batch, kv_heads, head_dim]`` in the cache's dtype,
+    ``pos: [batch]`` int32 (negative: skip that sequence).
+    """
+    raise NotImplementedError("Exercise 2.5 (cache_write_kernel): not started. Read its docstring; hints: python -m minillm.grade 2 --hint 2.5")
+    batch, kv_heads, max_len, head_dim = k_cache.shape
+    assert v_cache.stride() == k_cache.stride() and k_cache.stride(3) == 1, "equal strides, head_dim contiguous"
+    k_new, v_new, pos = k_new.contiguous(), v_new.contiguous(), pos.to(torch.int32).contiguous()
+    cache_write_kernel[(batch, kv_heads)](
+        k_new, v_new, k_cache, v_cache, pos, *k_cache.stride()[:3], kv_heads, head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+@triton.jit
+def decode_kernel(Q, K, V, SeqLens, O,
+                  stride_kb, stride_kh, stride_kn, q_heads, group, head_dim, scale,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Exercise 2.6 — attention of one new token over its sequence's cache, one query head per program.
+
+    Program ``(b, h)`` computes ``O[b, h, :] = softmax(scale · K q) V`` for the query
+    ``Q[b, h, :]`` over the first ``SeqLens[b]`` slots of KV head ``h // group`` (GQA:
+    ``group = q_heads // kv_heads`` consecutive query heads share a KV head).
+
+    - ``Q, O``: ``[batch, q_heads, head_dim]``, contiguous (``O`` has Q's dtype);
+    - ``K, V``: ``[batch, kv_heads, max_len, head_dim]`` with strides
+      ``(stride_kb, stride_kh, stride_kn, 1)`` (the same for both);
+    - ``SeqLens``: ``[batch]`` int32. Slots at or past ``SeqLens[b]`` may hold anything, even
+      NaN: never let them into the result. ``SeqLens[b] = 0`` gives ``O[b, h] = 0``.
+
+    ``BLOCK_N >= max_len`` (a power of two): the whole cache of a sequence is one tile, as in
+    Exercise 1.5 (Chapter 3 lifts this limit). ``BLOCK_D``: ``head_dim`` rounded up to a power
+    of two. One query row is a vector, not a matrix: ``tl.sum(q[None, :] * k, axis=1)``
+    gives the scores. Compute in fp32.
+    """
+    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    n = tl.arange(0, BLOCK_N)  # slot index
+    d = tl.arange(0, BLOCK_D)
+    pass  # your code: the KV head, q, the tile of K, scores, masked safe softmax, P·V, store
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float | None = None) -> torch.Tensor:
+    """Exercise 2.6 (launcher, complete) — ``q: [batch, q_heads, head_dim]``, caches
+    ``[batch, kv_heads, max_len, head_dim]``, ``seq_lens: [batch]`` -> ``out: [batch, q_heads, head_dim]``."""
+    raise NotImplementedError("Exercise 2.6 (decode_kernel): not started. Read its docstring; hints: python -m minillm.grade 2 --hint 2.6")
+    batch, q_heads, head_dim = q.shape
+    kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
+    assert v_cache.stride() == k_cache.stride() and k_cache.stride(3) == 1, "equal strides, head_dim contiguous"
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    decode_kernel[(batch, q_heads)](
+        q, k_cache, v_cache, seq_lens.to(torch.int32).contiguous(), out, *k_cache.stride()[:3],
+        q_heads, q_heads // kv_heads, head_dim, scale,
+        BLOCK_N=triton.next_power_of_2(max_len), BLOCK_D=triton.next_power_of_2(head_dim))
+    return out

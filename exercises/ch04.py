@@ -1,6 +1,8 @@
 """Chapter 4 exercises: FlashAttention-2. Grade your work with ``make grade CH=4``.
 
-Replace each ``raise NotImplementedError(...)`` with your implementation, in NumPy. Tests
+Replace each ``raise NotImplementedError(...)`` with your implementation: Exercises 4.1–4.4 in
+NumPy, 4.5 and 4.6 as Triton kernels (write the body of the ``@triton.jit`` function, then
+delete the ``raise`` at the top of its launcher). Tests
 compare your functions with the float64 references in `minillm.reference.ch04_flash_attention`
 and `minillm.reference.ch01_naive_attention` on fresh random inputs, including scores in the hundreds,
 blocks that do not divide the sequence, more queries than keys (whose first rows see no key
@@ -16,7 +18,14 @@ forward keeps for the backward. Positions are bottom-right aligned: query ``i`` 
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from minillm.kernels.base import interpreting  # noqa: F401  (also: no GPU -> the interpreter)
 
 #: The codes of Exercise 4.2: what a program does with one (Q block, K block) pair.
 SKIP, MASKED, FULL = 0, 1, 2
@@ -32,12 +41,7 @@ def fa2_tile_step(q_i: np.ndarray, k_j: np.ndarray, v_j: np.ndarray, acc: np.nda
     block). ``visible``: bool ``[r, c]`` (False = masked) or None (all visible). Return the
     new ``(acc, l, m)``. Do not divide by ``l``: that happens once, in `fa2_finalize`.
     """
-    raise NotImplementedError(
-        "Exercise 4.1 (fa2_tile_step): s = scale * q_i @ k_j.T, -inf where not visible; m_new = max(m, rowmax(s)) "
-        "(let m_sub be m_new with -inf replaced by 0); p = exp(s - m_sub[:, None]); alpha = exp(m - m_sub) shrinks "
-        "the old state: l_new = alpha * l + p.sum(-1), acc_new = alpha[:, None] * acc + p @ v_j. "
-        "Return (acc_new, l_new, m_new)."
-    )
+    raise NotImplementedError("Exercise 4.1 (fa2_tile_step): not started. Read its docstring; hints: python -m minillm.grade 4 --hint 4.1")
 
 
 def fa2_finalize(acc: np.ndarray, l: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -48,10 +52,7 @@ def fa2_finalize(acc: np.ndarray, l: np.ndarray, m: np.ndarray) -> tuple[np.ndar
     A row that saw no visible key must get ``o = 0`` and ``lse = -inf`` (no NaN, no warning
     that matters: ``np.errstate(divide="ignore")`` silences ``log(0)``).
     """
-    raise NotImplementedError(
-        "Exercise 4.1 (fa2_finalize): o = acc / l[:, None], dividing by 1 where l == 0 (np.where); "
-        "lse = m + np.log(l), which is -inf + -inf = -inf for a row that saw nothing."
-    )
+    raise NotImplementedError("Exercise 4.1 (fa2_finalize): not started. Read its docstring; hints: python -m minillm.grade 4 --hint 4.1")
 
 
 def classify_causal_blocks(q_len: int, kv_len: int, block_m: int, block_n: int) -> np.ndarray:
@@ -64,11 +65,7 @@ def classify_causal_blocks(q_len: int, kv_len: int, block_m: int, block_n: int) 
     sees every key of it, and ``MASKED`` otherwise. Causal and bottom-right aligned (see the
     module docstring); ``q_len`` and ``kv_len`` may differ either way.
     """
-    raise NotImplementedError(
-        "Exercise 4.2 (classify_causal_blocks): for Q block i (rows r0 … r1 - 1) the positions are p_first = "
-        "r0 + kv_len - q_len and p_last = r1 - 1 + kv_len - q_len. Row p sees keys 0 … p, so the block's keys "
-        "[k0, k1) are seen by no row iff k0 > p_last, and by every row iff k1 - 1 <= p_first. You need no mask."
-    )
+    raise NotImplementedError("Exercise 4.2 (classify_causal_blocks): not started. Read its docstring; hints: python -m minillm.grade 4 --hint 4.2")
 
 
 def fa2_backward_tile(q_i: np.ndarray, k_j: np.ndarray, v_j: np.ndarray, do_i: np.ndarray, lse_i: np.ndarray,
@@ -83,11 +80,7 @@ def fa2_backward_tile(q_i: np.ndarray, k_j: np.ndarray, v_j: np.ndarray, do_i: n
     that summing over all pairs gives the full gradients. Recompute the probabilities from
     ``L`` (no max, no sum needed). A row with ``L = -inf`` saw no key: it contributes zero.
     """
-    raise NotImplementedError(
-        "Exercise 4.3 (fa2_backward_tile): p = exp(scale * q_i @ k_j.T - lse_i[:, None]), zero where not visible "
-        "and in rows where lse_i is -inf (mask before exp, or subtract +inf there); dv = p.T @ do_i; "
-        "dp = do_i @ v_j.T; ds = p * (dp - delta_i[:, None]); dq = scale * ds @ k_j; dk = scale * ds.T @ q_i."
-    )
+    raise NotImplementedError("Exercise 4.3 (fa2_backward_tile): not started. Read its docstring; hints: python -m minillm.grade 4 --hint 4.3")
 
 
 def backward_delta(o: np.ndarray, do: np.ndarray) -> np.ndarray:
@@ -97,7 +90,88 @@ def backward_delta(o: np.ndarray, do: np.ndarray) -> np.ndarray:
     ``D: [..., q_len]`` with ``D_i = Σ_j P_ij dP_ij`` (``dP = dO Vᵀ``), the row term the
     softmax's Jacobian subtracts in ``dS = P ∘ (dP - D)``, computed without P or V.
     """
-    raise NotImplementedError(
-        "Exercise 4.4 (backward_delta): Σ_j P_ij (dO_i · V_j) = dO_i · (Σ_j P_ij V_j) = dO_i · O_i: "
-        "sum o * do over the last axis."
-    )
+    raise NotImplementedError("Exercise 4.4 (backward_delta): not started. Read its docstring; hints: python -m minillm.grade 4 --hint 4.4")
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels (Exercises 4.5 and 4.6): write the body of the @triton.jit function, then
+# delete the `raise` at the top of its launcher.
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def fa2_forward_kernel(Q, K, V, O, LSE, q_heads, kv_heads, q_len, kv_len, scale,
+                       HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Exercise 4.5 — FlashAttention-2's forward for one block of query rows.
+
+    Program ``(i, b·q_heads + h)`` owns rows ``i·BLOCK_M … i·BLOCK_M + BLOCK_M - 1`` of query
+    head ``h`` of sequence ``b``. The pointers below already point at its head's slabs:
+    ``Q, O: [q_len, HEAD_DIM]``, ``K, V: [kv_len, HEAD_DIM]`` (contiguous rows; GQA's KV head
+    is resolved) and ``LSE: [q_len]`` (fp32).
+
+    Load the Q block once, keep ``acc`` (the *unscaled* output, fp32), ``l`` and ``m`` in
+    registers (Exercise 4.1), and loop over the key blocks this block can see. With
+    ``CAUSAL`` (bottom-right aligned: row ``r`` sits at position ``kv_len - q_len + r`` and
+    sees keys ``0 … that``) the loop must *stop* after the last key the block's last row can
+    see: the blocks past the diagonal are never loaded (Exercise 4.2). Mask scores with
+    ``-inf`` (keys past ``kv_len``, future keys). At the end write ``O = acc / l`` (0 for a
+    row that saw no key) in O's dtype and ``LSE = m + log(l)`` (``-inf`` for such a row).
+    Rows past ``q_len`` are never loaded or stored. ``HEAD_DIM`` and the blocks are powers of
+    two >= 16; use ``tl.dot(..., input_precision=DOT_PRECISION)`` for both products.
+    """
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // q_heads, bh % q_heads
+    kv_bh = (b * kv_heads + h // (q_heads // kv_heads)).to(tl.int64)  # GQA: this head's K/V slab
+    Q += bh.to(tl.int64) * q_len * HEAD_DIM
+    O += bh.to(tl.int64) * q_len * HEAD_DIM
+    LSE += bh.to(tl.int64) * q_len
+    K += kv_bh * kv_len * HEAD_DIM
+    V += kv_bh * kv_len * HEAD_DIM
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    pass  # your code: load q; the loop over key blocks (where does it stop?); normalise; store O and LSE
+
+
+def fa2_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 4.5 (launcher, complete) — ``q: [batch, q_heads, q_len, d]``, ``k, v: [batch,
+    kv_heads, kv_len, d]`` (``d`` a power of two >= 16) -> ``(out, lse)`` as
+    `minillm.reference.ch01_naive_attention.attention` returns them (``out`` in q's dtype)."""
+    raise NotImplementedError("Exercise 4.5 (fa2_forward_kernel): not started. Read its docstring; hints: python -m minillm.grade 4 --hint 4.5")
+    batch, q_heads, q_len, d = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+    BLOCK_M, BLOCK_N = 32, 16
+    fa2_forward_kernel[(triton.cdiv(q_len, BLOCK_M), batch * q_heads)](
+        q, k, v, out, lse, q_heads, kv_heads, q_len, kv_len, scale, HEAD_DIM=d, CAUSAL=causal,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    return out, lse
+
+
+@triton.jit
+def delta_kernel(O, DO, Delta, n_rows, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Exercise 4.6 — the backward's preprocess ``D = rowsum(dO ∘ O)`` (Exercise 4.4) in Triton.
+
+    ``O, DO: [n_rows, head_dim]`` (contiguous; any float dtype) and ``Delta: [n_rows]`` fp32.
+    Program ``i`` computes ``Delta[r] = Σ_j O[r, j] · DO[r, j]`` for the rows
+    ``r = i·BLOCK_M …`` of its block, in fp32. ``BLOCK_D`` is ``head_dim`` rounded up to a
+    power of two; rows past ``n_rows`` and columns past ``head_dim`` must not be read or written.
+    """
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    pass  # your code: two masked [BLOCK_M, BLOCK_D] loads, a product, a row sum, a masked store
+
+
+def backward_delta_triton(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """Exercise 4.6 (launcher, complete) — ``o, do: [..., q_len, head_dim]`` -> ``D: [..., q_len]`` fp32."""
+    raise NotImplementedError("Exercise 4.6 (delta_kernel): not started. Read its docstring; hints: python -m minillm.grade 4 --hint 4.6")
+    o, do = o.contiguous(), do.contiguous()
+    head_dim = o.shape[-1]
+    n_rows = o.numel() // head_dim
+    delta = torch.empty(o.shape[:-1], device=o.device, dtype=torch.float32)
+    BLOCK_M = 16
+    delta_kernel[(triton.cdiv(n_rows, BLOCK_M),)](o, do, delta, n_rows, head_dim, BLOCK_M=BLOCK_M,
+                                                   BLOCK_D=triton.next_power_of_2(head_dim))
+    return delta

@@ -1,12 +1,15 @@
 """Chapter 6 exercises: copy-on-write, beam search, prefix caching. Grade your work with
 ``make grade CH=6``.
 
-Replace each ``raise NotImplementedError(...)`` with your implementation. The tests compare
-your functions with the book's code: Exercise 6.1 with `minillm.paged.BlockManager` (prefix
-caching off) on random sequences of operations, Exercise 6.2 with the candidate selection of
-`minillm.decoding.beams` (itself checked against Hugging Face transformers) and with a whole
-beam search on a tiny model, Exercise 6.3 with `minillm.paged.prefix_cache.chain_hash` and
-with what a `BlockManager` with prefix caching finds in its cache.
+Replace each ``raise NotImplementedError(...)`` with your implementation. Exercises 6.4 and
+6.5 are Triton kernels whose launchers are written for you: write the kernel's body, then
+delete the launcher's ``raise``. The tests compare your functions with the book's code:
+Exercise 6.1 with `minillm.paged.BlockManager` (prefix caching off) on random sequences of
+operations, Exercise 6.2 with the candidate selection of `minillm.decoding.beams` (itself
+checked against Hugging Face transformers) and with a whole beam search on a tiny model,
+Exercise 6.3 with `minillm.paged.prefix_cache.chain_hash` and with what a `BlockManager` with
+prefix caching finds in its cache, Exercises 6.4 and 6.5 with `minillm.paged.layout`'s
+`copy_blocks` and `gather_slots` on shuffled pools.
 """
 from __future__ import annotations
 
@@ -15,6 +18,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from minillm.kernels.base import interpreting  # (also: no GPU -> the interpreter)
 
 
 # == Exercise 6.1: fork and copy-on-write bookkeeping ===========================================
@@ -70,10 +78,7 @@ def fork(bt: BlockTables, parent, child) -> None:
     The child gets its own table (a new list) with the same block ids and the same length;
     every one of those blocks gains one reference. No block is allocated.
     """
-    raise NotImplementedError(
-        "Exercise 6.1 (fork): for each block of bt.tables[parent], bt.ref_counts[block] += 1; then "
-        "bt.tables[child] = list(...) (a copy, not the same list) and bt.lengths[child] = bt.lengths[parent]."
-    )
+    raise NotImplementedError("Exercise 6.1 (fork): not started. Read its docstring; hints: python -m minillm.grade 6 --hint 6.1")
 
 
 def append_slot(bt: BlockTables, seq_id) -> tuple[int, tuple[int, int] | None]:
@@ -92,11 +97,7 @@ def append_slot(bt: BlockTables, seq_id) -> tuple[int, tuple[int, int] | None]:
     The token's slot is ``table[-1] * block_size + n % block_size``; the length becomes
     ``n + 1``. ``copy`` is ``None`` when nothing was copied.
     """
-    raise NotImplementedError(
-        "Exercise 6.1 (append_slot): n = bt.lengths[seq_id]; if n % bs and bt.ref_counts[table[-1]] > 1: "
-        "dst = bt.allocate_block(), decrement the old last block, table[-1] = dst, copy = (src, dst); "
-        "elif n % bs == 0: table.append(bt.allocate_block()). Then slot = table[-1] * bs + n % bs."
-    )
+    raise NotImplementedError("Exercise 6.1 (append_slot): not started. Read its docstring; hints: python -m minillm.grade 6 --hint 6.1")
 
 
 def free(bt: BlockTables, seq_id) -> None:
@@ -106,10 +107,7 @@ def free(bt: BlockTables, seq_id) -> None:
     block whose count reaches 0 goes to the back of ``free_list``. Then forget the sequence
     (remove it from ``tables`` and ``lengths``).
     """
-    raise NotImplementedError(
-        "Exercise 6.1 (free): for block in reversed(bt.tables[seq_id]): decrement bt.ref_counts[block], and "
-        "bt.free_list.append(block) if it reached 0. Then del bt.tables[seq_id], bt.lengths[seq_id]."
-    )
+    raise NotImplementedError("Exercise 6.1 (free): not started. Read its docstring; hints: python -m minillm.grade 6 --hint 6.1")
 
 
 # == Exercise 6.2: one beam-search step =========================================================
@@ -142,12 +140,7 @@ def beam_search_step(logprobs: np.ndarray, sum_logprobs: np.ndarray, num_beams: 
           ``at_max_length``): ``parents, tokens`` (int arrays) and ``sums`` (their float32
           summed log-probs), in rank order.
     """
-    raise NotImplementedError(
-        "Exercise 6.2 (beam_search_step): totals = (logprobs + sum_logprobs[:, None]).ravel(); the best K indices "
-        "(np.argsort(-totals)[:K]) give parent = index // vocab and token = index % vocab. ends[r] = at_max_length "
-        "or token in eos. finished: ranks r < k with ends[r], score = np.float32(total) / np.float32(new_len ** lp). "
-        "Next beams: the first k ranks that do not end."
-    )
+    raise NotImplementedError("Exercise 6.2 (beam_search_step): not started. Read its docstring; hints: python -m minillm.grade 6 --hint 6.2")
 
 
 # == Exercise 6.3: the prefix hash chain ========================================================
@@ -163,10 +156,7 @@ def chain_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     as little-endian int32 (``np.asarray(token_ids, dtype="<i4").tobytes()``). It must equal
     `minillm.paged.prefix_cache.chain_hash` bit for bit.
     """
-    raise NotImplementedError(
-        "Exercise 6.3 (chain_hash): h = hashlib.blake2b(digest_size=16); h.update(parent or b''); "
-        "h.update(the tokens as '<i4' bytes); return h.digest()."
-    )
+    raise NotImplementedError("Exercise 6.3 (chain_hash): not started. Read its docstring; hints: python -m minillm.grade 6 --hint 6.3")
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, hash_fn: HashFn | None = None) -> list[bytes]:
@@ -177,10 +167,7 @@ def block_keys(token_ids: Sequence[int], block_size: int, hash_fn: HashFn | None
     names the block *and everything before it*. A partly filled last block has no key.
     ``hash_fn`` defaults to your `chain_hash`; pass each block's tokens to it as a list.
     """
-    raise NotImplementedError(
-        "Exercise 6.3 (block_keys): for i in range(len(token_ids) // block_size), append "
-        "hash_fn(keys[-1] if keys else None, list(the i-th block's tokens))."
-    )
+    raise NotImplementedError("Exercise 6.3 (block_keys): not started. Read its docstring; hints: python -m minillm.grade 6 --hint 6.3")
 
 
 def cached_prefix_tokens(token_ids: Sequence[int], cache: dict, block_size: int,
@@ -196,8 +183,99 @@ def cached_prefix_tokens(token_ids: Sequence[int], cache: dict, block_size: int,
     the prompt's last token, which must be computed to produce the next token's logits: at
     most ``(len(token_ids) - 1) // block_size`` blocks. Return ``hits * block_size``.
     """
-    raise NotImplementedError(
-        "Exercise 6.3 (cached_prefix_tokens): keys = block_keys(...); for i in range((len - 1) // bs): "
-        "entry = cache.get(keys[i]); stop unless entry[0] == (keys[i - 1] if i else None) and "
-        "tuple(entry[1]) == tuple(block i's tokens); count the hits."
-    )
+    raise NotImplementedError("Exercise 6.3 (cached_prefix_tokens): not started. Read its docstring; hints: python -m minillm.grade 6 --hint 6.3")
+
+
+# == Exercise 6.4: the copy-on-write block copy, in Triton =======================================
+
+@triton.jit
+def _copy_blocks_kernel(Pool, Pairs, stride_plane, stride_block, block_elems, BLOCK: tl.constexpr):
+    """Exercise 6.4 — program ``(i, plane)`` copies block ``Pairs[i, 0]`` of one plane over
+    block ``Pairs[i, 1]`` of the same plane.
+
+    - ``Pool`` is the pool viewed as ``[planes, num_blocks, block_elems]`` (planes = K and V
+      of every layer; ``block_elems = block_size · kv_heads · head_dim``): element ``e`` of
+      block ``blk`` of plane ``p`` is at ``p·stride_plane + blk·stride_block + e``, and a
+      block's elements are contiguous;
+    - ``Pairs: [n, 2]`` int64, contiguous: ``(src, dst)`` pairs. Destinations are distinct and
+      never a source, so programs may run in any order.
+
+    A block may hold more elements than ``BLOCK`` (a power of two): copy it in chunks of
+    ``BLOCK``, masking the last, ragged one. Block offsets pass 2^31 elements in a large
+    pool: make the plane (or the block id) int64 before multiplying.
+    """
+    pass
+
+
+def copy_blocks(pool: torch.Tensor, pairs) -> None:
+    """Exercise 6.4 — copy-on-write in place: ``block[dst] = block[src]`` for every ``(src,
+    dst)`` pair, in every layer, for K and V (the launcher; the exercise is the kernel above).
+
+    ``pool: [2, layers, num_blocks, block_size, kv_heads, head_dim]``, contiguous (the engine's
+    `minillm.model.paged.PagedKVCache.pool`); ``pairs``: ``(src, dst)`` pairs
+    (`AppendResult.copies`) or an ``[n, 2]`` array. The result equals
+    `minillm.paged.layout.copy_blocks` applied to the pool viewed block-first.
+    """
+    raise NotImplementedError("Exercise 6.4 (_copy_blocks_kernel): not started. Read its docstring; hints: python -m minillm.grade 6 --hint 6.4")
+    num_blocks = pool.shape[2]
+    pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    if len(np.unique(pairs[:, 1])) != len(pairs) or np.intersect1d(pairs[:, 0], pairs[:, 1]).size:
+        raise ValueError("copies must have distinct destinations, none of which is a source")
+    if len(pairs) == 0:
+        return
+    flat = pool.view(pool.shape[0] * pool.shape[1], num_blocks, -1)     # [planes, num_blocks, block_elems]
+    _copy_blocks_kernel[(len(pairs), flat.shape[0])](
+        flat, torch.from_numpy(pairs).to(pool.device), flat.stride(0), flat.stride(1), flat.shape[2], BLOCK=256)
+
+
+# == Exercise 6.5: reading sequences back out of the pool, in Triton =============================
+
+@triton.jit
+def _gather_kernel(Cache, BlockTables, CuSeqlens, Out, stride_cb, stride_co, max_blocks, block_size, row_elems,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Exercise 6.5 — program ``(b, j)`` copies positions ``j·BLOCK_T … j·BLOCK_T + BLOCK_T - 1``
+    of sequence ``b`` from the pool to their rows of the packed output.
+
+    - ``Cache: [num_blocks, block_size, kv_heads, head_dim]``: the row of the token at
+      ``(blk, off)`` starts at ``blk·stride_cb + off·stride_co`` and is ``row_elems =
+      kv_heads · head_dim`` contiguous elements;
+    - ``BlockTables: [batch, max_blocks]`` int32, contiguous, ``-1`` past each sequence's
+      blocks (sequences may share blocks: forks, cached prefixes);
+    - ``CuSeqlens: [batch + 1]`` int32: sequence ``b`` holds ``CuSeqlens[b + 1] - CuSeqlens[b]``
+      tokens, and its position ``p`` goes to row ``CuSeqlens[b] + p`` of
+      ``Out: [total_tokens, row_elems]`` (contiguous).
+
+    ``BLOCK_E`` is ``row_elems`` rounded up to a power of two. Positions past the sequence's
+    length (the last tile is ragged; a short sequence's programs may have none at all) read
+    no table entry and write nothing.
+    """
+    pass
+
+
+def gather_sequences(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 6.5 — every sequence's K (or V) read through its block table into one packed
+    buffer, as the torch fallback of `minillm.model.paged` does before calling SDPA (the
+    launcher; the exercise is the kernel above).
+
+    ``cache: [num_blocks, block_size, kv_heads, head_dim]``; ``block_tables: [batch,
+    max_blocks]`` int32 padded with -1; ``seq_lens``: ``batch`` lengths (list or tensor).
+    Returns ``(out [total_tokens, kv_heads, head_dim], cu_seqlens [batch + 1] int32)``: sequence
+    ``b`` is ``out[cu_seqlens[b]:cu_seqlens[b + 1]]``, equal to
+    `minillm.paged.layout.gather_slots` of its table.
+    """
+    raise NotImplementedError("Exercise 6.5 (_gather_kernel): not started. Read its docstring; hints: python -m minillm.grade 6 --hint 6.5")
+    num_blocks, block_size, kv_heads, head_dim = cache.shape
+    if cache.stride(3) != 1 or cache.stride(2) != head_dim:
+        raise ValueError("each token's [kv_heads, head_dim] row of the cache must be contiguous")
+    lens = [int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]), device=cache.device, dtype=torch.int32)
+    out = torch.full((sum(lens), kv_heads, head_dim), float("nan"), device=cache.device, dtype=cache.dtype)
+    if not lens or max(lens) == 0:
+        return out, cu
+    block_tables = block_tables.contiguous()
+    BLOCK_T = 16
+    grid = (len(lens), triton.cdiv(max(lens), BLOCK_T))
+    _gather_kernel[grid](cache, block_tables, cu, out, cache.stride(0), cache.stride(1), block_tables.shape[1],
+                         block_size, kv_heads * head_dim, BLOCK_T=BLOCK_T,
+                         BLOCK_E=triton.next_power_of_2(kv_heads * head_dim))
+    return out, cu

@@ -34,12 +34,7 @@ def merge_splits(o: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray
     - A row whose splits are all empty gives ``out = 0`` and ``lse = -inf``, without NaN
       (``-inf - (-inf)`` is NaN: where ``M = -inf``, subtract 0 instead).
     """
-    raise NotImplementedError(
-        "Exercise 7.1 (merge_splits): M = lse.max(axis=-1); M_safe = np.where(np.isneginf(M), 0, M); "
-        "w = np.exp(lse - M_safe[..., None]) (0 for empty splits); replace o by 0 where lse is -inf "
-        "(np.where(np.isneginf(lse)[..., None], 0, o)); out = Σ_s w·o / Σ_s w (divide by 1 where the sum is 0); "
-        "lse = M_safe + log Σ_s w (np.log(0) = -inf: silence it with np.errstate(divide='ignore'))."
-    )
+    raise NotImplementedError("Exercise 7.1 (merge_splits): not started. Read its docstring; hints: python -m minillm.grade 7 --hint 7.1")
 
 
 def fa2_num_splits(batch_heads: int, n_blocks: int, num_sms: int, max_splits: int = 128) -> int:
@@ -65,13 +60,7 @@ def fa2_num_splits(batch_heads: int, n_blocks: int, num_sms: int, max_splits: in
     (``float(eff) >= 0.85 * float(best)``). One test is such a tie: 41 programs, 40
     blocks, 100 SMs, where the answer is 7 in float32 and 2 in double.
     """
-    raise NotImplementedError(
-        "Exercise 7.2 (fa2_num_splits): return 1 if np.float32(batch_heads) >= np.float32(0.8) * "
-        "np.float32(num_sms); cap = min(max_splits, num_sms, n_blocks); ceil division is -(-a // b); for each "
-        "eligible s in 1..cap store eff[s] = w / np.float32(math.ceil(w)) with w = np.float32(batch_heads * s) / "
-        "np.float32(num_sms); best = max(eff.values()); return the first s (in increasing order) with "
-        "float(eff[s]) >= 0.85 * float(best)."
-    )
+    raise NotImplementedError("Exercise 7.2 (fa2_num_splits): not started. Read its docstring; hints: python -m minillm.grade 7 --hint 7.2")
 
 
 def split_partial(q: np.ndarray, k, v, seq_len: int, start: int, end: int, block_n: int,
@@ -95,9 +84,4 @@ def split_partial(q: np.ndarray, k, v, seq_len: int, start: int, end: int, block
     Return ``(o [rows, head_dim], lse [rows])``: ``o = acc / l`` and ``lse = m + log l``; an
     empty split gives ``o = 0`` and ``lse = -inf``.
     """
-    raise NotImplementedError(
-        "Exercise 7.3 (split_partial): stop = min(end, seq_len); m = -inf, l = 0, acc = 0; for a in range(start, "
-        "stop, block_n): b = min(a + block_n, stop); x = scale * q @ np.asarray(k[a:b]).T; m_new = max(m, "
-        "x.max(1)); alpha = exp(m - m_new); p = exp(x - m_new[:, None]); l = alpha * l + p.sum(1); acc = "
-        "alpha[:, None] * acc + p @ v[a:b]; m = m_new. Empty (start >= stop): zeros and -inf."
-    )
+    raise NotImplementedError("Exercise 7.3 (split_partial): not started. Read its docstring; hints: python -m minillm.grade 7 --hint 7.3")

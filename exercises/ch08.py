@@ -36,11 +36,7 @@ def gemv_tiles(x: np.ndarray, w, block_n: int, block_k: int) -> np.ndarray:
     block_k`` aligned to those multiples: streaming the weights once is the whole point of
     the kernel. Return ``y: [M, N]`` as float32.
     """
-    raise NotImplementedError(
-        "Exercise 8.1 (gemv_tiles): N, K = w.shape; y = np.zeros((M, N), np.float32); for n0 in range(0, N, "
-        "block_n): acc = zeros((M, n1 - n0), float32); for k0 in range(0, K, block_k): tile = w[n0:n1, k0:k1] "
-        "(as float32); acc += (x[:, None, k0:k1] * tile[None, :, :]).sum(axis=-1); then y[:, n0:n1] = acc."
-    )
+    raise NotImplementedError("Exercise 8.1 (gemv_tiles): not started. Read its docstring; hints: python -m minillm.grade 8 --hint 8.1")
 
 
 def find_inflection_points(ms, t_gemv, t_flat, t_cublas, tolerance: float = 0.02) -> tuple[int, int]:
@@ -66,12 +62,7 @@ def find_inflection_points(ms, t_gemv, t_flat, t_cublas, tolerance: float = 0.02
     best keeps its M). Raise ``ValueError`` if ``ms`` is not increasing, if the lists have
     different lengths, or if every candidate has infinite regret. Return Python ints.
     """
-    raise NotImplementedError(
-        "Exercise 8.2 (find_inflection_points): convert each time to float('inf') when missing; best[i] = "
-        "min of the three; for each candidate (m1, m2) add up the hinge max(0, t / best - 1 - tolerance) over "
-        "the points with a finite best (inf when t is inf); keep the least, breaking ties towards larger "
-        "(m1, m2): e.g. max(pair for pair in candidates if regret[pair] <= least + 1e-12)."
-    )
+    raise NotImplementedError("Exercise 8.2 (find_inflection_points): not started. Read its docstring; hints: python -m minillm.grade 8 --hint 8.2")
 
 
 def flat_gemm_tile(x: np.ndarray, w: np.ndarray, pid_m: int, pid_n: int, out: np.ndarray, block_m: int = 16,
@@ -95,10 +86,4 @@ def flat_gemm_tile(x: np.ndarray, w: np.ndarray, pid_m: int, pid_n: int, out: np
     first), into ``out: [M, N]`` **in place** — only its real rows and features: the
     padding is computed and thrown away, and nothing else of ``out`` may change.
     """
-    raise NotImplementedError(
-        "Exercise 8.3 (flat_gemm_tile): build zero-padded tiles xt = zeros((block_m, block_k)) and "
-        "wt = zeros((block_n, block_k)) for each K tile, copying in only the real rows and columns; "
-        "tiles_per_run = ceil(ceil(K / block_k) / split_k); run s covers tiles s*tpr … (s+1)*tpr - 1; "
-        "partials[s] += xt @ wt.T; finally total = sum of the partials in order, and "
-        "out[m0:m0 + rows, n0:n0 + cols] = total[:rows, :cols]."
-    )
+    raise NotImplementedError("Exercise 8.3 (flat_gemm_tile): not started. Read its docstring; hints: python -m minillm.grade 8 --hint 8.3")

@@ -91,12 +91,7 @@ def schedule_step(running: Sequence[Req], waiting: Sequence[Req], token_budget: 
     The tests guarantee ``token_budget >= max_num_seqs >= len(running)`` and that every
     waiting request's whole prompt fits in the pool.
     """
-    raise NotImplementedError(
-        "Exercise 9.1 (schedule_step): queue = running sorted by arrival; while queue and budget > 0: req = "
-        "queue.pop(0); count = min(req.num_tokens - req.num_computed, budget); need = blocks_for(computed + count) "
-        "- blocks_for(computed); while need > free: victim = queue.pop() if queue else req, free += its blocks, "
-        "record it (stop if it is req). Then admit waiting (sorted) until the first that does not fit."
-    )
+    raise NotImplementedError("Exercise 9.1 (schedule_step): not started. Read its docstring; hints: python -m minillm.grade 9 --hint 9.1")
 
 
 # == Exercise 9.2: admission, the three-way answer ==============================================
@@ -119,11 +114,7 @@ def admission(num_tokens: int, block_size: int, num_blocks: int, num_free: int, 
       room: it no longer counts as available.
     - Enough available blocks: ``Admission.FITS_NOW``; else ``Admission.FITS_LATER``.
     """
-    raise NotImplementedError(
-        "Exercise 9.2 (admission): needed = ceil(num_tokens / block_size); NEVER_FITS if needed > num_blocks. "
-        "available = num_free + num_evictable - (hits with ref count 0); FITS_NOW if needed - len(hits) <= "
-        "available, else FITS_LATER."
-    )
+    raise NotImplementedError("Exercise 9.2 (admission): not started. Read its docstring; hints: python -m minillm.grade 9 --hint 9.2")
 
 
 # == Exercise 9.3: top-p (nucleus) sampling =====================================================
@@ -139,12 +130,7 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     ``-inf`` (leave the input unchanged). Compute the probabilities in float32, as
     ``torch.softmax`` does.
     """
-    raise NotImplementedError(
-        "Exercise 9.3 (top_p_filter): sorted_logits, order = torch.sort(logits, descending=True, stable=True); "
-        "probs = softmax(sorted_logits); "
-        "mass_before = probs.cumsum(0) - probs; drop = order[mass_before >= top_p]; return a copy of logits "
-        "with -inf at drop."
-    )
+    raise NotImplementedError("Exercise 9.3 (top_p_filter): not started. Read its docstring; hints: python -m minillm.grade 9 --hint 9.3")
 
 
 def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
@@ -156,8 +142,4 @@ def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, generat
     and draw with ``torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator)``.
     Return the token id as an ``int``.
     """
-    raise NotImplementedError(
-        "Exercise 9.3 (sample_top_p): if temperature == 0: return int(logits.argmax()); scaled = logits / "
-        "temperature; filter it if top_p < 1; return int(torch.multinomial(torch.softmax(scaled, -1), 1, "
-        "generator=generator))."
-    )
+    raise NotImplementedError("Exercise 9.3 (sample_top_p): not started. Read its docstring; hints: python -m minillm.grade 9 --hint 9.3")

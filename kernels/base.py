@@ -1,12 +1,20 @@
-"""What every chapter's kernels share: the interpreter switch, and a launch with less host time.
+"""What every chapter's kernels share.
 
-Chapter modules import this one before they define a kernel, because ``@triton.jit`` reads
-``TRITON_INTERPRET`` when it decorates: without a GPU the kernels run in Triton's interpreter
-(NumPy on the CPU), and this is the one place that decides so.
+- The interpreter switch (`interpreting`). Chapter modules import this one before they define
+  a kernel, because ``@triton.jit`` reads ``TRITON_INTERPRET`` when it decorates: without a GPU
+  the kernels run in Triton's interpreter (NumPy on the CPU), and this is the one place that
+  decides so.
+- Small helpers of the attention kernels: `LOG2E`/`LN2` (base-2 exponentials, Chapter 4),
+  `block_d`, `dot_precision`, `scale_and_window`, `num_sms`, `head_dim_offsets`, and the
+  online-softmax update itself (`online_softmax_update`, Chapter 3), which every attention
+  kernel from Chapter 3 on calls once per tile of scores.
+- `launch`: ``kernel[grid](...)`` with less host time (decode steps are launch-bound).
 """
 from __future__ import annotations
 
+import functools
 import inspect
+import math
 import operator
 import os
 
@@ -17,13 +25,124 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402  (after the switch above)
+import triton.language as tl  # noqa: E402
 
-__all__ = ["interpreting", "launch"]
+__all__ = ["interpreting", "launch", "LOG2E", "LN2", "LOG2E_C", "LN2_C", "CPU_NUM_SMS", "block_d",
+           "dot_precision", "scale_and_window", "num_sms", "head_dim_offsets", "online_softmax_update"]
 
 
 def interpreting() -> bool:
     """Whether kernels run in Triton's interpreter (``TRITON_INTERPRET`` set, as on a CPU)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# ----------------------------------------------------------------------------------------
+# Host-side helpers of the attention launchers
+# ----------------------------------------------------------------------------------------
+#: The kernels exponentiate in base 2 (the GPU's special-function unit computes ``2^x``;
+#: ``exp(x)`` costs an extra multiply): launchers fold ``log2 e`` into the softmax scale
+#: (``qk_scale = scale · LOG2E``) and kernels convert a log-sum-exp back with ``· LN2``.
+LOG2E = 1.4426950408889634   # log2(e): exp(x) = exp2(x · log2 e)
+LN2 = 0.6931471805599453     # ln(2):   log(x) = log2(x) · ln 2
+#: The same as compile-time constants, for use inside ``@triton.jit`` code (a kernel may only
+#: read globals that are ``tl.constexpr``).
+LOG2E_C = tl.constexpr(LOG2E)
+LN2_C = tl.constexpr(LN2)
+#: What `num_sms` reports without a GPU: an H200's (and H100 SXM's) 132 SMs, so that the
+#: heuristics pick under the interpreter what they would pick on the book's GPU.
+CPU_NUM_SMS = 132
+
+
+def block_d(head_dim: int) -> int:
+    """Head dim padded to a power of two >= 16 (``tl.arange`` and ``tl.dot`` need it); the
+    padding columns are masked on load and store."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` of every ``tl.dot``: exact IEEE products for fp32 inputs (the
+    interpreter and the tests need them; tf32 would round the inputs to 10 bits), and the
+    default for fp16/bf16, which go to the tensor cores with fp32 accumulation anyway."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def scale_and_window(head_dim: int, scale: float | None, window: int | None) -> tuple[float, int | None]:
+    """The softmax scale (default ``1/sqrt(head_dim)``, must be > 0) and the sliding window
+    (``None``, or a width >= 1 in tokens), checked; raises ``ValueError`` otherwise."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if not scale > 0:  # the kernels fold log2(e) into it and take row maxima of scaled scores
+        raise ValueError(f"scale must be > 0, got {scale}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return scale, window
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of ``device``: the CUDA device's ``multi_processor_count``,
+    or `CPU_NUM_SMS` for a CPU (the interpreter), so the heuristics behave as on an H200.
+    Cached per device: it is asked on every decode call, and the answer never changes."""
+    return _num_sms(device if isinstance(device, torch.device) else torch.device(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return CPU_NUM_SMS
+
+
+# ----------------------------------------------------------------------------------------
+# Helpers inside the kernels
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def head_dim_offsets(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Column offsets for the addresses of a ``[rows, BLOCK_D]`` tile, and ``d_ok: [1, BLOCK_D]``,
+    the mask of the real columns (``BLOCK_D`` is the head dim padded to a power of two).
+
+    The padding columns are masked on every load and store, so they are never accessed; their
+    addresses are nonetheless clamped to the last real column, so that every address the kernel
+    forms lies inside the tensor. On an H200 (Triton 3.6) a masked-off padding column whose
+    address pointed past the tensor made Chapter 4's forward fault with an illegal memory
+    access when K's head dim was not its contiguous axis (``test_forward_follows_strides``);
+    with the clamp it does not. When ``HEAD_DIM == BLOCK_D`` nothing is clamped (a
+    compile-time branch)."""
+    offs = tl.arange(0, BLOCK_D)
+    d_ok = (offs < HEAD_DIM)[None, :]
+    if HEAD_DIM < BLOCK_D:
+        offs = tl.minimum(offs, HEAD_DIM - 1)
+    return offs, d_ok
+
+
+@triton.jit
+def online_softmax_update(m_i, l_i, s, qk_scale, MASKED: tl.constexpr):
+    """Fold one tile of scores into the running statistics of the online softmax (Chapter 3),
+    in base 2.
+
+    - ``m_i, l_i: [ROWS]`` fp32: the running max of the scores (log2 units) and the running
+      sum of ``2^(x - m_i)``; ``-inf`` and 0 before the first tile;
+    - ``s: [ROWS, COLS]`` fp32. With ``MASKED``: already scaled (``x = s``, log2 units), with
+      ``-inf`` where a (row, key) pair is invisible; a row may have seen no visible key yet.
+      Without it: the raw ``q·k`` (``x = s · qk_scale``), every pair visible, and the scale is
+      folded into the exponent (one FMA + exp2 per score, no separate multiply).
+
+    Returns ``(p, alpha, l_new, m_new)``: ``p = 2^(x - m_new)`` ``[ROWS, COLS]`` (the tile's
+    weights, for ``P V``), ``alpha = 2^(m_i - m_new)`` ``[ROWS]`` (how much everything summed
+    so far shrinks under the new max: the caller rescales its accumulator by it),
+    ``l_new = l_i · alpha + Σ p`` and ``m_new`` ``[ROWS]``.
+    """
+    if MASKED:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead avoids
+        # (-inf) - (-inf) = NaN, and 2^(-inf) = 0 gives it p = 0 and alpha = 0.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_sub[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_sub = m_new
+        p = tl.math.exp2(s * qk_scale - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_new = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, l_new, m_new
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,12 +1,15 @@
 """Chapter 1: the textbook attention algorithm as three Triton kernels.
 
+The notebook ``chapters/01_naive_attention.ipynb`` tells the chapter's story with its measurements;
+this docstring summarises what the code does.
+
     S = scale · Q Kᵀ (+ mask)   -> written to HBM   [batch, q_heads, q_len, kv_len], fp32
     P = softmax(S) row by row   -> written to HBM   [batch, q_heads, q_len, kv_len], input dtype
     O = P V                     -> written to HBM   [batch, q_heads, q_len, head_dim]
 
 Each pass is its own kernel launch, so S and P make a round trip through HBM: this is the
 O(N²)-memory algorithm that FlashAttention (Chapters 3-4) removes. The count of matrix
-reads/writes (Q, K, S, S, P, P, V, O: eight) is in `naive_attention_traffic`.
+reads/writes (Q, K, S, S, P, P, V, O: eight) is in `minillm.costs.naive_attention_traffic`.
 
 Shapes: ``q: [batch, q_heads, q_len, head_dim]``, ``k, v: [batch, kv_heads, kv_len, head_dim]``;
 any strides are accepted (no copies). GQA/MQA: query head ``h`` reads KV head
@@ -224,26 +227,6 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     probs, lse = row_softmax(scores, out_dtype=v.dtype)
     del scores  # free S before allocating O: only S or P need be alive with the output
     return probs_times_values(probs, v), lse
-
-
-def naive_attention_traffic(batch: int, q_heads: int, kv_heads: int, q_len: int, kv_len: int,
-                            head_dim: int, elem_bytes: int) -> dict[str, dict[str, int]]:
-    """HBM bytes each pass must move at least (every operand read once, every result written once).
-
-    The eight matrix reads/writes of the standard algorithm: pass 1 reads Q and K and writes S;
-    pass 2 reads S and writes P; pass 3 reads P and V and writes O. S is fp32 (4 bytes), P and
-    the inputs/outputs use ``elem_bytes``. The softmax pass also writes the fp32 lse vector.
-    Returns ``{pass: {"read": bytes, "write": bytes}}``.
-    """
-    q = batch * q_heads * q_len * head_dim * elem_bytes
-    kv = batch * kv_heads * kv_len * head_dim * elem_bytes  # K or V: GQA shares them, read once
-    s_elems = batch * q_heads * q_len * kv_len
-    lse = batch * q_heads * q_len * 4
-    return {
-        "scores": {"read": q + kv, "write": s_elems * 4},
-        "softmax": {"read": s_elems * 4, "write": s_elems * elem_bytes + lse},
-        "pv": {"read": s_elems * elem_bytes + kv, "write": q},
-    }
 
 
 def _block_d(head_dim: int) -> int:

@@ -1,5 +1,8 @@
 """Chapter 2: the KV cache, as two Triton kernels.
 
+The notebook ``chapters/02_kv_cache.ipynb`` tells the chapter's story with its measurements;
+this docstring summarises what the code does.
+
 During generation, every new token needs the keys and values of all the tokens before it.
 Recomputing them each step costs a whole prefill per token; the KV cache stores them once
 and each decode step then only
@@ -16,7 +19,7 @@ Decode attention is *memory bound*: for each sequence it reads ``2·kv_heads·L�
 cache elements and does only ``4·q_heads·L·head_dim`` FLOPs with them, i.e. ``group``
 FLOPs per byte in bf16 (``group = q_heads // kv_heads``, 4 for Llama-3-8B), where an H100
 needs some 300 FLOPs per byte to keep its tensor cores busy. So the kernel is judged by the
-bandwidth it reaches (`decode_attention_bytes` / time), and its design goal is to read every
+bandwidth it reaches (`minillm.costs.decode_attention_bytes` / time), and its design goal is to read every
 K/V element exactly once: under GQA one program serves all the query heads that share a KV
 head, instead of one program per query head re-reading it.
 
@@ -267,13 +270,3 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_warps=8, num_stages=3,
     )
     return out, lse
-
-
-def decode_attention_bytes(seq_lens, q_heads: int, kv_heads: int, head_dim: int, elem_bytes: int) -> int:
-    """HBM bytes one `decode_attention` call must move at least: each sequence's K and V
-    over its length (read once, shared by the query heads of a group), q read, out written
-    (``elem_bytes`` each) and the fp32 lse written. ``seq_lens``: an iterable of lengths."""
-    lens = [int(n) for n in seq_lens]
-    kv = 2 * kv_heads * sum(lens) * head_dim * elem_bytes
-    q_and_out = 2 * len(lens) * q_heads * head_dim * elem_bytes
-    return kv + q_and_out + len(lens) * q_heads * 4

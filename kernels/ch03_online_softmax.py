@@ -1,5 +1,8 @@
 """Chapter 3: softmax of rows too long to hold on chip, with the online softmax.
 
+The notebook ``chapters/03_online_softmax.ipynb`` tells the chapter's story with its measurements;
+this docstring summarises what the code does.
+
 Chapter 1's `row_softmax` loads a whole row into registers, takes its max, then its sum,
 then writes ``exp(x - max) / sum``: one read and one write of the row, but only up to the
 row length that fits (64k elements there). A longer row has to be streamed in blocks, and
@@ -28,9 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-import minillm.kernels.base  # noqa: F401  (the interpreter switch, before any @triton.jit)
-
-from minillm.reference.ch03_online_softmax import fa1_traffic
+from minillm.kernels.base import LN2_C, LOG2E, block_d, online_softmax_update  # (and the interpreter switch)
 
 #: Rows up to this many elements are kept in registers (one read); longer rows are streamed.
 MAX_ONE_TILE = 8192
@@ -132,21 +133,6 @@ def online_softmax(x: torch.Tensor, out_dtype: torch.dtype | None = None, out: t
     return out, lse
 
 
-def online_softmax_traffic(rows: int, n_cols: int, in_bytes: int, out_bytes: int | None = None,
-                           block_n: int | None = None) -> dict[str, int]:
-    """HBM bytes one `online_softmax` call moves: ``{"read", "write", "minimal"}``.
-
-    A streamed row is read twice (statistics, then output) and written once; a row that fits
-    in one block (``n_cols <= block_n``, default `MAX_ONE_TILE`) is read once. Each row also
-    writes its fp32 lse. ``minimal`` is what any softmax must move: read once, write once."""
-    out_bytes = in_bytes if out_bytes is None else out_bytes
-    one_tile = n_cols <= (MAX_ONE_TILE if block_n is None else block_n)
-    elems = rows * n_cols
-    write = elems * out_bytes + rows * 4
-    return {"read": elems * in_bytes * (1 if one_tile else 2), "write": write,
-            "minimal": elems * in_bytes + write}
-
-
 def _row_stride(t: torch.Tensor) -> int:
     # Rows of a [..., n] tensor must be equally spaced, with the last dim contiguous, for the
     # flattened row index of the kernel to address them without a copy.
@@ -182,7 +168,7 @@ def _row_stride(t: torch.Tensor) -> int:
 # (fp32, as the original implementation's ``o_tmp``), ℓ and m. That is the traffic that
 # FlashAttention-2 (Chapter 4) removes by swapping the loops: with Q outer, a row block's state
 # lives in registers from its first tile to its last and is written once. The exact count is
-# `minillm.reference.ch03_online_softmax.fa1_traffic` (see `tiled_attention_traffic`).
+# `minillm.costs.fa1_traffic` (see `minillm.costs.tiled_attention_traffic`).
 #
 # Two savings the paper's pseudo-code leaves out, both visible below as load/store masks: on the first
 # outer iteration the state is known (``O = 0, ℓ = 0, m = -inf``) and not read, and on the
@@ -211,14 +197,16 @@ def _fa1_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
-    q_heads, q_len, kv_len, head_dim, group_size, scale, window,
+    q_heads, q_len, kv_len, head_dim, group_size, qk_scale, window,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Program ``b·q_heads + h``: the whole attention of query head ``h`` of sequence ``b``.
 
     ``Oacc: [batch·q_heads, q_len, head_dim]`` and ``Lacc, Macc: [batch·q_heads, q_len]``
-    (fp32, contiguous) are the HBM home of the running state between outer iterations."""
+    (fp32, contiguous) are the HBM home of the running state between outer iterations.
+    ``qk_scale`` is the softmax scale times ``log2 e``: exponentials are base 2 (``2^x`` is
+    what the GPU computes natively), so ``m`` is in log2 units and the lse is converted back."""
     pid = tl.program_id(0)
     # int64: the workspace and the inputs of long sequences pass 2^31 elements.
     b, h = (pid // q_heads).to(tl.int64), (pid % q_heads).to(tl.int64)
@@ -264,7 +252,7 @@ def _fa1_kernel(
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:     # fp16/bf16: tensor cores, fp32 accumulation
                 s = tl.dot(q, tl.trans(k))
-            s = s * scale
+            s = s * qk_scale
             visible = in_n[None, :]
             q_pos = offs_m[:, None] + (kv_len - q_len)
             k_pos = offs_n[None, :]
@@ -276,12 +264,9 @@ def _fa1_kernel(
             s = tl.where(visible, s, float("-inf"))
 
             # Online softmax (FA1's lines 10-12, with exp(S - m_new) in place of the paper's
-            # exp(S - m̃)·exp(m̃ - m_new): the same numbers, one exp fewer per score).
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-            alpha = tl.exp(m - m_safe)                              # rescale of the old state
-            p = tl.exp(s - m_safe[:, None])
-            l_new = l * alpha + tl.sum(p, axis=1)
+            # exp(S - m̃)·exp(m̃ - m_new): the same numbers, one exp fewer per score): the new
+            # max, p = 2^(s - m_new), alpha = 2^(m - m_new) (rescale of the old state), l_new.
+            p, alpha, l_new, m_new = online_softmax_update(m, l, s, qk_scale, True)
             if IEEE:
                 pv = tl.dot(p, v, input_precision="ieee")
             else:     # P is rounded to the input dtype for the tensor-core dot, as in FlashAttention
@@ -296,7 +281,8 @@ def _fa1_kernel(
             tl.store(Macc + stat_base + offs_m, m_new, mask=back)
             tl.store(Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_om
                      + offs_d[None, :] * stride_od, o.to(Out.dtype.element_ty), mask=done[:, None] & in_d[None, :])
-            tl.store(LSE + b * stride_lb + h * stride_lh + rows * stride_lm, m_new + tl.log(l_new), mask=done)
+            tl.store(LSE + b * stride_lb + h * stride_lh + rows * stride_lm, (m_new + tl.math.log2(l_new)) * LN2_C,
+                     mask=done)
         # The next outer iteration reads what this one wrote, possibly from other threads of
         # the program (the load and store layouts need not match): make the writes visible.
         tl.debug_barrier()
@@ -359,22 +345,13 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         m_acc = torch.empty_like(l_acc)
     else:                 # never touched (every workspace access is masked off)
         o_acc = l_acc = m_acc = torch.empty(1, device=q.device, dtype=torch.float32)
-    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dim >= 16
+    bd = block_d(head_dim)  # tl.dot needs every dim >= 16
     _fa1_kernel[(batch * q_heads,)](
         q, k, v, out, lse, o_acc, l_acc, m_acc,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-        q_heads, q_len, kv_len, head_dim, q_heads // kv_heads, scale, window or 0,
+        q_heads, q_len, kv_len, head_dim, q_heads // kv_heads, scale * LOG2E, window or 0,
         CAUSAL=causal, USE_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4 if block_d <= 64 else 8, num_stages=1,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd,
+        num_warps=4 if bd <= 64 else 8, num_stages=1,
     )
     return out, lse
-
-
-def tiled_attention_traffic(batch: int, q_heads: int, q_len: int, kv_len: int, head_dim: int, elem_bytes: int,
-                            block_n: int = FA1_BLOCK_N) -> dict[str, dict[str, int]]:
-    """HBM bytes `tiled_attention` moves, per array (``q, k, v, o, l, m, out, lse``;
-    ``{"read", "write"}`` each): `minillm.reference.ch03_online_softmax.fa1_traffic` with the
-    kernel's K/V block and its fp32 workspace. K/V are counted once per *query* head, as
-    each program loads them itself (under GQA, repeats may come from L2)."""
-    return fa1_traffic(batch, q_heads, q_len, kv_len, head_dim, elem_bytes, block_n, acc_bytes=4, stat_bytes=4)

@@ -1,5 +1,8 @@
 """Chapter 4: FlashAttention-2, the forward kernel and its backward.
 
+The notebook ``chapters/04_flash_attention.ipynb`` tells the chapter's story with its measurements;
+this docstring summarises what the code does.
+
 Chapter 3 built attention out of tiles: S and P never leave the chip, and an online softmax
 rescales the partial results as larger scores turn up. FlashAttention-2 (Dao, 2023) keeps
 that algorithm and changes *how the work is laid out*, in three ways. Each is marked
@@ -56,7 +59,6 @@ Positions are bottom-right aligned as in `minillm.reference.ch01_naive_attention
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -64,12 +66,11 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.base import interpreting
+from minillm.kernels.base import (  # shared by every chapter's attention kernels
+    LN2_C, LOG2E, LOG2E_C, block_d, dot_precision, head_dim_offsets, interpreting, online_softmax_update,
+    scale_and_window,
+)
 
-LOG2E = 1.4426950408889634   # log2(e): exp(x) = exp2(x · log2 e)
-LN2 = 0.6931471805599453     # ln(2):   log(x) = log2(x) · ln 2
-_LN2 = tl.constexpr(LN2)
-_LOG2E = tl.constexpr(LOG2E)
 MAX_HEAD_DIM = 256
 
 
@@ -96,7 +97,7 @@ def _sequence(b, CuSeqQ, CuSeqK, Q_LEN, KV_LEN, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _visible(q_idx, k_idx, q_len, kv_len, window, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr):
+def visible_mask(q_idx, k_idx, q_len, kv_len, window, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr):
     """Which (query, key) pairs are visible: a bool tile broadcast from ``q_idx`` and ``k_idx``
     (row indices inside the sequence). Out-of-range rows/keys are invisible; query ``i`` sits at
     position ``i + kv_len - q_len`` (bottom-right alignment), so causal means ``k <= that``."""
@@ -109,24 +110,6 @@ def _visible(q_idx, k_idx, q_len, kv_len, window, CAUSAL: tl.constexpr, USE_WIND
         if not CAUSAL:
             ok = ok & (k_idx - q_pos < window)
     return ok
-
-
-@triton.jit
-def _head_dim_offsets(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Column offsets for the addresses of a ``[rows, BLOCK_D]`` tile, and ``d_ok: [1, BLOCK_D]``,
-    the mask of the real columns (``BLOCK_D`` is the head dim padded to a power of two).
-
-    The padding columns are masked on every load and store, so they are never accessed; their
-    addresses are nonetheless clamped to the last real column, so that every address the kernel
-    forms lies inside the tensor. On an H200 (Triton 3.6) a masked-off padding column whose
-    address pointed past the tensor made the forward fault with an illegal memory access when
-    K's head dim was not its contiguous axis (``test_forward_follows_strides``); with the
-    clamp it does not. When ``HEAD_DIM == BLOCK_D`` nothing is clamped (a compile-time branch)."""
-    offs = tl.arange(0, BLOCK_D)
-    d_ok = (offs < HEAD_DIM)[None, :]
-    if HEAD_DIM < BLOCK_D:
-        offs = tl.minimum(offs, HEAD_DIM - 1)
-    return offs, d_ok
 
 
 @triton.jit
@@ -151,7 +134,7 @@ def _segments(first, end, all_first, all_end, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _kv_segments(start_m, q_len, kv_len, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def kv_segments(start_m, q_len, kv_len, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr):
     """The key blocks that query rows ``[start_m, start_m + BLOCK_M)`` visit (see `_segments`).
 
@@ -218,33 +201,24 @@ def _fwd_tiles(acc, l_i, m_i, q, K_src, V_src, k_offs, v_offs, stride_kn, stride
         else:
             k = tl.load(K_src + row0 * stride_kn + k_offs, mask=kv_ok, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] raw scores, fp32
-        if MASKED:
-            visible = _visible(offs_m[:, None], offs_n[None, :], q_len, kv_len, window, CAUSAL, USE_WINDOW)
+        if MASKED:  # scale, then -inf where invisible; unmasked, the scale is folded into exp2
+            visible = visible_mask(offs_m[:, None], offs_n[None, :], q_len, kv_len, window, CAUSAL, USE_WINDOW)
             s = tl.where(visible, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead
-            # avoids (-inf) - (-inf) = NaN, and 2^(-inf) = 0 gives it p = 0 and alpha = 0.
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_sub[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            m_sub = m_new
-            p = tl.math.exp2(s * qk_scale - m_sub[:, None])  # one FMA + exp2 per score
-        alpha = tl.math.exp2(m_i - m_sub)  # how much the old state shrinks under the new max
-        l_kept = l_i * alpha  # the old sum, against the new max
-        l_i = l_kept + tl.sum(p, 1)
+        # The online softmax of Chapter 3 (base 2): new max, p = 2^(s - m_new), alpha = how much
+        # the old state shrinks under the new max, l = l·alpha + Σ p.
+        p, alpha, l_new, m_i = online_softmax_update(m_i, l_i, s, qk_scale, MASKED)
         if TMA:
             v = V_src.load([start_n, 0])
         else:
             v = tl.load(V_src + row0 * stride_vn + v_offs, mask=kv_ok, other=0.0)
         # FA2 (2): rescale the unnormalised accumulator; no division here. P is rounded to
         # V's dtype for the tensor-core dot (fp32 accumulation), as every FlashAttention does.
-        if RESCALE_EACH_STEP:  # FA1: acc stays divided by the running sum
-            acc = tl.dot(p.to(v.dtype), v, acc * l_kept[:, None], input_precision=DOT_PRECISION)
-            acc = acc * (1.0 / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+        if RESCALE_EACH_STEP:  # FA1: acc stays divided by the running sum (l_i·alpha: the old sum)
+            acc = tl.dot(p.to(v.dtype), v, acc * (l_i * alpha)[:, None], input_precision=DOT_PRECISION)
+            acc = acc * (1.0 / tl.where(l_new == 0.0, 1.0, l_new))[:, None]
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        l_i = l_new
     return acc, l_i, m_i
 
 
@@ -298,7 +272,7 @@ def _fwd_kernel(
     kv_h64 = kv_h.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d, d_ok = _head_dim_offsets(HEAD_DIM, BLOCK_D)  # d_ok: the real columns of a padded head dim
+    offs_d, d_ok = head_dim_offsets(HEAD_DIM, BLOCK_D)  # d_ok: the real columns of a padded head dim
     in_m = offs_m < q_len
     # Where this head's sequence starts in each tensor.
     Q_seq = Q + b64 * stride_qb + h64 * stride_qh + tl.cast(q_start, tl.int64) * stride_qm
@@ -333,7 +307,7 @@ def _fwd_kernel(
     # Key blocks in three segments: masked, unmasked, masked. Causal: [0, diagonal) without
     # masks, then the diagonal blocks with; the blocks past the diagonal are never visited.
     # Non-causal: everything unmasked except the last, ragged block of the sequence.
-    lo, full_lo, full_hi, hi = _kv_segments(start_m, q_len, kv_len, window, BLOCK_M, BLOCK_N, CAUSAL, USE_WINDOW)
+    lo, full_lo, full_hi, hi = kv_segments(start_m, q_len, kv_len, window, BLOCK_M, BLOCK_N, CAUSAL, USE_WINDOW)
     if VISIT_EVERY_BLOCK:  # ablation: all key blocks, all masked
         lo, full_lo, full_hi, hi = 0, kv_len, kv_len, kv_len
     elif MASK_EVERY_BLOCK:  # ablation: the same blocks, all masked
@@ -355,7 +329,7 @@ def _fwd_kernel(
         out = acc * (1.0 / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     # FA2 (3): the only statistic kept for the backward, L = m + log l, back in natural log.
     # l = 0 gives log2(0) = -inf, and m = -inf too: L = -inf, no NaN.
-    lse = (m_i + tl.math.log2(l_i)) * _LN2
+    lse = (m_i + tl.math.log2(l_i)) * LN2_C
 
     if TMA:
         tl.make_tensor_descriptor(O_seq, shape=[q_len, HEAD_DIM], strides=[stride_om, 1],
@@ -457,22 +431,9 @@ _fwd_kernel_tuned = triton.autotune(
 )(_fwd_kernel)
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """``input_precision`` of every ``tl.dot``: exact IEEE products for fp32 inputs (the
-    interpreter and the tests need them; tf32 would round the inputs to 10 bits), and the
-    default for fp16/bf16, which go to the tensor cores with fp32 accumulation anyway."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def seq_bucket(n: int) -> int:
     """The autotuning key of a sequence length: the next power of two in [64, 16384]."""
     return min(max(triton.next_power_of_2(max(int(n), 1)), 64), 16384)
-
-
-def block_d(head_dim: int) -> int:
-    """Head dim padded to a power of two >= 16 (``tl.arange`` and ``tl.dot`` need it); the
-    padding columns are masked on load and store."""
-    return max(16, triton.next_power_of_2(head_dim))
 
 
 # ----------------------------------------------------------------------------------------
@@ -533,15 +494,6 @@ def _check_inputs(q, k, v, varlen: bool) -> tuple[int, int, int]:
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim={head_dim}: 1..{MAX_HEAD_DIM} supported (a Q block lives in registers)")
     return q_heads, kv_heads, head_dim
-
-
-def _scale_and_window(head_dim: int, scale: float | None, window: int | None) -> tuple[float, int | None]:
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    if not scale > 0:  # the kernels fold log2(e) into it and take row maxima of scaled scores
-        raise ValueError(f"scale must be > 0, got {scale}")
-    if window is not None and window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    return scale, window
 
 
 def use_tma(packing: Packing, *tensors: torch.Tensor) -> bool:
@@ -689,7 +641,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     preallocated ``out``/``lse`` buffers are only accepted when no gradient is needed.
     """
     _check_inputs(q, k, v, varlen=False)
-    scale, window = _scale_and_window(q.shape[-1], scale, window)
+    scale, window = scale_and_window(q.shape[-1], scale, window)
     if _needs_grad(q, k, v):
         if out is not None or lse is not None:
             raise ValueError("out=/lse= cannot be used when q, k or v requires grad")
@@ -720,7 +672,7 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     _check_inputs(q, k, v, varlen=True)
     cu_seqlens_q, cu_seqlens_k = _check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
-    scale, window = _scale_and_window(q.shape[-1], scale, window)
+    scale, window = scale_and_window(q.shape[-1], scale, window)
     if _needs_grad(q, k, v):
         if out is not None or lse is not None:
             raise ValueError("out=/lse= cannot be used when q, k or v requires grad")
@@ -730,17 +682,6 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         packing = Packing(cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), cu_seqlens_q, cu_seqlens_k)
         o, l = _forward(q, k, v, packing, causal, scale, window, out, lse)
     return (o, l) if return_lse else o
-
-
-def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, causal: bool,
-                    backward: bool = False) -> float:
-    """FLOPs credited to attention by convention (FlashAttention-2 paper): ``4·B·H·q_len·kv_len·D``
-    for the forward (two matmuls), halved when causal; the backward is credited 2.5x the
-    forward (five matmuls to the forward's two), whatever a kernel actually recomputes."""
-    flops = 4.0 * batch * heads * q_len * kv_len * head_dim
-    if causal:
-        flops /= 2
-    return flops * 2.5 if backward else flops
 
 
 # ========================================================================================
@@ -809,7 +750,7 @@ def _bwd_preprocess_kernel(
         return
     b64, h64 = b.to(tl.int64), h.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d, d_ok = _head_dim_offsets(HEAD_DIM, BLOCK_D)
+    offs_d, d_ok = head_dim_offsets(HEAD_DIM, BLOCK_D)
     rows = (q_start + offs_m).to(tl.int64)
     mask = (offs_m < q_len)[:, None] & d_ok
     o = tl.load(O + b64 * stride_ob + h64 * stride_oh + rows[:, None] * stride_om + offs_d[None, :] * stride_od,
@@ -826,7 +767,7 @@ def _bwd_preprocess_kernel(
 @triton.jit
 def _q_segments(start_n, q_len, kv_len, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr):
-    """The mirror image of `_kv_segments`: the Q blocks that can see keys
+    """The mirror image of `kv_segments`: the Q blocks that can see keys
     ``[start_n, start_n + BLOCK_N)``. Causal: query at position ``p`` sees key ``j`` iff
     ``j <= p``, so rows from position ``n0`` on see some key of the block and rows from
     ``n1`` on see all of them; rows before ``n0`` are skipped. Row index = position − (kv_len − q_len)."""
@@ -887,10 +828,10 @@ def _dkdv_tiles(dk, dv, k, v, Q_seq, DO_seq, LSE_seq, Delta_seq, q_offs, do_offs
             lse = tl.load(LSE_head + offs_m * stride_lm)
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M], raw scores
         # Recompute P from the saved logsumexp, in base 2: exp(scale·s − L) = 2^(qk_scale·s − L·log2 e).
-        pT = tl.math.exp2(sT * qk_scale - (lse * _LOG2E)[None, :])
+        pT = tl.math.exp2(sT * qk_scale - (lse * LOG2E_C)[None, :])
         if MASKED:
             # A row that sees no key has L = -inf and 2^(+inf) = inf here; the mask replaces it.
-            pT = tl.where(_visible(offs_m[None, :], offs_n[:, None], q_len, kv_len, window, CAUSAL, USE_WINDOW),
+            pT = tl.where(visible_mask(offs_m[None, :], offs_n[:, None], q_len, kv_len, window, CAUSAL, USE_WINDOW),
                           pT, 0.0)
             do = tl.load(DO_head + row0 * stride_dom + do_offs, mask=in_m[:, None] & d_ok, other=0.0)
             delta = tl.load(Delta_head + offs_m * stride_dm, mask=in_m, other=0.0)
@@ -933,7 +874,7 @@ def _bwd_dkdv_kernel(
     b64, kv_h64 = b.to(tl.int64), kv_h.to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
-    offs_d, d_ok = _head_dim_offsets(HEAD_DIM, BLOCK_D)
+    offs_d, d_ok = head_dim_offsets(HEAD_DIM, BLOCK_D)
     rows_k = (k_start + offs_n).to(tl.int64)
     kv_mask = (offs_n < kv_len)[:, None] & d_ok
     # K and V of this block stay on chip for the whole program.
@@ -1000,7 +941,7 @@ def _dq_tiles(dq, q, do, lse2, delta, K_src, V_src, k_offs, v_offs, stride_kn, s
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)    # [BLOCK_M, BLOCK_N]
         p = tl.math.exp2(s * qk_scale - lse2[:, None])               # P recomputed from L
         if MASKED:
-            p = tl.where(_visible(offs_m[:, None], offs_n[None, :], q_len, kv_len, window, CAUSAL, USE_WINDOW),
+            p = tl.where(visible_mask(offs_m[:, None], offs_n[None, :], q_len, kv_len, window, CAUSAL, USE_WINDOW),
                          p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # dP = dO Vᵀ
         ds = p * (dp - delta[:, None])                               # dS = P ∘ (dP − D)
@@ -1040,7 +981,7 @@ def _bwd_dq_kernel(
     b64, h64, kv_h64 = b.to(tl.int64), h.to(tl.int64), kv_h.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d, d_ok = _head_dim_offsets(HEAD_DIM, BLOCK_D)
+    offs_d, d_ok = head_dim_offsets(HEAD_DIM, BLOCK_D)
     rows_q = (q_start + offs_m).to(tl.int64)
     in_m = offs_m < q_len
     q_start64 = tl.cast(q_start, tl.int64)
@@ -1067,11 +1008,11 @@ def _bwd_dq_kernel(
         do = tl.load(DO_seq + rows * stride_dom + offs_d[None, :] * stride_dod, mask=in_m[:, None] & d_ok, other=0.0)
         K_src = K_seq
         V_src = V_seq
-    lse2 = tl.load(LSE + b64 * stride_lb + h64 * stride_lh + rows_q * stride_lm, mask=in_m, other=0.0) * _LOG2E
+    lse2 = tl.load(LSE + b64 * stride_lb + h64 * stride_lh + rows_q * stride_lm, mask=in_m, other=0.0) * LOG2E_C
     delta = tl.load(Delta + b64 * stride_db + h64 * stride_dh + rows_q * stride_dm, mask=in_m, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
-    lo, full_lo, full_hi, hi = _kv_segments(start_m, q_len, kv_len, window, BLOCK_M, BLOCK_N, CAUSAL, USE_WINDOW)
+    lo, full_lo, full_hi, hi = kv_segments(start_m, q_len, kv_len, window, BLOCK_M, BLOCK_N, CAUSAL, USE_WINDOW)
     dq = _dq_tiles(dq, q, do, lse2, delta, K_src, V_src, k_offs, v_offs, stride_kn, stride_vn,
                    offs_m, offs_n0, d_ok, lo, full_lo, q_len, kv_len, qk_scale, window,
                    True, CAUSAL, USE_WINDOW, DOT_PRECISION, TMA, BLOCK_N)
@@ -1217,7 +1158,7 @@ def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     (`FlashAttentionFunction`); this entry point is for tests and for reading.
     """
     _check_inputs(q, k, v, varlen=False)
-    scale, window = _scale_and_window(q.shape[-1], scale, window)
+    scale, window = scale_and_window(q.shape[-1], scale, window)
     if dout.shape != q.shape or out.shape != q.shape or tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)} must be q's shape {tuple(q.shape)} "
                          f"and lse {tuple(lse.shape)} must be {tuple(q.shape[:3])}")
@@ -1232,7 +1173,7 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     [q_heads, total_q]``)."""
     _check_inputs(q, k, v, varlen=True)
     cu_seqlens_q, cu_seqlens_k = _check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
-    scale, window = _scale_and_window(q.shape[-1], scale, window)
+    scale, window = scale_and_window(q.shape[-1], scale, window)
     if dout.shape != q.shape or out.shape != q.shape or tuple(lse.shape) != (q.shape[1], q.shape[0]):
         raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)} must be q's shape {tuple(q.shape)} "
                          f"and lse {tuple(lse.shape)} must be {(q.shape[1], q.shape[0])}")

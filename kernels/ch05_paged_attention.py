@@ -1,5 +1,8 @@
 """Chapter 5: attention over a paged KV cache (vLLM's PagedAttention), as Triton kernels.
 
+The notebook ``chapters/05_paged_kv.ipynb`` tells the chapter's story with its measurements;
+this docstring summarises what the code does.
+
 Chapter 2's cache gave every sequence a contiguous ``[max_len]`` stretch of slots, reserved up
 front for the longest it might become. A paged cache (Kwon et al., 2023) instead cuts one pool
 into fixed-size **blocks** of ``block_size`` token slots and hands them out one at a time
@@ -28,7 +31,7 @@ slot mappings int64 with -1 for "do not write". Three kernels:
 3. `paged_prefill_attention`: the new tokens of each sequence attending to its cached prefix
    plus themselves (causal, bottom-right aligned). This is Chapter 4's FlashAttention-2
    forward (one program per Q block, head and sequence; unscaled accumulator; the loop over
-   key tiles split into unmasked and masked segments by `_kv_segments`) with the same change
+   key tiles split into unmasked and masked segments by `kv_segments`) with the same change
    of where key tiles come from. It is what prefix caching (a prompt whose first blocks are
    already cached attends to them without recomputing them) and chunked prefill (a long
    prompt processed a chunk per step) need: the queries are only the new tokens, the keys
@@ -74,8 +77,8 @@ load is masked by the length). An entry *inside* the length that is not a valid 
 replaced by block 0 for the address and the load is masked, so its positions read as zero
 keys and values (score 0, contributing nothing to the output but weight to the softmax
 sum). Lengths are clamped to what the table can address. Every K/V address the kernels
-form lies inside the pool (the padded head-dim columns are clamped by Chapter 4's
-`_head_dim_offsets`, which fixed a real fault on an H200). Offsets are int64: a pool of
+form lies inside the pool (the padded head-dim columns are clamped by
+`minillm.kernels.base.head_dim_offsets`, which fixed a real fault on an H200). Offsets are int64: a pool of
 many long sequences passes 2^31 elements.
 
 Shapes and units are documented per function; any strides are accepted (no copies).
@@ -88,14 +91,17 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.ch04_flash_attention import (
-    _LN2, LOG2E, _head_dim_offsets, _kv_segments, _scale_and_window, _visible, block_d,
-    dot_precision,
+from minillm.kernels.base import (
+    LN2_C, LOG2E, block_d, dot_precision, head_dim_offsets, interpreting, launch, online_softmax_update,
+    scale_and_window,
 )
-from minillm.kernels.base import interpreting, launch
+from minillm.kernels.ch04_flash_attention import kv_segments, visible_mask
 
 __all__ = ["write_paged_kv", "paged_decode_attention", "paged_prefill_attention", "contiguous_as_paged",
-           "paged_decode_attention_bytes", "decode_block_n", "prefill_config"]
+           "decode_block_n", "prefill_config",
+           # the pieces Chapter 7's flash-decoding reuses
+           "tile_rows", "paged_fwd_tiles", "check_paged", "decode_outputs", "blocks_per_tile"]
+
 
 # ----------------------------------------------------------------------------------------
 # Writing new tokens into the pool
@@ -132,7 +138,7 @@ def _write_paged_kv_kernel(
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < heads_to_copy
     offs_h = tl.minimum(offs_h, kv_heads - 1).to(tl.int64)  # padding heads: clamped, masked
-    offs_d, d_ok = _head_dim_offsets(HEAD_DIM, BLOCK_D)
+    offs_d, d_ok = head_dim_offsets(HEAD_DIM, BLOCK_D)
     mask = h_ok[:, None] & d_ok
 
     k = tl.load(K_new + t * stride_knt + offs_h[:, None] * stride_knh + offs_d[None, :] * stride_knd, mask=mask)
@@ -189,9 +195,9 @@ def write_paged_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Te
 # Where a tile of keys lives: the block-table lookup both attention kernels share
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _tile_rows(Table, stride_tn, start, offs_n0, n_valid, block_size, num_blocks,
-               stride_kb, stride_ko, stride_vb, stride_vo,
-               BLOCKS_PER_TILE: tl.constexpr, RAGGED: tl.constexpr, BLOCK_N: tl.constexpr):
+def tile_rows(Table, stride_tn, start, offs_n0, n_valid, block_size, num_blocks,
+              stride_kb, stride_ko, stride_vb, stride_vo,
+              BLOCKS_PER_TILE: tl.constexpr, RAGGED: tl.constexpr, BLOCK_N: tl.constexpr):
     """The rows of the pool holding key positions ``start + offs_n0`` of one sequence.
 
     ``Table`` points at the sequence's block-table row. Returns ``(k_rows, v_rows, row_ok)``:
@@ -266,7 +272,7 @@ def _paged_decode_kernel(
     """Program ``(b, kv_h)``: the ``group_size`` query heads of sequence ``b`` that read KV
     head ``kv_h``, over the first ``seq_lens[b]`` token positions of its block table.
 
-    Chapter 2's kernel, line for line, except for the addresses of a tile (`_tile_rows`) and
+    Chapter 2's kernel, line for line, except for the addresses of a tile (`tile_rows`) and
     the base-2 exponentials of Chapter 4 (``qk_scale`` includes ``log2 e``)."""
     b, kv_h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
 
@@ -275,7 +281,7 @@ def _paged_decode_kernel(
     # The group's query heads are consecutive (Llama's layout). Padding rows (tl.dot needs
     # >= 16) load zeros and are never stored; their addresses are clamped to a real head.
     heads = kv_h * group_size + tl.minimum(offs_g, group_size - 1)
-    offs_d, d_ok = _head_dim_offsets(HEAD_DIM, BLOCK_D)
+    offs_d, d_ok = head_dim_offsets(HEAD_DIM, BLOCK_D)
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=in_g[:, None] & d_ok, other=0.0)
 
@@ -294,29 +300,25 @@ def _paged_decode_kernel(
     acc = tl.zeros((GROUP_PAD, BLOCK_D), dtype=tl.float32)
 
     for start in range(0, seq_len, BLOCK_N):
-        k_rows, v_rows, row_ok = _tile_rows(table, stride_tn, start, offs_n0, seq_len, block_size, num_blocks,
-                                            stride_kb, stride_ko, stride_vb, stride_vo, BLOCKS_PER_TILE, True, BLOCK_N)
+        k_rows, v_rows, row_ok = tile_rows(table, stride_tn, start, offs_n0, seq_len, block_size, num_blocks,
+                                           stride_kb, stride_ko, stride_vb, stride_vo, BLOCKS_PER_TILE, True, BLOCK_N)
         k = tl.load(k_head + k_rows[:, None], mask=row_ok[:, None] & d_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GROUP_PAD, BLOCK_N], fp32
         # Past the length: -inf. (A position in an invalid block loaded a zero key: score 0.)
         s = tl.where((start + offs_n0 < seq_len)[None, :], s * qk_scale, float("-inf"))
 
-        # Every tile holds a position < seq_len with a finite score, so m_new is finite and
-        # 2^(m - m_new) is 2^(-inf) = 0 on the first tile: no inf - inf.
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        # The online-softmax update (Chapter 3, base 2): new max, p = 2^(s - m_new), alpha =
+        # 2^(m - m_new) (0 on the first tile), l = l·alpha + Σ p.
+        p, alpha, l, m = online_softmax_update(m, l, s, qk_scale, True)
 
         v = tl.load(v_head + v_rows[:, None], mask=row_ok[:, None] & d_ok, other=0.0)
         # P is rounded to the cache dtype for the tensor-core dot (fp32 accumulation), as in
         # FlashAttention; fp32 inputs keep exact IEEE products.
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m = m_new
 
     # seq_len = 0: the loop never ran, l = 0 and m = -inf -> output 0 and lse = -inf.
     out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-    lse = (m + tl.math.log2(l)) * _LN2  # back to natural log
+    lse = (m + tl.math.log2(l)) * LN2_C  # back to natural log
     tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
              out.to(O.dtype.element_ty), mask=in_g[:, None] & d_ok)
     tl.store(LSE + b * stride_lb + heads * stride_lh, lse, mask=in_g)
@@ -345,7 +347,7 @@ def decode_block_n(head_dim: int, dtype: torch.dtype) -> int:
     return min(128, max(16, 32768 // (block_d(head_dim) * dtype.itemsize)))
 
 
-def _check_paged(q, k_cache, v_cache, block_tables, seq_lens, batch: int) -> tuple[int, int, int, int, int]:
+def check_paged(q, k_cache, v_cache, block_tables, seq_lens, batch: int) -> tuple[int, int, int, int, int]:
     """Validate the cache, tables and lengths; returns (num_blocks, block_size, kv_heads, head_dim, q_heads)."""
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be "
@@ -376,7 +378,7 @@ def _check_paged(q, k_cache, v_cache, block_tables, seq_lens, batch: int) -> tup
     return num_blocks, block_size, kv_heads, head_dim, q_heads
 
 
-def _decode_outputs(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None):
+def decode_outputs(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None):
     """``(out, lse)`` of a decode launcher for ``q: [batch, q_heads, head_dim]``: the given
     tensors, or new ones (``out`` like q, ``lse: [batch, q_heads]`` float32)."""
     if out is None:
@@ -386,8 +388,8 @@ def _decode_outputs(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor
     return out, lse
 
 
-def _blocks_per_tile(block_size: int, block_n: int, forced: bool | None) -> int:
-    """The tile path (`_tile_rows`): 1 if a tile of ``block_n`` positions always lies in one
+def blocks_per_tile(block_size: int, block_n: int, forced: bool | None) -> int:
+    """The tile path (`tile_rows`): 1 if a tile of ``block_n`` positions always lies in one
     block, ``n`` if it is exactly ``n >= 2`` whole blocks, 0 (general) otherwise. ``forced``
     (tests, measurements): True = the one-block path (only where it is correct), False = the
     general path, None = the best that applies."""
@@ -435,10 +437,10 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=N
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, q_heads, head_dim], got {tuple(q.shape)}")
     batch = q.shape[0]
-    num_blocks, block_size, kv_heads, head_dim, q_heads = _check_paged(q, k_cache, v_cache, block_tables,
-                                                                        seq_lens, batch)
-    scale, _ = _scale_and_window(head_dim, scale, None)
-    out, lse = _decode_outputs(q, out, lse)
+    num_blocks, block_size, kv_heads, head_dim, q_heads = check_paged(q, k_cache, v_cache, block_tables,
+                                                                       seq_lens, batch)
+    scale, _ = scale_and_window(head_dim, scale, None)
+    out, lse = decode_outputs(q, out, lse)
     if batch * q_heads == 0:
         return out, lse
 
@@ -450,7 +452,7 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=N
         *out.stride(), *lse.stride(),
         group, block_size, num_blocks, block_tables.shape[1], scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=BLOCK_N, BLOCKS_PER_TILE=_blocks_per_tile(block_size, BLOCK_N, tile_in_block),
+        BLOCK_N=BLOCK_N, BLOCKS_PER_TILE=blocks_per_tile(block_size, BLOCK_N, tile_in_block),
         DOT_PRECISION=dot_precision(q.dtype), num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
     )
     return out, lse
@@ -478,57 +480,34 @@ def contiguous_as_paged(cache: torch.Tensor, heads_first: bool = False) -> tuple
     return pool, tables
 
 
-def paged_decode_attention_bytes(seq_lens, q_heads: int, kv_heads: int, head_dim: int, elem_bytes: int,
-                                 block_size: int | None = None) -> int:
-    """HBM bytes one `paged_decode_attention` call must move at least: K and V over each
-    sequence's length (read once, shared by the group's query heads), q read, out written
-    (``elem_bytes`` each), the fp32 lse written and, given ``block_size``, the int32 table
-    entries that cover each length (read once). ``seq_lens``: an iterable of lengths."""
-    lens = [int(n) for n in seq_lens]
-    kv = 2 * kv_heads * sum(lens) * head_dim * elem_bytes
-    q_and_out = 2 * len(lens) * q_heads * head_dim * elem_bytes
-    table = 0 if block_size is None else 4 * sum(-(-n // block_size) for n in lens)
-    return kv + q_and_out + len(lens) * q_heads * 4 + table
-
-
 # ----------------------------------------------------------------------------------------
 # Prefill over a cached prefix: FlashAttention-2 with paged K/V tiles
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _paged_fwd_tiles(acc, l_i, m_i, q, k_head, v_head, table, stride_tn,
-                     stride_kb, stride_ko, stride_vb, stride_vo,
-                     offs_m, offs_n0, d_ok, lo, hi, q_len, kv_len, block_size, num_blocks, qk_scale,
-                     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+def paged_fwd_tiles(acc, l_i, m_i, q, k_head, v_head, table, stride_tn,
+                    stride_kb, stride_ko, stride_vb, stride_vo,
+                    offs_m, offs_n0, d_ok, lo, hi, q_len, kv_len, block_size, num_blocks, qk_scale,
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     """Stream key tiles ``[lo, hi)`` of one sequence past one Q block: Chapter 4's `_fwd_tiles`
-    with each tile's rows found through the block table (`_tile_rows`).
+    with each tile's rows found through the block table (`tile_rows`).
 
     ``MASKED``: the tiles may hold invisible (query, key) pairs (the causal diagonal, the
-    ragged end of the sequence): scores are masked with `_visible` and positions past the
+    ragged end of the sequence): scores are masked with `visible_mask` and positions past the
     length are not loaded. Without it every pair is visible and no mask is computed."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        k_rows, v_rows, row_ok = _tile_rows(table, stride_tn, start_n, offs_n0, kv_len, block_size, num_blocks,
-                                            stride_kb, stride_ko, stride_vb, stride_vo, BLOCKS_PER_TILE, MASKED, BLOCK_N)
+        k_rows, v_rows, row_ok = tile_rows(table, stride_tn, start_n, offs_n0, kv_len, block_size, num_blocks,
+                                           stride_kb, stride_ko, stride_vb, stride_vo, BLOCKS_PER_TILE, MASKED, BLOCK_N)
         kv_ok = row_ok[:, None] & d_ok
         k = tl.load(k_head + k_rows[:, None], mask=kv_ok, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] raw scores, fp32
-        if MASKED:
-            visible = _visible(offs_m[:, None], offs_n[None, :], q_len, kv_len, 0, CAUSAL, False)
+        if MASKED:  # scale, then -inf where invisible; unmasked, the scale is folded into exp2
+            visible = visible_mask(offs_m[:, None], offs_n[None, :], q_len, kv_len, 0, CAUSAL, False)
             s = tl.where(visible, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row with no visible key yet keeps m = -inf; subtract 0 instead (no NaN).
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_sub[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            m_sub = m_new
-            p = tl.math.exp2(s * qk_scale - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_i = online_softmax_update(m_i, l_i, s, qk_scale, MASKED)  # Chapter 3, base 2
         v = tl.load(v_head + v_rows[:, None], mask=kv_ok, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # FA2: unscaled
-        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -550,7 +529,7 @@ def _paged_prefill_kernel(
 
     The queries are the last ``q_len`` positions of the sequence (bottom-right alignment:
     query ``i`` at ``kv_len - q_len + i``), so with a cached prefix of ``P`` tokens the
-    causal diagonal sits ``P`` keys to the right: `_kv_segments` finds the unmasked bulk (the
+    causal diagonal sits ``P`` keys to the right: `kv_segments` finds the unmasked bulk (the
     prefix and the earlier chunks) and the masked diagonal tiles, exactly as for Chapter 4's
     varlen kernel when ``kv_len > q_len``."""
     pid_m = tl.program_id(0)
@@ -572,7 +551,7 @@ def _paged_prefill_kernel(
     h64 = h.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d, d_ok = _head_dim_offsets(HEAD_DIM, BLOCK_D)
+    offs_d, d_ok = head_dim_offsets(HEAD_DIM, BLOCK_D)
     in_m = offs_m < q_len
     rows = (q_start + offs_m).to(tl.int64)[:, None]  # int64: token x row stride passes 2^31 in a big batch
     q = tl.load(Q + rows * stride_qm + h64 * stride_qh + offs_d[None, :] * stride_qd,
@@ -587,22 +566,22 @@ def _paged_prefill_kernel(
 
     # Masked, unmasked, masked: [lo, full_lo) and [full_hi, hi) need the mask, the bulk
     # between does not, and the tiles past the diagonal are never visited (Chapter 4).
-    lo, full_lo, full_hi, hi = _kv_segments(start_m, q_len, kv_len, 0, BLOCK_M, BLOCK_N, CAUSAL, False)
-    acc, l_i, m_i = _paged_fwd_tiles(acc, l_i, m_i, q, k_head, v_head, table, stride_tn,
-                                     stride_kb, stride_ko, stride_vb, stride_vo, offs_m, offs_n0, d_ok,
-                                     lo, full_lo, q_len, kv_len, block_size, num_blocks, qk_scale,
-                                     True, CAUSAL, BLOCKS_PER_TILE, DOT_PRECISION, BLOCK_N)
-    acc, l_i, m_i = _paged_fwd_tiles(acc, l_i, m_i, q, k_head, v_head, table, stride_tn,
-                                     stride_kb, stride_ko, stride_vb, stride_vo, offs_m, offs_n0, d_ok,
-                                     full_lo, full_hi, q_len, kv_len, block_size, num_blocks, qk_scale,
-                                     False, CAUSAL, BLOCKS_PER_TILE, DOT_PRECISION, BLOCK_N)
-    acc, l_i, m_i = _paged_fwd_tiles(acc, l_i, m_i, q, k_head, v_head, table, stride_tn,
-                                     stride_kb, stride_ko, stride_vb, stride_vo, offs_m, offs_n0, d_ok,
-                                     full_hi, hi, q_len, kv_len, block_size, num_blocks, qk_scale,
-                                     True, CAUSAL, BLOCKS_PER_TILE, DOT_PRECISION, BLOCK_N)
+    lo, full_lo, full_hi, hi = kv_segments(start_m, q_len, kv_len, 0, BLOCK_M, BLOCK_N, CAUSAL, False)
+    acc, l_i, m_i = paged_fwd_tiles(acc, l_i, m_i, q, k_head, v_head, table, stride_tn,
+                                    stride_kb, stride_ko, stride_vb, stride_vo, offs_m, offs_n0, d_ok,
+                                    lo, full_lo, q_len, kv_len, block_size, num_blocks, qk_scale,
+                                    True, CAUSAL, BLOCKS_PER_TILE, DOT_PRECISION, BLOCK_N)
+    acc, l_i, m_i = paged_fwd_tiles(acc, l_i, m_i, q, k_head, v_head, table, stride_tn,
+                                    stride_kb, stride_ko, stride_vb, stride_vo, offs_m, offs_n0, d_ok,
+                                    full_lo, full_hi, q_len, kv_len, block_size, num_blocks, qk_scale,
+                                    False, CAUSAL, BLOCKS_PER_TILE, DOT_PRECISION, BLOCK_N)
+    acc, l_i, m_i = paged_fwd_tiles(acc, l_i, m_i, q, k_head, v_head, table, stride_tn,
+                                    stride_kb, stride_ko, stride_vb, stride_vo, offs_m, offs_n0, d_ok,
+                                    full_hi, hi, q_len, kv_len, block_size, num_blocks, qk_scale,
+                                    True, CAUSAL, BLOCKS_PER_TILE, DOT_PRECISION, BLOCK_N)
 
     out = acc * (1.0 / tl.where(l_i == 0.0, 1.0, l_i))[:, None]  # a row that sees nothing: 0
-    lse = (m_i + tl.math.log2(l_i)) * _LN2                          # ... and -inf
+    lse = (m_i + tl.math.log2(l_i)) * LN2_C                          # ... and -inf
     tl.store(O + rows * stride_om + h64 * stride_oh + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
              mask=in_m[:, None] & d_ok)
     tl.store(LSE + h64 * stride_lh + (q_start + offs_m).to(tl.int64) * stride_lm, lse, mask=in_m)
@@ -682,11 +661,11 @@ def _paged_prefill(q, cu_seqlens_q, k_cache, v_cache, block_tables, seq_lens, ma
         raise ValueError(f"cu_seqlens_q must be a 1-d int32 tensor [batch + 1], got {tuple(cu_seqlens_q.shape)} "
                          f"{cu_seqlens_q.dtype}")
     batch = cu_seqlens_q.shape[0] - 1
-    num_blocks, block_size, kv_heads, head_dim, q_heads = _check_paged(q, k_cache, v_cache, block_tables,
-                                                                        seq_lens, batch)
+    num_blocks, block_size, kv_heads, head_dim, q_heads = check_paged(q, k_cache, v_cache, block_tables,
+                                                                       seq_lens, batch)
     if cu_seqlens_q.device != q.device:
         raise ValueError("cu_seqlens_q must be on q's device")
-    scale, _ = _scale_and_window(head_dim, scale, None)
+    scale, _ = scale_and_window(head_dim, scale, None)
     total_q = q.shape[0]
     if out is None:
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
@@ -704,7 +683,7 @@ def _paged_prefill(q, cu_seqlens_q, k_cache, v_cache, block_tables, seq_lens, ma
         *out.stride(), *lse.stride(),
         q_heads, q_heads // kv_heads, block_size, num_blocks, block_tables.shape[1], scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), CAUSAL=bool(causal),
-        BLOCKS_PER_TILE=_blocks_per_tile(block_size, bn, tile_in_block), DOT_PRECISION=dot_precision(q.dtype),
+        BLOCKS_PER_TILE=blocks_per_tile(block_size, bn, tile_in_block), DOT_PRECISION=dot_precision(q.dtype),
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
     )
     return out, lse

@@ -1,156 +1,32 @@
 """Chapter 7: flash-decoding over the paged KV cache, with FlashDecoding++'s asynchronized softmax.
 
-**Why split.** Chapter 5's `paged_decode_attention` runs one program per (sequence, KV head):
-the query heads of a GQA group are the rows of one ``tl.dot``, and the program streams the
-sequence's whole cache past them. At batch 1 with 8 KV heads that is 8 programs on a GPU of
-132 SMs; each SM can pull only so many bytes per second through its own load units, so 124
-SMs sit idle while 8 stream 128k tokens each, and the kernel reaches a small fraction of HBM
-bandwidth (6–21 % on an H200). Decode is memory bound: its speed is the number of bytes in
-flight, and that needs programs on every SM. Flash-decoding (Dao, Haziza, Massa and Sizov,
-"Flash-Decoding for long-context inference", PyTorch blog, October 2023; the split-KV path of
-FlashAttention-2, arXiv 2307.08691; vLLM's PagedAttention V2) cuts each sequence's keys into
-``S`` **splits** and gives every split its own program:
+The explanation, with the measurements behind each choice, is the notebook
+``chapters/07_flash_decoding.ipynb``; this module is the code, main path first.
 
-1. *Stage 1* (`_split_kernel`): grid ``(batch, kv_heads, S)``. Program ``(b, j, s)`` runs
-   Chapter 5's loop over the tiles of split ``s`` only, and writes a **partial result** for
-   each query head ``h`` of the group: the output normalised over the split's keys,
-   ``o_s = Σ_{i∈s} e^{x_i} v_i / Σ_{i∈s} e^{x_i}``, and the split's log-sum-exp
-   ``lse_s = log Σ_{i∈s} e^{x_i}`` (``x_i`` the scaled score of key ``i``).
-2. *Stage 2* (`_merge_splits_kernel`): grid ``(batch, q_heads)``. The softmax over all keys
-   weights split ``s`` by its share of the total sum, ``e^{lse_s} / Σ_t e^{lse_t}``, so
+Chapter 5's `paged_decode_attention` runs one program per (sequence, KV head): at batch 1 with
+8 KV heads that is 8 programs on a GPU of 132 SMs, far too few to pull HBM bandwidth.
+Flash-decoding (Dao et al., 2023; vLLM's PagedAttention V2) cuts each sequence's keys into
+``S`` **splits**, one program each:
 
-       M = max_s lse_s,   w_s = e^{lse_s − M},   out = Σ_s w_s o_s / Σ_s w_s,
-       lse = M + log Σ_s w_s.
+1. *Stage 1* (`_split_kernel`, grid ``(batch, kv_heads, S)``): Chapter 5's loop over the tiles
+   of one split, writing a partial result per query head: the output normalised over the
+   split's keys ``o_s`` and the split's log-sum-exp ``lse_s``.
+2. *Stage 2* (`_merge_splits_kernel`, grid ``(batch, q_heads)``): with ``M = max_s lse_s`` and
+   ``w_s = e^{lse_s − M}``, ``out = Σ_s w_s o_s / Σ_s w_s`` and ``lse = M + log Σ_s w_s``
+   (Chapter 3's `merge_partials` over ``S`` pieces; an empty split weighs 0).
 
-   This is Chapter 3's `merge_partials` applied to ``S`` pieces at once; subtracting ``M``
-   keeps every weight in ``(0, 1]``. An empty split has ``lse_s = −∞`` and weight 0; if every
-   split of a row is empty (length 0) the row gets ``out = 0`` and ``lse = −∞``.
+With ``S = 1`` stage 1 writes the final result and stage 2 is skipped. How many splits:
+`num_splits_heuristic` (one full wave of programs; the default), `fa2_num_splits`
+(FlashAttention-2's rule) or `partition_splits` (vLLM's 512-token partitions).
 
-The price is the workspace: ``S`` fp32 partial outputs and logsumexps per query head, written
-by stage 1 and read back by stage 2 (`split_workspace_bytes`), and a second launch (which the
-default path avoids: "One launch" below). With
-``S = 1`` there is nothing to merge: stage 1 writes the final output and lse directly and
-stage 2 is not launched, so large batches, which fill the GPU without splitting, pay nothing.
+Two variants follow the main path: **one launch** (``FUSED_MERGE``, the default: the last of
+a group's ``S`` programs merges, `_merge_if_last`) and FlashDecoding++'s **asynchronized
+softmax** (``phi=``: one unified max for every tile, with an exact in-kernel fallback,
+`_async_split`).
 
-**One launch: the last program merges.** Stage 2 as a second kernel costs a launch (~35 µs
-of host time per call on the H200 with Triton's launcher), and at batch 1 the GPU work of a
-whole call is 10-60 µs, so small decode steps are launch-bound. The standard fix (the
-"semaphore" or "last block" pattern of split-K GEMMs and CUB's single-pass reductions) folds
-stage 2 into stage 1 (``FUSED_MERGE``, the default): each (sequence ``b``, KV head ``j``)
-has an int32 **arrival counter** in a small zero-initialised buffer (`split_counters`,
-cached with the workspace). Program ``(b, j, s)`` writes its partials, then adds 1 to the
-counter; the program that reads back ``S − 1`` is the last of the ``S`` to finish, so every
-partial of the group is written: it merges them (the same code as stage 2, `_merge_rows`, all
-of the group's query heads at once), writes the final ``out``/``lse``, and sets the counter
-back to 0, so the buffer needs no clearing between calls and works inside a CUDA graph
-(each replay finds it zero). A split past its sequence's end still writes its empty partial
-(``lse = −∞``) and counts itself in: the count is always ``S``. With ``S = 1`` nothing
-changes (no workspace, no counter, direct write).
-
-*Why it is correct* (the memory-ordering argument). Three things must hold for the last
-program to read every partial. (i) A program's partial stores are made by all of its
-threads, but the atomic by one: a CTA barrier (`tl.debug_barrier`) before the atomic orders
-every thread's stores before it. (ii) The atomic is ``acq_rel`` at GPU scope: its release
-half (cumulative: it covers the stores the barrier ordered before it) makes the partials
-visible GPU-wide before the incremented count is; its acquire half, in the program that reads
-``S − 1``, orders that program's later loads after every earlier increment, hence after every
-other program's partial stores (the increments form one modification order, each a release).
-(iii) The SMs' L1 caches are not coherent: a line of the workspace cached in the last
-program's L1 from earlier could be stale, so its loads of the partials use ``.cg`` (cache in
-L2 only, the GPU's point of coherence). Nothing is assumed about scheduling: programs of a
-group may run in any order or on any SM, and no program waits for another (no spin-wait, so
-no deadlock when the grid exceeds one wave). Under Triton's interpreter the programs run one
-after another, so the last in grid order merges, and the tests exercise the fused path on the
-CPU too. The two-launch path (`_reduce_splits`) stays, behind ``fused_merge=False``, for the
-benchmark's ``reduce_share`` row and the ``two_launch`` comparison. Measured on the H200 (CUDA
-graphs, bf16): equal or 1-4 % faster at every point (batch 1 x 8 KV heads: 9.8 against 10.3
-µs at 4k tokens, 42.2 against 43.7 µs at 32k), and 17-50 µs less host time per eager call.
-A first version that merged the group's query heads one after another in a loop ran 30-45 %
-*slower* at batch 1 x 8 KV heads: the last program's dependent L2 round trips, times the
-group size, sat on the critical path; merging the group as one ``[group, BLOCK_S, head_dim]``
-tile fixed it.
-
-**Where the splits fall.** A sequence of ``n`` keys has ``T = ⌈n / BLOCK_N⌉`` tiles; each of
-its ``S`` splits gets ``⌈T / S⌉`` consecutive tiles, so split boundaries are multiples of
-``BLOCK_N`` and Chapter 5's fast tile paths (one table entry per tile, or ``n`` whole blocks
-per tile) still apply, and only a sequence's last tile needs the length mask. The split size
-is computed **per sequence**, in the kernel, from its own length (as FlashAttention-2's
-split-KV kernel does): every sequence, short or long, is shared by all ``S`` programs, and
-``max_seq_len``, the host's bound on the lengths, only chooses ``S`` (without a device sync);
-a loose bound never leaves programs idle. A split that starts past its sequence's end (more
-splits than tiles) reads nothing and writes an empty partial (``o = 0``, ``lse = −∞``).
-
-**How many splits.** Three rules, all plain Python, compared by the Chapter 7 benchmark:
-
-- `num_splits_heuristic` (ours, the default): as many splits as fit in **one wave** of
-  resident programs (`SPLIT_PROGRAMS_PER_SM` per SM, set by stage 1's register use), so
-  every SM streams its share and no short second wave trails behind (measured on the H200:
-  256 programs beat 320 by 25-30 %), at least `MIN_TILES_PER_SPLIT` tiles per split, at most
-  `MAX_SPLITS`.
-- `fa2_num_splits`: FlashAttention-2's `num_splits_heuristic` (flash_api.cpp), which
-  maximises *wave efficiency*, the fraction of the last wave of programs that is occupied.
-- `partition_splits`: vLLM V2's fixed partitions of 512 tokens (split count grows with the
-  length, whatever the batch).
-
-**Asynchronized softmax** (FlashDecoding++, Hong et al., arXiv 2311.01282). The online
-softmax keeps a running max ``m`` so that ``e^{x − m}`` never overflows, and pays for it per
-tile: a row max (a reduction across the lanes of a warp), and a rescale of the accumulator by
-``e^{m_old − m_new}`` that sits on the critical path between the two dots. Between splits it
-forces the merge above. FlashDecoding++ observes that for a given model the scores of a layer
-fall in a narrow range, and uses one **unified max** ``φ`` (``phi``, natural-log units of the
-scaled score ``q·k·scale``) for every tile of every split: ``p = e^{x − φ}``, no max, no
-rescale, and partial results that need no rescaling against each other (each split's "m" is
-``φ``, so FlashDecoding++ merges them by plain sums). This kernel writes the same partials
-(``o_s``, ``lse_s = φ + log Σ p``) in both modes, so one stage 2 serves both; with a unified
-max its weights ``e^{lse_s − M}`` are just the splits' sums relative to the largest. The
-kernel keeps the running sum of ``p`` and the running max of the scores (for the window
-check only, off the critical path) as one row reduction per tile; a variant keeps them as
-``[group, BLOCK_N]`` lane tiles reduced once after the loop (``ASYNC_LANES``), which the
-H200 measured no faster (see `SPLIT_WARPS`).
-
-It is only safe if ``e^{x − φ}`` neither overflows nor underflows where it matters, which
-depends on the dtype ``p`` is rounded to for the tensor-core dot with ``V`` (`async_window`):
-
-- fp16 (max 65504 ≈ 2^16; normal numbers down to 2^-14; 11 significant bits): the largest
-  ``p`` of each row must stay below 2^15 (``p`` itself, and a partial sum of a few of them,
-  must be representable) and above 2^-6: terms more than 8 binades below it become fp16
-  subnormals, and a simulation of fp16-rounded ``P`` (NumPy, 512–32768 keys, score spreads
-  0.3–3) gave the same output error as exact mode down to a largest ``p`` of 2^-6, up to
-  1.9x it at 2^-8 and up to 5.7x at 2^-10. Window: ``[−6, 15]`` in log2 units of
-  ``max(x) − φ``.
-- bf16 and fp32 share fp32's exponent range (2^-126 … 2^128): the window only has to keep
-  ``Σ p`` and ``Σ p·v`` finite over up to 2^17 keys with ``|v|`` up to 2^20 (2^60 · 2^17 ·
-  2^20 = 2^97) and the largest ``p`` far above the subnormals (at 2^-60, every term within
-  fp32's 24 bits of it, down to 2^-84, is still a normal number > 2^-126). Window:
-  ``[−60, 60]``.
-
-Detection is cheap (the elementwise max tile is reduced once per program). If any row of a
-program's group ends up outside the window, the program **falls back**: it recomputes its
-split with the exact online-softmax loop (Chapter 5's tiles, inside the same kernel: no host
-sync, no second launch) and stores its true max instead; stage 2 is unchanged, since its merge
-works with any mix of per-split maxima. The fallback costs a second pass over that split's
-K/V; `_flash_decode` can count how often it fires (``fallbacks``).
-
-What it buys here: FlashDecoding++ puts the synchronized update of partial softmax results
-at about 20 % of attention time in the designs it compares against. In this kernel, decode
-attention is bound by HBM bandwidth, and the work the unified max removes (a row max per tile,
-a ``[group, head_dim]`` rescale, the rescaling in the merge) runs while the next tile's loads
-are in flight, so the gain is expected to be small or zero. The Chapter 7 benchmark measures
-it (the async/exact time ratio at every point) rather than assuming it. Measured on the H200:
-0.99-1.00x at the large points (within noise), up to 1.1x at batch 1. One trap: with 8 warps
-the fallback loop compiled into the kernel raised its registers from 92 to 167 a thread,
-halving the programs per SM and making async 13-25 % *slower*; without the fallback code it
-was 0-4 % faster. With 4 warps (`SPLIT_WARPS`) both kernels need ~210 registers and the
-fallback costs nothing while it does not fire, so it stays in the kernel.
-
-Layouts and contract: exactly those of `paged_decode_attention` (`minillm.paged`'s pool
-``[num_blocks, block_size, kv_heads, head_dim]``, int32 block tables padded with -1, any block
-size, GQA/MQA/MHA, invalid block ids read as zeros, lengths clamped to the table, any strides,
-fp16/bf16/fp32). Workspace (`split_workspace`): partial outputs ``[batch, q_heads, S,
-head_dim]`` and partial lse ``[batch, q_heads, S]``, fp32, split axis next to last so that one
-(sequence, head)'s ``S`` partials, which one stage-2 program reads, are one contiguous
-``S·head_dim·4``-byte run (FlashAttention-2 puts the split axis first instead; its combine
-kernel reads the same bytes with a stride).
+Layouts and contract: those of `paged_decode_attention`. Workspace (`split_workspace`): fp32
+partials ``[batch, q_heads, S, head_dim]`` and ``[batch, q_heads, S]`` (split axis next to
+last: one (sequence, head)'s partials are one contiguous run).
 """
 from __future__ import annotations
 
@@ -162,23 +38,405 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.ch04_flash_attention import (
-    _LN2, LOG2E, _head_dim_offsets, _scale_and_window, block_d, dot_precision,
+from minillm.kernels.base import (
+    CPU_NUM_SMS, LN2_C, LOG2E, LOG2E_C, block_d, dot_precision, head_dim_offsets, launch, num_sms,
+    scale_and_window,
 )
-from minillm.kernels.base import launch
-from minillm.kernels.ch05_paged_attention import (
-    _blocks_per_tile, _check_paged, _decode_outputs, _paged_fwd_tiles, _tile_rows, decode_block_n,
-    paged_decode_attention_bytes,
+from minillm.kernels.ch05_paged_attention import (  # Chapter 5's paged tiles, reused as they are
+    blocks_per_tile, check_paged, decode_block_n, decode_outputs, paged_fwd_tiles, tile_rows,
 )
 
-__all__ = ["flash_decode_attention", "flash_decode_attention_bytes", "split_workspace", "split_workspace_bytes",
+__all__ = ["flash_decode_attention", "split_workspace",
            "split_counters", "FUSED_MERGE",
            "num_splits_heuristic", "fa2_num_splits", "partition_splits", "num_sms", "async_window",
            "SPLIT_PROGRAMS_PER_SM", "MIN_TILES_PER_SPLIT", "MAX_SPLITS", "CPU_NUM_SMS", "VLLM_PARTITION",
            "ASYNC_WINDOW_FP16", "ASYNC_WINDOW_WIDE"]
 
 
-_LOG2E = tl.constexpr(LOG2E)
+# ----------------------------------------------------------------------------------------
+# Stage 1: one program per (sequence, KV head, split)
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
+    """Key positions ``[lo, hi)`` of split ``split`` of a sequence of ``seq_len`` keys, and
+    ``full_hi``, the end of its whole tiles.
+
+    Each split gets ``⌈tiles / S⌉`` whole tiles of the sequence's *own* length (so short and
+    long sequences alike are shared by all ``S`` programs): every boundary is a multiple of
+    ``BLOCK_N``, Chapter 5's fast tile paths still apply, and only the sequence's last tile
+    is ragged. A split past the end gets ``hi = lo``: no tile, an empty partial."""
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.maximum(tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len), lo)
+    full_hi = hi // BLOCK_N * BLOCK_N  # end of the whole tiles (>= lo: lo is a multiple of BLOCK_N)
+    return lo, full_hi, hi
+
+
+@triton.jit
+def _exact_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb, stride_vo,
+                 offs_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len, block_size, num_blocks, qk_scale,
+                 BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_PAD: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online softmax over key positions ``[lo, hi)``: ``(acc, l, m)`` (base 2, ``acc``
+    unscaled), as Chapter 5's kernels compute it.
+
+    The tiles are Chapter 5's prefill tiles (`paged_fwd_tiles`), with the group's query
+    heads as the rows (``q_len = group_size``: padding rows are masked where masks are
+    computed) and no causal mask: ``[lo, full_hi)`` are whole tiles inside the sequence and
+    need no mask at all; ``[full_hi, hi)`` is the sequence's ragged last tile, if it falls in
+    this split."""
+    m = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((GROUP_PAD,), dtype=tl.float32)
+    acc = tl.zeros((GROUP_PAD, BLOCK_D), dtype=tl.float32)
+    acc, l, m = paged_fwd_tiles(acc, l, m, q, k_head, v_head, table, stride_tn, stride_kb, stride_ko,
+                                stride_vb, stride_vo, offs_g, offs_n0, d_ok, lo, full_hi, group_size, seq_len,
+                                block_size, num_blocks, qk_scale, False, False, BLOCKS_PER_TILE, DOT_PRECISION,
+                                BLOCK_N)
+    acc, l, m = paged_fwd_tiles(acc, l, m, q, k_head, v_head, table, stride_tn, stride_kb, stride_ko,
+                                stride_vb, stride_vo, offs_g, offs_n0, d_ok, full_hi, hi, group_size, seq_len,
+                                block_size, num_blocks, qk_scale, True, False, BLOCKS_PER_TILE, DOT_PRECISION,
+                                BLOCK_N)
+    return acc, l, m
+
+
+@triton.jit
+def _split_kernel(
+    Q, K, V, BlockTables, SeqLens, O, LSE, Fallbacks, Out, OutLse, Counters,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_ko, stride_kh, stride_kd,
+    stride_vb, stride_vo, stride_vh, stride_vd,
+    stride_tb, stride_tn, stride_sl,
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lh, stride_ls,
+    stride_fb, stride_fh, stride_fs,
+    stride_outb, stride_outh, stride_outd,
+    stride_olb, stride_olh,
+    stride_cb, stride_ch,
+    group_size, block_size, num_blocks, max_blocks, qk_scale, phi2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    # The two variants (their code follows the main path, below):
+    ASYNC: tl.constexpr, WINDOW_LO: tl.constexpr, WINDOW_HI: tl.constexpr, TRACK_FALLBACKS: tl.constexpr,
+    ASYNC_LANES: tl.constexpr, FALLBACK: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
+):
+    """Program ``(b, kv_h, s)``: split ``s`` of sequence ``b``'s keys, for the ``group_size``
+    query heads that read KV head ``kv_h``.
+
+    Writes each head's partial result to ``O[b, h, s, :]`` (normalised over the split) and
+    ``LSE[b, h, s]`` (natural log); with one split these are the final output and lse (the
+    launcher passes them with a split stride of 0).
+
+    Variants: ``ASYNC`` replaces the online softmax by FlashDecoding++'s unified max ``phi2``
+    (`_async_split`: ``WINDOW_*``, ``ASYNC_LANES``, ``FALLBACK``, ``TRACK_FALLBACKS`` are its
+    knobs, ``Fallbacks`` its optional output); ``FUSED_MERGE`` makes the last program of
+    ``(b, kv_h)`` merge the partials into ``Out``/``OutLse`` (`_merge_if_last`, with the
+    arrival counter at ``Counters[b, kv_h]``)."""
+    b, kv_h, split = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    # The group's query heads are the rows of every dot (Chapter 5's decode kernel).
+    offs_g = tl.arange(0, GROUP_PAD)
+    in_g = offs_g < group_size
+    heads = kv_h * group_size + tl.minimum(offs_g, group_size - 1)  # padding rows: clamped, never stored
+    offs_d, d_ok = head_dim_offsets(HEAD_DIM, BLOCK_D)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=in_g[:, None] & d_ok, other=0.0)
+
+    # This split's keys, whole tiles of the sequence's own (clamped) length.
+    seq_len = tl.minimum(tl.maximum(tl.load(SeqLens + b * stride_sl), 0), max_blocks * block_size)
+    lo, full_hi, hi = _split_bounds(seq_len, split, num_splits, BLOCK_N)
+    table = BlockTables + b * stride_tb
+    k_head = K + kv_h * stride_kh + offs_d[None, :] * stride_kd
+    v_head = V + kv_h * stride_vh + offs_d[None, :] * stride_vd
+    offs_n0 = tl.arange(0, BLOCK_N)
+
+    if ASYNC:  # variant: FlashDecoding++'s asynchronized softmax (below)
+        acc, l, m = _async_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb, stride_vo,
+                                 offs_g, in_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len, block_size,
+                                 num_blocks, qk_scale, phi2,
+                                 Fallbacks + b * stride_fb + kv_h * stride_fh + split * stride_fs,
+                                 BLOCKS_PER_TILE, DOT_PRECISION, GROUP_PAD, BLOCK_D, BLOCK_N,
+                                 WINDOW_LO, WINDOW_HI, TRACK_FALLBACKS, ASYNC_LANES, FALLBACK)
+    else:
+        acc, l, m = _exact_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb, stride_vo,
+                                 offs_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len, block_size,
+                                 num_blocks, qk_scale, BLOCKS_PER_TILE, DOT_PRECISION, GROUP_PAD, BLOCK_D,
+                                 BLOCK_N)
+
+    # The partial: o_s = acc / l and lse_s = m + log l. An empty split: l = 0 -> o = 0 and
+    # lse = log2(0) = -inf (m is -inf or φ; either way -inf), which stage 2 weighs 0.
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    lse = (m + tl.math.log2(l)) * LN2_C
+    tl.store(O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :] * stride_od,
+             out.to(O.dtype.element_ty), mask=in_g[:, None] & d_ok)
+    tl.store(LSE + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=in_g)
+
+    if FUSED_MERGE:  # variant: one launch, the last of the S programs merges (below)
+        _merge_if_last(O + b * stride_ob, LSE + b * stride_lb, Out + b * stride_outb, OutLse + b * stride_olb,
+                       Counters + b * stride_cb + kv_h * stride_ch, kv_h * group_size, group_size, num_splits,
+                       stride_oh, stride_os, stride_od, stride_lh, stride_ls, stride_outh, stride_outd, stride_olh,
+                       offs_d, d_ok, MERGE_ROWS, MERGE_BLOCK_S)
+
+
+# ----------------------------------------------------------------------------------------
+# Stage 2: merge the splits of one (sequence, query head)
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _merge_rows(o_rows, lse_rows, stride_ph, stride_ps, stride_pd, stride_qh, stride_qs, n_rows, num_splits,
+                offs_d, d_ok, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
+    """Merge the ``num_splits`` partials of ``n_rows <= ROWS`` query heads of one sequence:
+    head ``r``'s split ``s`` is ``o_rows + r·stride_ph + s·stride_ps + d·stride_pd`` and
+    ``lse_rows + r·stride_qh + s·stride_qs`` (fp32, natural log). Returns ``(out, lse)``,
+    ``[ROWS, BLOCK_D]`` and ``[ROWS]`` fp32: ``out = Σ_s w_s o_s / Σ_s w_s`` and ``lse = M +
+    log Σ_s w_s`` with ``w_s = e^{lse_s − M}``, ``M = max_s lse_s``, ``BLOCK_S`` splits of all
+    rows at a time (``[ROWS, BLOCK_S, BLOCK_D]`` tiles: the rows' loads are independent, so
+    merging a GQA group costs one row's latency, not ``group`` of them).
+
+    Two passes over the lse (``S`` floats a row, from cache the second time), one over the
+    outputs. An empty split's output is not even read (its weight is 0; masked load); padding
+    rows get ``out = 0``, ``lse = −∞`` (the caller does not store them). ``CACHE``: the loads'
+    cache modifier: ``""`` in stage 2 (a later launch: every partial is visible), ``".cg"``
+    (cache in L2 only, i.e. bypass L1) when stage 1's last program merges partials other
+    programs wrote during the same launch."""
+    offs_r = tl.arange(0, ROWS)
+    r_ok = (offs_r < n_rows)[:, None]
+    offs_s0 = tl.arange(0, BLOCK_S)
+    lse_base = lse_rows + offs_r[:, None] * stride_qh
+    m_lanes = tl.full((ROWS, BLOCK_S), float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + offs_s0
+        m_lanes = tl.maximum(m_lanes, tl.load(lse_base + offs_s[None, :] * stride_qs,
+                                              mask=r_ok & (offs_s < num_splits)[None, :], other=float("-inf"),
+                                              cache_modifier=CACHE))
+    m = tl.max(m_lanes, axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights e^{-inf} = 0, no NaN
+
+    o_base = o_rows + offs_r[:, None, None] * stride_ph + offs_d[None, None, :] * stride_pd
+    acc = tl.zeros((ROWS, offs_d.shape[0]), dtype=tl.float32)
+    w_lanes = tl.zeros((ROWS, BLOCK_S), dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + offs_s0
+        lse_s = tl.load(lse_base + offs_s[None, :] * stride_qs, mask=r_ok & (offs_s < num_splits)[None, :],
+                        other=float("-inf"), cache_modifier=CACHE)
+        w = tl.math.exp2((lse_s - m[:, None]) * LOG2E_C)  # e^{lse_s - M}, in (0, 1]; 0 when empty
+        o_s = tl.load(o_base + offs_s[None, :, None] * stride_ps,
+                      mask=(lse_s > float("-inf"))[:, :, None] & d_ok[None, :, :], other=0.0,
+                      cache_modifier=CACHE)
+        acc += tl.sum(w[:, :, None] * o_s, axis=1)
+        w_lanes += w
+    w_sum = tl.sum(w_lanes, axis=1)
+    out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
+    return out, m + tl.math.log2(w_sum) * LN2_C
+
+
+@triton.jit
+def _merge_splits_kernel(
+    OP, LP, O, LSE, num_splits,
+    stride_pb, stride_ph, stride_ps, stride_pd,
+    stride_qb, stride_qh, stride_qs,
+    stride_ob, stride_oh, stride_od,
+    stride_lb, stride_lh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Program ``(b, h)``: `_merge_rows` over the partials ``OP[b, h, :, :]`` and ``LP[b, h, :]``
+    into ``O[b, h, :]`` and ``LSE[b, h]`` (the two-launch path; `_split_kernel` with
+    ``FUSED_MERGE`` runs the same merge in its last program instead)."""
+    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    offs_d, d_ok = head_dim_offsets(HEAD_DIM, BLOCK_D)
+    out, lse = _merge_rows(OP + b * stride_pb + h * stride_ph, LP + b * stride_qb + h * stride_qh, 0, stride_ps,
+                           stride_pd, 0, stride_qs, 1, num_splits, offs_d, d_ok, 1, BLOCK_S, "")
+    # (Not `offs_d < HEAD_DIM`: the padding columns' offsets are clamped onto the last real one.)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
+             mask=tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM)
+    tl.store(LSE + b * stride_lb + h * stride_lh + tl.arange(0, 1), lse)
+
+
+# ----------------------------------------------------------------------------------------
+# Variant 1: FlashDecoding++'s asynchronized softmax (``phi=``)
+#
+# The online softmax pays per tile for a row max (a cross-lane reduction) and for rescaling
+# the accumulator by 2^(m_old - m_new), and it makes the splits' partials need rescaling
+# against each other. FlashDecoding++ uses one *unified max* φ for every tile of every split
+# instead: p = 2^(x - φ), no max, no rescale. That is only safe while 2^(x - φ) neither
+# overflows nor underflows in the dtype P is rounded to for the PV dot, so each program
+# checks its rows' largest score against a window around φ and, outside it, recomputes its
+# split exactly (`_exact_split`, in the same kernel: no host sync). The partials are written
+# as in the main path (lse_s = φ + log Σ p), so stage 2 is unchanged.
+# ----------------------------------------------------------------------------------------
+#: ``(lo, hi)``: with ``P`` rounded to fp16 for the PV dot, each row's largest ``2^(x − φ)``
+#: (log2 units) must lie in ``[2^lo, 2^hi]``: below ``2^15`` so that ``p`` and a partial sum
+#: of a few stay under fp16's 65504, above ``2^-6`` because the terms 8+ binades below it
+#: become fp16 subnormals (a NumPy simulation of fp16-rounded P, 512-32768 keys: the same
+#: error as exact mode down to a largest p of 2^-6, 1.9x it at 2^-8, 5.7x at 2^-10).
+ASYNC_WINDOW_FP16 = (-6.0, 15.0)
+#: The same for bf16 and fp32 ``P`` (fp32's exponent range, 2^-126 … 2^128): ``Σ p`` and
+#: ``Σ p·v`` stay finite over 2^17 keys with ``|v|`` up to 2^20 (2^60 · 2^17 · 2^20 = 2^97),
+#: and the terms within fp32's 24 bits of the largest ``p`` stay normal numbers.
+ASYNC_WINDOW_WIDE = (-60.0, 60.0)
+
+
+def async_window(dtype: torch.dtype) -> tuple[float, float]:
+    """The safe window of ``max(x) − φ`` in log2 units (binades) for a cache of ``dtype``
+    (``P`` is rounded to it for the PV dot)."""
+    return ASYNC_WINDOW_FP16 if dtype == torch.float16 else ASYNC_WINDOW_WIDE
+
+
+@triton.jit
+def _async_tiles(acc, l_run, x_max, q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb,
+                 stride_vo, offs_n0, d_ok, lo, hi, seq_len, block_size, num_blocks, qk_scale, phi2,
+                 MASKED: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 BLOCK_N: tl.constexpr, LANES: tl.constexpr):
+    """Key tiles ``[lo, hi)`` with the unified max ``phi2`` (log2 units): ``p = 2^(x − φ)``.
+
+    No running max and no rescale: ``acc`` accumulates ``p·v``. ``l_run`` and ``x_max`` are
+    the running sum of ``p`` and the running max of the scores (the max only checks the
+    window). ``LANES``: they are ``[GROUP_PAD, BLOCK_N]`` register tiles, updated elementwise
+    and reduced once by the caller (no reduction in the loop at all); else ``[GROUP_PAD]``
+    rows, updated with one ``tl.sum``/``tl.max`` per tile. ``MASKED``: positions ``>=
+    seq_len`` may occur (the last tile): they score ``−inf``, so ``p = 0``."""
+    for start in range(lo, hi, BLOCK_N):
+        k_rows, v_rows, row_ok = tile_rows(table, stride_tn, start, offs_n0, seq_len, block_size, num_blocks,
+                                           stride_kb, stride_ko, stride_vb, stride_vo, BLOCKS_PER_TILE, MASKED,
+                                           BLOCK_N)
+        kv_ok = row_ok[:, None] & d_ok
+        k = tl.load(k_head + k_rows[:, None], mask=kv_ok, other=0.0)
+        x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
+        if MASKED:
+            x = tl.where((start + offs_n0 < seq_len)[None, :], x, float("-inf"))
+        p = tl.math.exp2(x - phi2)
+        if LANES:
+            x_max = tl.maximum(x_max, x)
+            l_run += p
+        else:
+            x_max = tl.maximum(x_max, tl.max(x, axis=1))
+            l_run += tl.sum(p, axis=1)
+        v = tl.load(v_head + v_rows[:, None], mask=kv_ok, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_run, x_max
+
+
+@triton.jit
+def _async_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb, stride_vo,
+                 offs_g, in_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len, block_size, num_blocks,
+                 qk_scale, phi2, fallback_flag,
+                 BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_PAD: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW_LO: tl.constexpr, WINDOW_HI: tl.constexpr,
+                 TRACK_FALLBACKS: tl.constexpr, ASYNC_LANES: tl.constexpr, FALLBACK: tl.constexpr):
+    """`_exact_split`'s ``(acc, l, m)`` with the unified max: ``m = φ`` for every row, unless a
+    real row's largest score left ``[φ + WINDOW_LO, φ + WINDOW_HI]``: then (with ``FALLBACK``)
+    the split is recomputed exactly, reading its K/V a second time. ``TRACK_FALLBACKS``: store
+    1 (fell back) or 0 at ``fallback_flag``. (``FALLBACK=False`` only measures the fallback's
+    cost: a split outside the window is then wrong.)"""
+    acc = tl.zeros((GROUP_PAD, BLOCK_D), dtype=tl.float32)
+    if ASYNC_LANES:
+        l_run = tl.zeros((GROUP_PAD, BLOCK_N), dtype=tl.float32)
+        x_max = tl.full((GROUP_PAD, BLOCK_N), float("-inf"), dtype=tl.float32)
+    else:
+        l_run = tl.zeros((GROUP_PAD,), dtype=tl.float32)
+        x_max = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
+    acc, l_run, x_max = _async_tiles(acc, l_run, x_max, q, k_head, v_head, table, stride_tn, stride_kb,
+                                     stride_ko, stride_vb, stride_vo, offs_n0, d_ok, lo, full_hi, seq_len,
+                                     block_size, num_blocks, qk_scale, phi2, False, BLOCKS_PER_TILE,
+                                     DOT_PRECISION, BLOCK_N, ASYNC_LANES)
+    acc, l_run, x_max = _async_tiles(acc, l_run, x_max, q, k_head, v_head, table, stride_tn, stride_kb,
+                                     stride_ko, stride_vb, stride_vo, offs_n0, d_ok, full_hi, hi, seq_len,
+                                     block_size, num_blocks, qk_scale, phi2, True, BLOCKS_PER_TILE,
+                                     DOT_PRECISION, BLOCK_N, ASYNC_LANES)
+    if ASYNC_LANES:
+        l = tl.sum(l_run, axis=1)
+        row_max = tl.max(x_max, axis=1)
+    else:
+        l = l_run
+        row_max = x_max
+    m = tl.zeros((GROUP_PAD,), dtype=tl.float32) + phi2
+    # The window check, once per program: how far each real row's largest score lies from φ.
+    offset = row_max - phi2
+    outside = in_g & ((offset < WINDOW_LO) | (offset > WINDOW_HI))
+    fell_back = (hi > lo) & (tl.max(outside.to(tl.int32), axis=0) > 0)
+    if FALLBACK:
+        if fell_back:  # recompute this split exactly (its K/V are read a second time)
+            acc, l, m = _exact_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb,
+                                     stride_vo, offs_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len,
+                                     block_size, num_blocks, qk_scale, BLOCKS_PER_TILE, DOT_PRECISION,
+                                     GROUP_PAD, BLOCK_D, BLOCK_N)
+    if TRACK_FALLBACKS:
+        tl.store(fallback_flag, fell_back.to(tl.int32))
+    return acc, l, m
+
+
+# ----------------------------------------------------------------------------------------
+# Variant 2: one launch, the last program merges (``FUSED_MERGE``, the default)
+#
+# Stage 2 as a second kernel costs a launch (tens of µs of host time), about as long as a
+# whole small decode step on the GPU. Instead each (sequence, KV head) has an int32 arrival
+# counter (`split_counters`); a program writes its partials, then adds 1; the one that reads
+# back S − 1 is the last, so every partial of the group is written: it merges them (stage 2's
+# `_merge_rows`, the group's query heads at once) and puts the counter back to 0 (no clearing
+# between calls; works inside a CUDA graph). No program waits for another.
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _merge_if_last(O_b, LSE_b, Out_b, OutLse_b, counter, h0, group_size, num_splits,
+                   stride_oh, stride_os, stride_od, stride_lh, stride_ls, stride_outh, stride_outd, stride_olh,
+                   offs_d, d_ok, MERGE_ROWS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr):
+    """Count this program in at ``counter``; if it is the last of the ``num_splits`` to arrive,
+    merge the partials of query heads ``h0 … h0 + group_size − 1`` (``O_b``, ``LSE_b``: the
+    sequence's partials) into ``Out_b``/``OutLse_b`` (the sequence's final output and lse)."""
+    # Memory ordering: the barrier orders every thread's partial stores before the atomic,
+    # whose release half (acq_rel, gpu scope; cumulative) publishes them GPU-wide before the
+    # count; the program that sees S - 1 has, by the acquire half, every other program's
+    # release before it, so their partials are in L2 when it reads them, bypassing its own
+    # (incoherent) L1 with `.cg`. Under the interpreter programs run in order: the last merges.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:  # the last of the S programs of (b, kv_h): merge the group
+        o_g, lse_g = _merge_rows(O_b + h0 * stride_oh, LSE_b + h0 * stride_lh, stride_oh, stride_os, stride_od,
+                                 stride_lh, stride_ls, group_size, num_splits, offs_d, d_ok, MERGE_ROWS,
+                                 MERGE_BLOCK_S, ".cg")
+        offs_r = tl.arange(0, MERGE_ROWS)
+        r_ok = offs_r < group_size
+        tl.store(Out_b + (h0 + offs_r[:, None]) * stride_outh + offs_d[None, :] * stride_outd,
+                 o_g.to(Out_b.dtype.element_ty), mask=r_ok[:, None] & d_ok)
+        tl.store(OutLse_b + (h0 + offs_r) * stride_olh, lse_g, mask=r_ok)
+        # Back to zero for the next call (which a later launch on the stream, or the next
+        # replay of a CUDA graph, orders after this one).
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+# ----------------------------------------------------------------------------------------
+# Launch configuration
+# ----------------------------------------------------------------------------------------
+#: Warps and pipeline stages of stage 1 (``BLOCK_N = 128``, `decode_block_n`). Chosen on the
+#: H200 by `bench.ch07_tune_flash_decoding` (bf16, head dim 128, CUDA-graph times at the best S of
+#: six points from batch 1 x 8 KV heads x 4k to batch 32 x 8 x 32k; BLOCK_N 64/128 x warps 4/8
+#: x stages 2/3/4). For the exact softmax 4 and 8 warps are within 1-3 % of each other (4
+#: warps: 11.2 against 11.9 µs at 1 x 8 x 4k, 0.135 against 0.136 ms at 1 x 8 x 128k, 0.969
+#: against 0.985 ms at 32 x 8 x 32k); BLOCK_N = 64 is 5-15 % slower with 8 warps and at best
+#: equal with 4. What decides is the asynchronized softmax: with 8 warps its kernel needs 167
+#: registers a thread against the exact one's 92 (the fallback loop is compiled into it), so
+#: one program fits per SM instead of two and it ran 13-25 % slower; with 4 warps both kernels
+#: need 207-211 registers, two programs per SM, and async ran at 1.00-1.10x the exact speed.
+#: Stages: 2 and 3 tie at small points; 2 lost 5-10 % at some (batch 8 x 8, S = 8), so 3.
+SPLIT_WARPS, SPLIT_STAGES = 4, 3
+#: Stage 1's launch options (``config`` of `_flash_decode` overrides them, for measurements):
+#: warps, pipeline stages, ``ASYNC_LANES`` (the asynchronized softmax's running sum and max
+#: as ``[group, BLOCK_N]`` lane tiles instead of per-tile row reductions) and ``FALLBACK``
+#: (compile the in-kernel exact fallback; False is for measuring its cost only: a split
+#: outside the window is then wrong).
+_STAGE1_DEFAULTS = dict(num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES, ASYNC_LANES=False, FALLBACK=True)
+
+#: Merge the splits inside stage 1 (its last program per (sequence, KV head); one launch) by
+#: default, instead of in a second launch (`_reduce_splits`): `_merge_if_last`.
+FUSED_MERGE = True
+
+#: Splits merged per step by stage 2 (``[BLOCK_S, head_dim]`` fp32 tiles; 16 x 128 is 8 KB).
+MERGE_BLOCK_S = 16
+#: The one-launch merge's tile is ``[group, BLOCK_S, head_dim]`` (all of a GQA group's query
+#: heads at once): at most this many (head, split) rows per step (64 x 128 fp32 = 32 KB, 64
+#: registers a thread at 4 warps).
+MERGE_TILE_ROWS = 64
+MERGE_WARPS = 4
+
 
 # ----------------------------------------------------------------------------------------
 # How many splits (plain Python)
@@ -205,25 +463,9 @@ MIN_TILES_PER_SPLIT = 2
 #: The most splits any rule picks (FlashAttention-2's limit too): beyond it, stage 2's
 #: per-row work grows and no GPU has that many SMs per sequence to feed.
 MAX_SPLITS = 128
-#: What `num_sms` reports without a GPU: an H200's (and H100 SXM's) 132 SMs, so that the
-#: heuristics pick under the interpreter what they would pick on the book's GPU.
-CPU_NUM_SMS = 132
-#: vLLM's PagedAttention V2 partition: 512 tokens per split.
+#: vLLM's PagedAttention V2 partition: 512 tokens per split. (`num_sms`, `CPU_NUM_SMS`: from
+#: `minillm.kernels.base`, shared with Chapter 8.)
 VLLM_PARTITION = 512
-
-
-def num_sms(device) -> int:
-    """Streaming multiprocessors of ``device``: the CUDA device's ``multi_processor_count``,
-    or `CPU_NUM_SMS` for a CPU (the interpreter), so the heuristics behave as on an H200.
-    Cached per device: it is asked on every decode call, and the answer never changes."""
-    return _num_sms(device if isinstance(device, torch.device) else torch.device(device))
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return CPU_NUM_SMS
 
 
 def num_splits_heuristic(batch: int, kv_heads: int, max_seq_len: int, num_sms: int, block_n: int) -> int:
@@ -296,323 +538,6 @@ def partition_splits(max_seq_len: int, partition: int = VLLM_PARTITION) -> int:
 
 
 # ----------------------------------------------------------------------------------------
-# The asynchronized softmax's safe window
-# ----------------------------------------------------------------------------------------
-#: ``(lo, hi)``: with ``P`` rounded to fp16 for the PV dot, each row's largest ``2^(x − φ)``
-#: (log2 units) must lie in ``[2^lo, 2^hi]`` (module docstring: ``2^15 < 65504``; below
-#: ``2^-6`` fp16's subnormals start costing accuracy).
-ASYNC_WINDOW_FP16 = (-6.0, 15.0)
-#: The same for bf16 and fp32 ``P``: fp32's exponent range (module docstring).
-ASYNC_WINDOW_WIDE = (-60.0, 60.0)
-
-
-def async_window(dtype: torch.dtype) -> tuple[float, float]:
-    """The safe window of ``max(x) − φ`` in log2 units (binades) for a cache of ``dtype``
-    (``P`` is rounded to it for the PV dot)."""
-    return ASYNC_WINDOW_FP16 if dtype == torch.float16 else ASYNC_WINDOW_WIDE
-
-
-# ----------------------------------------------------------------------------------------
-# Stage 1: one program per (sequence, KV head, split)
-# ----------------------------------------------------------------------------------------
-@triton.jit
-def _exact_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb, stride_vo,
-                 offs_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len, block_size, num_blocks, qk_scale,
-                 BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_PAD: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The online softmax over key positions ``[lo, hi)``: ``(acc, l, m)`` (base 2, ``acc``
-    unscaled), as Chapter 5's kernels compute it.
-
-    The tiles are Chapter 5's prefill tiles (`_paged_fwd_tiles`), with the group's query
-    heads as the rows (``q_len = group_size``: padding rows are masked where masks are
-    computed) and no causal mask: ``[lo, full_hi)`` are whole tiles inside the sequence and
-    need no mask at all; ``[full_hi, hi)`` is the sequence's ragged last tile, if it falls in
-    this split."""
-    m = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((GROUP_PAD,), dtype=tl.float32)
-    acc = tl.zeros((GROUP_PAD, BLOCK_D), dtype=tl.float32)
-    acc, l, m = _paged_fwd_tiles(acc, l, m, q, k_head, v_head, table, stride_tn, stride_kb, stride_ko,
-                                 stride_vb, stride_vo, offs_g, offs_n0, d_ok, lo, full_hi, group_size, seq_len,
-                                 block_size, num_blocks, qk_scale, False, False, BLOCKS_PER_TILE, DOT_PRECISION,
-                                 BLOCK_N)
-    acc, l, m = _paged_fwd_tiles(acc, l, m, q, k_head, v_head, table, stride_tn, stride_kb, stride_ko,
-                                 stride_vb, stride_vo, offs_g, offs_n0, d_ok, full_hi, hi, group_size, seq_len,
-                                 block_size, num_blocks, qk_scale, True, False, BLOCKS_PER_TILE, DOT_PRECISION,
-                                 BLOCK_N)
-    return acc, l, m
-
-
-@triton.jit
-def _async_tiles(acc, l_run, x_max, q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb,
-                 stride_vo, offs_n0, d_ok, lo, hi, seq_len, block_size, num_blocks, qk_scale, phi2,
-                 MASKED: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 BLOCK_N: tl.constexpr, LANES: tl.constexpr):
-    """Key tiles ``[lo, hi)`` with the unified max ``phi2`` (log2 units): ``p = 2^(x − φ)``.
-
-    No running max and no rescale: ``acc`` accumulates ``p·v``. ``l_run`` and ``x_max`` are
-    the running sum of ``p`` and the running max of the scores (the max only checks the
-    window). ``LANES``: they are ``[GROUP_PAD, BLOCK_N]`` register tiles, updated elementwise
-    and reduced once by the caller (no reduction in the loop at all); else ``[GROUP_PAD]``
-    rows, updated with one ``tl.sum``/``tl.max`` per tile. ``MASKED``: positions ``>=
-    seq_len`` may occur (the last tile): they score ``−inf``, so ``p = 0``."""
-    for start in range(lo, hi, BLOCK_N):
-        k_rows, v_rows, row_ok = _tile_rows(table, stride_tn, start, offs_n0, seq_len, block_size, num_blocks,
-                                            stride_kb, stride_ko, stride_vb, stride_vo, BLOCKS_PER_TILE, MASKED,
-                                            BLOCK_N)
-        kv_ok = row_ok[:, None] & d_ok
-        k = tl.load(k_head + k_rows[:, None], mask=kv_ok, other=0.0)
-        x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
-        if MASKED:
-            x = tl.where((start + offs_n0 < seq_len)[None, :], x, float("-inf"))
-        p = tl.math.exp2(x - phi2)
-        if LANES:
-            x_max = tl.maximum(x_max, x)
-            l_run += p
-        else:
-            x_max = tl.maximum(x_max, tl.max(x, axis=1))
-            l_run += tl.sum(p, axis=1)
-        v = tl.load(v_head + v_rows[:, None], mask=kv_ok, other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, l_run, x_max
-
-
-@triton.jit
-def _split_kernel(
-    Q, K, V, BlockTables, SeqLens, O, LSE, Fallbacks, Out, OutLse, Counters,
-    stride_qb, stride_qh, stride_qd,
-    stride_kb, stride_ko, stride_kh, stride_kd,
-    stride_vb, stride_vo, stride_vh, stride_vd,
-    stride_tb, stride_tn, stride_sl,
-    stride_ob, stride_oh, stride_os, stride_od,
-    stride_lb, stride_lh, stride_ls,
-    stride_fb, stride_fh, stride_fs,
-    stride_outb, stride_outh, stride_outd,
-    stride_olb, stride_olh,
-    stride_cb, stride_ch,
-    group_size, block_size, num_blocks, max_blocks, qk_scale, phi2,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr, ASYNC: tl.constexpr,
-    WINDOW_LO: tl.constexpr, WINDOW_HI: tl.constexpr, TRACK_FALLBACKS: tl.constexpr,
-    ASYNC_LANES: tl.constexpr, FALLBACK: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr,
-MERGE_BLOCK_S: tl.constexpr,
-):
-    """Program ``(b, kv_h, s)``: split ``s`` of sequence ``b``'s keys, for the ``group_size``
-    query heads that read KV head ``kv_h``.
-
-    Writes each head's partial result to ``O[b, h, s, :]`` (normalised over the split) and
-    ``LSE[b, h, s]`` (natural log); with one split these are the final output and lse (the
-    launcher passes them with a split stride of 0). ``ASYNC``: the unified max ``phi2``
-    (log2 units) instead of the online softmax, with the in-kernel fallback when a row's max
-    leaves ``[phi2 + WINDOW_LO, phi2 + WINDOW_HI]``; ``TRACK_FALLBACKS``: store 1 (fell back)
-    or 0 at ``Fallbacks[b, kv_h, s]``.
-
-    ``FUSED_MERGE`` ("last program merges"): after writing its partials the program counts
-    itself in at ``Counters[b, kv_h]``; the last of the group's ``S`` programs to arrive merges
-    the ``S`` partials of the group's query heads (`_merge_rows`, stage 2's code) into ``Out[b,
-    h, :]`` and ``OutLse[b, h]``, and puts the counter back to 0 (module docstring: the memory
-    ordering)."""
-    b, kv_h, split = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    num_splits = tl.num_programs(2)
-
-    offs_g = tl.arange(0, GROUP_PAD)
-    in_g = offs_g < group_size
-    heads = kv_h * group_size + tl.minimum(offs_g, group_size - 1)  # padding rows: clamped, never stored
-    offs_d, d_ok = _head_dim_offsets(HEAD_DIM, BLOCK_D)
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=in_g[:, None] & d_ok, other=0.0)
-
-    # This split's keys: ⌈tiles / S⌉ whole tiles of this sequence's own length, so every
-    # boundary is a multiple of BLOCK_N and only the sequence's last tile is ragged. A split
-    # past the end gets lo >= seq_len: hi = lo, no tile is visited, the partial is empty.
-    seq_len = tl.minimum(tl.maximum(tl.load(SeqLens + b * stride_sl), 0), max_blocks * block_size)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
-    lo = split * tiles_per_split * BLOCK_N
-    hi = tl.maximum(tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len), lo)
-    full_hi = hi // BLOCK_N * BLOCK_N  # end of the whole tiles (>= lo: lo is a multiple of BLOCK_N)
-
-    table = BlockTables + b * stride_tb
-    k_head = K + kv_h * stride_kh + offs_d[None, :] * stride_kd
-    v_head = V + kv_h * stride_vh + offs_d[None, :] * stride_vd
-    offs_n0 = tl.arange(0, BLOCK_N)
-
-    if ASYNC:
-        acc = tl.zeros((GROUP_PAD, BLOCK_D), dtype=tl.float32)
-        if ASYNC_LANES:
-            l_run = tl.zeros((GROUP_PAD, BLOCK_N), dtype=tl.float32)
-            x_max = tl.full((GROUP_PAD, BLOCK_N), float("-inf"), dtype=tl.float32)
-        else:
-            l_run = tl.zeros((GROUP_PAD,), dtype=tl.float32)
-            x_max = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
-        acc, l_run, x_max = _async_tiles(acc, l_run, x_max, q, k_head, v_head, table, stride_tn, stride_kb,
-                                         stride_ko, stride_vb, stride_vo, offs_n0, d_ok, lo, full_hi, seq_len,
-                                         block_size, num_blocks, qk_scale, phi2, False, BLOCKS_PER_TILE,
-                                         DOT_PRECISION, BLOCK_N, ASYNC_LANES)
-        acc, l_run, x_max = _async_tiles(acc, l_run, x_max, q, k_head, v_head, table, stride_tn, stride_kb,
-                                         stride_ko, stride_vb, stride_vo, offs_n0, d_ok, full_hi, hi, seq_len,
-                                         block_size, num_blocks, qk_scale, phi2, True, BLOCKS_PER_TILE,
-                                         DOT_PRECISION, BLOCK_N, ASYNC_LANES)
-        if ASYNC_LANES:
-            l = tl.sum(l_run, axis=1)
-            row_max = tl.max(x_max, axis=1)
-        else:
-            l = l_run
-            row_max = x_max
-        m = tl.zeros((GROUP_PAD,), dtype=tl.float32) + phi2
-        # The window check, once per program: how far each real row's largest score lies from φ.
-        offset = row_max - phi2
-        outside = in_g & ((offset < WINDOW_LO) | (offset > WINDOW_HI))
-        fell_back = (hi > lo) & (tl.max(outside.to(tl.int32), axis=0) > 0)
-        if FALLBACK:
-            if fell_back:  # recompute this split exactly (its K/V are read a second time)
-                acc, l, m = _exact_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb,
-                                         stride_vo, offs_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len,
-                                         block_size, num_blocks, qk_scale, BLOCKS_PER_TILE, DOT_PRECISION,
-                                         GROUP_PAD, BLOCK_D, BLOCK_N)
-        if TRACK_FALLBACKS:
-            tl.store(Fallbacks + b * stride_fb + kv_h * stride_fh + split * stride_fs, fell_back.to(tl.int32))
-    else:
-        acc, l, m = _exact_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb, stride_vo,
-                                 offs_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len, block_size,
-                                 num_blocks, qk_scale, BLOCKS_PER_TILE, DOT_PRECISION, GROUP_PAD, BLOCK_D,
-                                 BLOCK_N)
-
-    # An empty split: l = 0 -> o = 0 and lse = log2(0) = -inf (m is -inf or φ; either way -inf).
-    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-    lse = (m + tl.math.log2(l)) * _LN2
-    tl.store(O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :] * stride_od,
-             out.to(O.dtype.element_ty), mask=in_g[:, None] & d_ok)
-    tl.store(LSE + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=in_g)
-
-    if FUSED_MERGE:
-        # Memory ordering (module docstring, "One launch"): the barrier orders every thread's
-        # partial stores above before the atomic, whose release half (acq_rel, gpu scope; it is
-        # cumulative) publishes them to the whole GPU before the count; the program that sees
-        # S - 1 has, by the acquire half, every other program's release before it, so their
-        # partials are in L2 when it reads them, bypassing its own (incoherent) L1 with `.cg`.
-        tl.debug_barrier()
-        counter = Counters + b * stride_cb + kv_h * stride_ch
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:  # the last of the S programs of (b, kv_h): merge the group
-            h0 = kv_h * group_size
-            o_g, lse_g = _merge_rows(O + b * stride_ob + h0 * stride_oh, LSE + b * stride_lb + h0 * stride_lh,
-                                     stride_oh, stride_os, stride_od, stride_lh, stride_ls, group_size, num_splits,
-                                     offs_d, d_ok, MERGE_ROWS, MERGE_BLOCK_S, ".cg")
-            offs_r = tl.arange(0, MERGE_ROWS)
-            r_ok = offs_r < group_size
-            tl.store(Out + b * stride_outb + (h0 + offs_r[:, None]) * stride_outh + offs_d[None, :] * stride_outd,
-                     o_g.to(Out.dtype.element_ty), mask=r_ok[:, None] & d_ok)
-            tl.store(OutLse + b * stride_olb + (h0 + offs_r) * stride_olh, lse_g, mask=r_ok)
-            # Back to zero for the next call (which a later launch on the stream, or the next
-            # replay of a CUDA graph, orders after this one).
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-
-# ----------------------------------------------------------------------------------------
-# Stage 2: merge the splits of one (sequence, query head)
-# ----------------------------------------------------------------------------------------
-@triton.jit
-def _merge_rows(o_rows, lse_rows, stride_ph, stride_ps, stride_pd, stride_qh, stride_qs, n_rows, num_splits,
-                offs_d, d_ok, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
-    """Merge the ``num_splits`` partials of ``n_rows <= ROWS`` query heads of one sequence:
-    head ``r``'s split ``s`` is ``o_rows + r·stride_ph + s·stride_ps + d·stride_pd`` and
-    ``lse_rows + r·stride_qh + s·stride_qs`` (fp32, natural log). Returns ``(out, lse)``,
-    ``[ROWS, BLOCK_D]`` and ``[ROWS]`` fp32: ``out = Σ_s w_s o_s / Σ_s w_s`` and ``lse = M +
-    log Σ_s w_s`` with ``w_s = e^{lse_s − M}``, ``M = max_s lse_s``, ``BLOCK_S`` splits of all
-    rows at a time (``[ROWS, BLOCK_S, BLOCK_D]`` tiles: the rows' loads are independent, so
-    merging a GQA group costs one row's latency, not ``group`` of them).
-
-    Two passes over the lse (``S`` floats a row, from cache the second time), one over the
-    outputs. An empty split's output is not even read (its weight is 0; masked load); padding
-    rows get ``out = 0``, ``lse = −∞`` (the caller does not store them). ``CACHE``: the loads'
-    cache modifier: ``""`` in stage 2 (a later launch: every partial is visible), ``".cg"``
-    (cache in L2 only, i.e. bypass L1) when stage 1's last program merges partials other
-    programs wrote during the same launch."""
-    offs_r = tl.arange(0, ROWS)
-    r_ok = (offs_r < n_rows)[:, None]
-    offs_s0 = tl.arange(0, BLOCK_S)
-    lse_base = lse_rows + offs_r[:, None] * stride_qh
-    m_lanes = tl.full((ROWS, BLOCK_S), float("-inf"), dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        offs_s = s0 + offs_s0
-        m_lanes = tl.maximum(m_lanes, tl.load(lse_base + offs_s[None, :] * stride_qs,
-                                              mask=r_ok & (offs_s < num_splits)[None, :], other=float("-inf"),
-                                              cache_modifier=CACHE))
-    m = tl.max(m_lanes, axis=1)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights e^{-inf} = 0, no NaN
-
-    o_base = o_rows + offs_r[:, None, None] * stride_ph + offs_d[None, None, :] * stride_pd
-    acc = tl.zeros((ROWS, offs_d.shape[0]), dtype=tl.float32)
-    w_lanes = tl.zeros((ROWS, BLOCK_S), dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        offs_s = s0 + offs_s0
-        lse_s = tl.load(lse_base + offs_s[None, :] * stride_qs, mask=r_ok & (offs_s < num_splits)[None, :],
-                        other=float("-inf"), cache_modifier=CACHE)
-        w = tl.math.exp2((lse_s - m[:, None]) * _LOG2E)  # e^{lse_s - M}, in (0, 1]; 0 when empty
-        o_s = tl.load(o_base + offs_s[None, :, None] * stride_ps,
-                      mask=(lse_s > float("-inf"))[:, :, None] & d_ok[None, :, :], other=0.0,
-                      cache_modifier=CACHE)
-        acc += tl.sum(w[:, :, None] * o_s, axis=1)
-        w_lanes += w
-    w_sum = tl.sum(w_lanes, axis=1)
-    out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
-    return out, m + tl.math.log2(w_sum) * _LN2
-
-
-@triton.jit
-def _merge_splits_kernel(
-    OP, LP, O, LSE, num_splits,
-    stride_pb, stride_ph, stride_ps, stride_pd,
-    stride_qb, stride_qh, stride_qs,
-    stride_ob, stride_oh, stride_od,
-    stride_lb, stride_lh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    """Program ``(b, h)``: `_merge_rows` over the partials ``OP[b, h, :, :]`` and ``LP[b, h, :]``
-    into ``O[b, h, :]`` and ``LSE[b, h]`` (the two-launch path; `_split_kernel` with
-    ``FUSED_MERGE`` runs the same merge in its last program instead)."""
-    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    offs_d, d_ok = _head_dim_offsets(HEAD_DIM, BLOCK_D)
-    out, lse = _merge_rows(OP + b * stride_pb + h * stride_ph, LP + b * stride_qb + h * stride_qh, 0, stride_ps,
-                           stride_pd, 0, stride_qs, 1, num_splits, offs_d, d_ok, 1, BLOCK_S, "")
-    # (Not `offs_d < HEAD_DIM`: the padding columns' offsets are clamped onto the last real one.)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
-             mask=tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM)
-    tl.store(LSE + b * stride_lb + h * stride_lh + tl.arange(0, 1), lse)
-
-
-#: Warps and pipeline stages of stage 1 (``BLOCK_N = 128``, `decode_block_n`). Chosen on the
-#: H200 by `bench.ch07_tune_flash_decoding` (bf16, head dim 128, CUDA-graph times at the best S of
-#: six points from batch 1 x 8 KV heads x 4k to batch 32 x 8 x 32k; BLOCK_N 64/128 x warps 4/8
-#: x stages 2/3/4). For the exact softmax 4 and 8 warps are within 1-3 % of each other (4
-#: warps: 11.2 against 11.9 µs at 1 x 8 x 4k, 0.135 against 0.136 ms at 1 x 8 x 128k, 0.969
-#: against 0.985 ms at 32 x 8 x 32k); BLOCK_N = 64 is 5-15 % slower with 8 warps and at best
-#: equal with 4. What decides is the asynchronized softmax: with 8 warps its kernel needs 167
-#: registers a thread against the exact one's 92 (the fallback loop is compiled into it), so
-#: one program fits per SM instead of two and it ran 13-25 % slower; with 4 warps both kernels
-#: need 207-211 registers, two programs per SM, and async ran at 1.00-1.10x the exact speed.
-#: Stages: 2 and 3 tie at small points; 2 lost 5-10 % at some (batch 8 x 8, S = 8), so 3.
-SPLIT_WARPS, SPLIT_STAGES = 4, 3
-#: Stage 1's launch options (``config`` of `_flash_decode` overrides them, for measurements):
-#: warps, pipeline stages, ``ASYNC_LANES`` (the asynchronized softmax's running sum and max
-#: as ``[group, BLOCK_N]`` lane tiles instead of per-tile row reductions) and ``FALLBACK``
-#: (compile the in-kernel exact fallback; False is for measuring its cost only: a split
-#: outside the window is then wrong).
-_STAGE1_DEFAULTS = dict(num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES, ASYNC_LANES=False, FALLBACK=True)
-
-#: Merge the splits inside stage 1 (its last program per (sequence, KV head); one launch) by
-#: default, instead of in a second launch (`_reduce_splits`). See the module docstring.
-FUSED_MERGE = True
-
-#: Splits merged per step by stage 2 (``[BLOCK_S, head_dim]`` fp32 tiles; 16 x 128 is 8 KB).
-MERGE_BLOCK_S = 16
-#: The one-launch merge's tile is ``[group, BLOCK_S, head_dim]`` (all of a GQA group's query
-#: heads at once): at most this many (head, split) rows per step (64 x 128 fp32 = 32 KB, 64
-#: registers a thread at 4 warps).
-MERGE_TILE_ROWS = 64
-MERGE_WARPS = 4
-
-
-# ----------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------
 def split_workspace(batch: int, q_heads: int, num_splits: int, head_dim: int, device
@@ -677,26 +602,6 @@ def _cached_counters(batch: int, q_heads: int, device) -> torch.Tensor:
     return _reused(("counters", device, batch, q_heads), device, lambda: split_counters(batch, q_heads, device))
 
 
-def split_workspace_bytes(batch: int, q_heads: int, num_splits: int, head_dim: int) -> int:
-    """HBM bytes the workspace adds to a call with ``num_splits > 1``: stage 1 writes
-    ``(head_dim + 1)`` fp32 per (sequence, query head, split) and stage 2 reads them back;
-    0 with one split (no workspace)."""
-    if num_splits <= 1:
-        return 0
-    return 2 * batch * q_heads * num_splits * (head_dim + 1) * 4
-
-
-def flash_decode_attention_bytes(seq_lens, q_heads: int, kv_heads: int, head_dim: int, elem_bytes: int,
-                                 block_size: int | None = None, num_splits: int = 1) -> int:
-    """HBM bytes one `flash_decode_attention` call moves at least: those of Chapter 5's
-    kernel (`paged_decode_attention_bytes`: K, V, q, out, lse, table) plus the workspace
-    (`split_workspace_bytes`). The benchmark reports bandwidth over the first part only (the
-    useful bytes), so that the workspace shows up as lost bandwidth."""
-    lens = [int(n) for n in seq_lens]
-    return (paged_decode_attention_bytes(lens, q_heads, kv_heads, head_dim, elem_bytes, block_size)
-            + split_workspace_bytes(len(lens), q_heads, num_splits, head_dim))
-
-
 def flash_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None, *,
                            num_splits: int | None = None, max_seq_len: int | None = None, phi: float | None = None,
@@ -744,7 +649,7 @@ def _flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=N
     """`flash_decode_attention` with the knobs of tests and measurements:
 
     - ``block_n``: keys per tile (default `decode_block_n`); ``tile_in_block``: the tile path
-      of `_tile_rows` (True = one table entry per tile, False = the general path, None = the
+      of `tile_rows` (True = one table entry per tile, False = the general path, None = the
       best that applies);
     - ``workspace``: ``(o_part, lse_part)`` as `split_workspace` makes them for this
       ``num_splits``, optionally with a third member, the int32 arrival counters
@@ -758,7 +663,7 @@ def _flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=N
     """
     dims, num_splits, block_n = _plan(q, k_cache, v_cache, block_tables, seq_lens, num_splits, max_seq_len, block_n)
     batch, (q_heads, head_dim) = q.shape[0], q.shape[1:]
-    out, lse = _decode_outputs(q, out, lse)
+    out, lse = decode_outputs(q, out, lse)
     if batch * q_heads == 0:
         return out, lse
     if num_splits == 1:  # nothing to merge: stage 1 writes the final output (split stride 0)
@@ -782,12 +687,12 @@ def _flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=N
 
 
 def _plan(q, k_cache, v_cache, block_tables, seq_lens, num_splits, max_seq_len, block_n):
-    """Check the inputs (`_check_paged`) and pick the splits: ``(dims, num_splits, block_n)``
-    with ``dims`` what `_check_paged` returned."""
+    """Check the inputs (`check_paged`) and pick the splits: ``(dims, num_splits, block_n)``
+    with ``dims`` what `check_paged` returned."""
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, q_heads, head_dim], got {tuple(q.shape)}")
     batch = q.shape[0]
-    dims = _check_paged(q, k_cache, v_cache, block_tables, seq_lens, batch)
+    dims = check_paged(q, k_cache, v_cache, block_tables, seq_lens, batch)
     _, block_size, kv_heads, head_dim, _ = dims
     block_n = block_n or decode_block_n(head_dim, q.dtype)
     if num_splits is None:
@@ -809,17 +714,17 @@ def _split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_pa
 
     ``o_part: [batch, q_heads, S, head_dim]`` (fp32 workspace, or the final output viewed
     with a split axis of 1), ``lse_part: [batch, q_heads, S]`` fp32; any strides. ``dims``:
-    `_check_paged`'s answer when the caller already checked the inputs (a launch is a few
+    `check_paged`'s answer when the caller already checked the inputs (a launch is a few
     microseconds of Python; checking twice would add to it)."""
     batch = q.shape[0]
-    num_blocks, block_size, kv_heads, head_dim, q_heads = dims or _check_paged(q, k_cache, v_cache, block_tables,
-                                                                                seq_lens, batch)
+    num_blocks, block_size, kv_heads, head_dim, q_heads = dims or check_paged(q, k_cache, v_cache, block_tables,
+                                                                               seq_lens, batch)
     num_splits = o_part.shape[2]
     if tuple(o_part.shape) != (batch, q_heads, num_splits, head_dim) or tuple(lse_part.shape) != (
             batch, q_heads, num_splits) or lse_part.dtype != torch.float32 or num_splits < 1:
         raise ValueError(f"workspace {tuple(o_part.shape)}, {tuple(lse_part.shape)} {lse_part.dtype} must be "
                          f"[batch, q_heads, S, head_dim] and float32 [batch, q_heads, S] for q {tuple(q.shape)}")
-    scale, _ = _scale_and_window(head_dim, scale, None)
+    scale, _ = scale_and_window(head_dim, scale, None)
     if phi is not None and not math.isfinite(phi):
         raise ValueError(f"phi must be a finite float, got {phi}")
     track = fallbacks is not None
@@ -867,7 +772,7 @@ def _stage1_meta(head_dim: int, dtype: torch.dtype, group: int, block_size: int,
     window_lo, window_hi = async_window(dtype)
     return dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, BLOCKS_PER_TILE=_blocks_per_tile(block_size, block_n, tile_in_block),
+        BLOCK_N=block_n, BLOCKS_PER_TILE=blocks_per_tile(block_size, block_n, tile_in_block),
         DOT_PRECISION=dot_precision(dtype), ASYNC=is_async, WINDOW_LO=window_lo, WINDOW_HI=window_hi,
         TRACK_FALLBACKS=track, FUSED_MERGE=fused,
         MERGE_ROWS=triton.next_power_of_2(group) if fused else 1,

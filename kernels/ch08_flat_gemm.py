@@ -1,5 +1,8 @@
 """Chapter 8: the decode-time linear layer — GEMV, flat GEMM and a heuristic dataflow.
 
+The notebook ``chapters/08_flat_gemm.ipynb`` tells the chapter's story with its measurements;
+this docstring summarises what the code does.
+
 Every linear layer of a decoder is ``y = x Wᵀ + b`` with ``x: [M, K]`` (one row per token
 being processed), ``W: [N, K]`` (``nn.Linear``'s layout, one row per output feature) and
 ``y: [M, N]``. In a decode step ``M`` is the batch size, 1 to a few dozen, while ``N·K`` is
@@ -77,9 +80,10 @@ CUDA graph removes even that: the benchmark reports both timings.
 FlashDecoding++ finds the inflection points ``M1 < M2`` of every ``[N, K]`` offline and
 dispatches at run time; so do we. `bench.ch08_flat_gemm` times the three kernels over a
 sweep of ``M``, `find_inflection_points` turns the times into ``(M1, M2)`` per shape, and
-the table is saved as ``bench/results/<gpu-slug>.flat_gemm.json`` (`DispatchTable`), which
-`linear` loads for the GPU it runs on (`DispatchTable.for_device`) and consults through
-`choose_kernel`.
+the table (`DispatchTable`) is saved as ``bench/results/<gpu-slug>.flat_gemm.json``. This
+module does no file I/O: `linear` takes a table (default `DEFAULT_TABLE`) and consults it
+through `choose_kernel`; loading the one of the GPU is the engine's business
+(`minillm.engine.gemm_table.table_for_device`, which the model's linear layers use).
 
 **Tile sizes** come from small candidate lists (`GEMV_TILES`, `FLAT_GEMM_TILES`; why those,
 next to them), timed on the first call for each (kernel, dtype, rows bucket, N, K) and
@@ -96,24 +100,18 @@ runs too (exact IEEE products, for the tests). Offsets are int64 (a large LM hea
 """
 from __future__ import annotations
 
-import functools
-import json
 import math
 import os
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from minillm.kernels.ch04_flash_attention import dot_precision
-from minillm.kernels.ch07_flash_decoding import num_sms
-from minillm.kernels.base import interpreting, launch
-from minillm.results import gpu_slug, results_dir
+from minillm.kernels.base import dot_precision, interpreting, launch, num_sms
 
-__all__ = ["gemv", "flat_gemm", "linear", "choose_kernel", "find_inflection_points", "DispatchTable", "TileConfig",
+__all__ = ["gemv", "flat_gemm", "linear", "choose_kernel", "find_inflection_points", "DispatchTable", "DEFAULT_TABLE", "TileConfig",
            "pick_config", "rows_bucket", "split_k_for", "GEMV_TILES", "FLAT_GEMM_TILES", "DEFAULT_THRESHOLDS", "KERNELS"]
 
 #: The three kernels of the dispatcher, in the order ``M`` hands over from one to the next.
@@ -715,23 +713,14 @@ class DispatchTable:
     long the kernels stream, more than with the aspect ratio. With no entries at all,
     `default` (`DEFAULT_THRESHOLDS`).
 
-    File format (``bench/results/<gpu-slug>.flat_gemm.json``, written by `save`)::
-
-        {"schema": 1, "kind": "flat_gemm_dispatch",
-         "rule": "M <= m1: gemv; m1 < M <= m2: flat_gemm; M > m2: cublas",
-         "default": {"m1": 4, "m2": 64},
-         "shapes": [{"n": 4096, "k": 4096, "m1": 8, "m2": 96}, ...],
-         "info": {"device": "NVIDIA H200", "gpu_slug": "nvidia-h200", "dtype": "float16", ...}}
-
-    (No top-level ``date``: `minillm.results.load_results` takes the newest ``*.json`` of the
-    folder by that field, and must keep picking the benchmark results, not this table.)
+    `to_dict`/`from_dict` give its JSON form; the files (``bench/results/<gpu-slug>.flat_gemm.json``)
+    are read and written by `minillm.engine.gemm_table`, not here.
     """
     entries: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     default: tuple[int, int] = DEFAULT_THRESHOLDS
     info: dict = field(default_factory=dict)
 
     SCHEMA = 1
-    SUFFIX = ".flat_gemm.json"
 
     def thresholds(self, N: int, K: int) -> tuple[int, int]:
         """``(M1, M2)`` for a ``[N, K]`` weight (see the class docstring for the fallback)."""
@@ -765,54 +754,16 @@ class DispatchTable:
         default = (int(d.get("m1", DEFAULT_THRESHOLDS[0])), int(d.get("m2", DEFAULT_THRESHOLDS[1])))
         return cls(entries, default, dict(data.get("info") or {}))
 
-    def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
-        return path
 
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "DispatchTable":
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
-
-    @classmethod
-    def path_for(cls, device_name: str, directory: str | os.PathLike | None = None) -> Path:
-        """``<directory>/<gpu-slug>.flat_gemm.json``; the directory defaults to the committed
-        results (`minillm.results.results_dir`, ``MINILLM_RESULTS_DIR`` overrides)."""
-        return Path(directory if directory is not None else results_dir()) / f"{gpu_slug(device_name)}{cls.SUFFIX}"
-
-    @classmethod
-    def for_device(cls, device: torch.device | str | int | None = None,
-                   directory: str | os.PathLike | None = None) -> "DispatchTable":
-        """The table of the GPU ``device`` (default: the current CUDA device), read once per
-        process and cached; an empty table (`DEFAULT_THRESHOLDS` everywhere) when that GPU
-        has no file, or for a non-CUDA device."""
-        asked = (device, directory)
-        table = _TABLES.get(asked)  # `linear` asks on every call, mostly with the same arguments
-        if table is not None:
-            return table
-        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
-        if device.type != "cuda":
-            return cls()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (index, None if directory is None else str(directory))
-        if key not in _TABLES:  # read once per GPU
-            path = cls.path_for(torch.cuda.get_device_name(index), directory)
-            _TABLES[key] = cls.load(path) if path.is_file() else cls()
-        if device.index is not None:  # "cuda" alone follows the current device: not cached by name
-            _TABLES[asked] = _TABLES[key]
-        return _TABLES[key]
-
-
-#: `DispatchTable.for_device`'s cache: (device index, directory) -> table.
-_TABLES: dict[tuple, DispatchTable] = {}
+#: The table `linear` uses when it is given none: `DEFAULT_THRESHOLDS` for every shape.
+DEFAULT_TABLE = DispatchTable()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            table: DispatchTable | None = None) -> torch.Tensor:
     """``torch.nn.functional.linear`` with the heuristic dataflow: `gemv`, `flat_gemm` or
-    cuBLAS by the batch size, per `choose_kernel` and the GPU's `DispatchTable` (``table``
-    overrides it).
+    cuBLAS by the batch size, per `choose_kernel` and ``table`` (default `DEFAULT_TABLE`; the
+    measured table of a GPU comes from `minillm.engine.gemm_table.table_for_device`).
 
     ``x: [..., K]`` (the leading dims are flattened into M), ``weight: [N, K]``, ``bias:
     [N]`` or None; returns ``[..., N]``. On a CPU tensor this is ``F.linear`` itself: the
@@ -822,7 +773,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     M, N = x2.shape[0], weight.shape[0]
-    kind = choose_kernel(M, N, K, table if table is not None else DispatchTable.for_device(x.device))
+    kind = choose_kernel(M, N, K, table if table is not None else DEFAULT_TABLE)
     if kind == "cublas":
         y = F.linear(x2, weight, bias)
     else:

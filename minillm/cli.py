@@ -13,6 +13,7 @@ run the engine (`minillm.engine`); its knobs are the same flags on both.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
@@ -20,38 +21,81 @@ import time
 from pathlib import Path
 
 from minillm import BUNDLED_MODEL
+from minillm.model.config import CheckpointError
 
 
 
-# == the engine's flags, shared by serve and generate ============================================
+# == the engine's flags, shared by serve, generate and bench ======================================
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+#: The engine's flags: option strings -> (`EngineConfig` field, ``add_argument`` keywords). Their
+#: defaults are not here: they are the dataclass's (`engine_defaults`), the one source.
+ENGINE_FLAGS: dict[tuple[str, ...], tuple[str, dict]] = {
+    ("--device",): ("device", dict(help="cpu or cuda (default: cuda if available)")),
+    ("--dtype",): ("dtype", dict(choices=["float32", "bfloat16", "float16"],
+                                 help="compute dtype (default: float32 on the CPU, the checkpoint's on a GPU)")),
+    ("--num-blocks",): ("num_blocks", dict(type=int, help="KV pool size in blocks (default: from the memory "
+                                                         "budget below)")),
+    ("--block-size",): ("block_size", dict(type=int, help="tokens per KV block (default %(default)s)")),
+    ("--kv-cache-mb", "--kv-cache-memory-mb"): ("kv_cache_memory_mb", dict(
+        type=float, help="on a CPU, the KV pool in MiB (default %(default)s)")),
+    ("--gpu-memory-utilization",): ("gpu_memory_utilization", dict(
+        type=float, help="on a GPU, the fraction of its memory the engine may use in all (default %(default)s)")),
+    ("--max-num-seqs",): ("max_num_seqs", dict(type=int, help="most sequences running at once (default %(default)s)")),
+    ("--max-num-batched-tokens",): ("max_num_batched_tokens", dict(
+        type=int, help="token budget of one step; longer prompts are prefilled in chunks (default %(default)s)")),
+    ("--max-model-len",): ("max_model_len", dict(type=int, help="longest prompt + completion (default: the "
+                                                               "model's context, capped by the pool)")),
+    ("--no-prefix-caching",): ("enable_prefix_caching", dict(action="store_false",
+                                                             help="do not reuse the KV blocks of prompts")),
+    ("--attention-backend",): ("attention_backend", dict(
+        choices=["auto", "torch", "triton"],
+        help="auto (default): the Triton kernels on CUDA in fp16/bf16, torch otherwise")),
+    ("--cuda-graphs",): ("cuda_graphs", dict(
+        choices=["all", "decode", "off"],
+        help="on CUDA with the Triton kernels, replay CUDA graphs for all steps, decode steps only, or none "
+             "(default %(default)s)")),
+}
+
+
+def engine_defaults() -> dict:
+    """``{field: default}`` of `EngineConfig` (every field has one)."""
+    from minillm.engine.config import EngineConfig
+
+    return {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, defaults: dict | None = None,
+                         helps: dict | None = None, exclude: tuple[str, ...] = ()) -> None:
+    """Add `ENGINE_FLAGS` to ``parser`` (``dest`` = the field name, default = EngineConfig's).
+
+    ``defaults``/``helps``: per field, a default/help that differs for this command (``minillm
+    bench``); ``exclude``: fields the command sets itself.
+    """
+    values = {**engine_defaults(), **(defaults or {})}
+    for options, (name, kwargs) in ENGINE_FLAGS.items():
+        if name in exclude:
+            continue
+        kwargs = {**kwargs, **({"help": helps[name]} if helps and name in helps else {})}
+        if "action" not in kwargs:  # the first option names the value (not the field)
+            kwargs.setdefault("metavar", options[0].lstrip("-").upper().replace("-", "_"))
+        parser.add_argument(*options, dest=name, default=values[name], **kwargs)
+
+
+def engine_flag_values(args: argparse.Namespace) -> dict:
+    """``{field: value}`` of the engine flags ``args`` holds."""
+    return {name: getattr(args, name) for name, _ in ENGINE_FLAGS.values() if hasattr(args, name)}
+
+
+def engine_config(args: argparse.Namespace, **overrides):
+    """The `EngineConfig` of the parsed flags (and ``overrides``)."""
+    from minillm.engine.config import EngineConfig
+
+    return EngineConfig(**{**engine_flag_values(args), **overrides})
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=os.environ.get("MINILLM_MODEL") or str(BUNDLED_MODEL),
                         help="checkpoint folder (default: $MINILLM_MODEL, else the bundled model)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="compute dtype (default: float32 on the CPU, the checkpoint's on a GPU)")
-    parser.add_argument("--num-blocks", type=int, default=None,
-                        help="KV pool size in blocks (default: from the memory budget below)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    parser.add_argument("--kv-cache-mb", type=float, default=64, help="on a CPU, the KV pool in MiB (default 64)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="on a GPU, the fraction of its memory the engine may use in all (default 0.9)")
-    parser.add_argument("--max-num-seqs", type=int, default=128, help="most sequences running at once (default 128)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024,
-                        help="token budget of one step; longer prompts are prefilled in chunks (default 1024)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + completion (default: the model's context, capped by the pool)")
-    parser.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV blocks of prompts")
-
-
-def engine_config(args: argparse.Namespace):
-    from minillm.engine import EngineConfig
-
-    return EngineConfig(device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-                        kv_cache_memory_mb=args.kv_cache_mb, gpu_memory_utilization=args.gpu_memory_utilization,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching)
 
 
 def _check_model(args: argparse.Namespace) -> bool:
@@ -70,7 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from minillm.server import serve
 
     serve(args.model, engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
-          log_level=args.log_level)
+          log_level=args.log_level, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)
     return 0
 
 
@@ -103,22 +147,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``minillm`` parser; ``bench``'s options are added only when ``argv`` asks for it."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="minillm", description="LLM inference from scratch.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sv = sub.add_parser("serve", help="serve a checkpoint with an OpenAI-compatible HTTP API")
+    add_model_argument(sv)
     add_engine_arguments(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=os.environ.get("MINILLM_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $MINILLM_API_KEY, else none)")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
+                    help="largest request body accepted; larger ones get 413 before they are read (default 8 MiB)")
+    sv.add_argument("--shutdown-timeout", type=float, default=10.0,
+                    help="seconds the first Ctrl-C/SIGTERM lets requests in flight finish (a second stops at once)")
     sv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="complete prompts with a local checkpoint (the offline engine)")
     gen.add_argument("prompt", nargs="+", help="one or more prompts (a progress bar shows for several)")
+    add_model_argument(gen)
     add_engine_arguments(gen)
     gen.add_argument("--n", type=int, default=1, help="completions per prompt")
     gen.add_argument("--max-new-tokens", type=int, default=64)
@@ -146,9 +197,18 @@ def main(argv: list[str] | None = None) -> int:
     from minillm import train
     train.add_arguments(tr)
     tr.set_defaults(func=train.main)
+    return parser
 
-    args = parser.parse_args(argv)
-    return args.func(args)
+
+def main(argv: list[str] | None = None) -> int:
+    """``minillm`` (and ``python -m minillm``): a user error exits 2 with one line on stderr."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
+    try:
+        return args.func(args)
+    except CheckpointError as e:  # a user's checkpoint folder: say what is wrong, no traceback
+        print(f"minillm {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

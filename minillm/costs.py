@@ -43,6 +43,15 @@ __all__ = [
     "kv_bytes_per_token", "decode_temp_bytes_per_seq", "memory_needed", "max_batch",
     "with_kv_heads", "kv_variants", "KV_TABLE_SHAPES", "kv_cache_table",
     "lm_head_cost", "per_token_costs", "per_token_time", "generation_step_costs", "generation_costs",
+    # kernels, by chapter
+    "total_bytes", "per_array_bytes",
+    "attention_head_flops", "nominal_attention_flops", "naive_attention_traffic",          # 1
+    "kv_cache_bytes", "decode_attention_bytes",                                            # 2
+    "online_softmax_traffic", "fa1_traffic", "tiled_attention_traffic", "traffic_comparison",  # 3
+    "fa2_traffic", "nonmatmul_flops", "warp_partition_traffic",                            # 4
+    "paged_decode_attention_bytes",                                                        # 5
+    "split_workspace_bytes", "flash_decode_attention_bytes",                               # 7
+    "kv_block_bytes",                                                                      # 9
 ]
 
 
@@ -225,7 +234,7 @@ def attention_flops(shape: ModelShape, q_len: int, kv_len: int, causal: bool = T
     """FLOPs of ``Q·Kᵀ`` and ``P·V`` for one sequence in one layer:
     ``2 (products) · 2 (mul+add) · H · d · pairs``. Depends on the *query* heads only;
     GQA saves memory, not attention FLOPs."""
-    return 4 * shape.heads * shape.head_dim * attention_pairs(q_len, kv_len, causal)
+    return shape.heads * attention_head_flops(q_len, kv_len, shape.head_dim, causal)
 
 
 def attention_bytes(shape: ModelShape, q_len: int, kv_len: int, dtype_bytes: int = 2) -> int:
@@ -392,7 +401,7 @@ def crossover_context(shape: ModelShape, phase: str = "prefill") -> float:
 # --------------------------------------------------------------------------- memory budget
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int = 2) -> int:
     """KV-cache bytes per cached token (``β``): ``2 (K and V) · layers · H_kv · d · dtype_bytes``."""
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
+    return kv_cache_bytes(1, shape.kv_heads, shape.head_dim, dtype_bytes, layers=shape.layers)
 
 
 def decode_temp_bytes_per_seq(shape: ModelShape, dtype_bytes: int = 2) -> int:
@@ -607,3 +616,311 @@ def generation_costs(shape: ModelShape, prompt_len: int, new_tokens: int, batch:
     for step in generation_step_costs(shape, prompt_len, new_tokens, batch, cached, dtype_bytes, logits):
         total = total + step
     return total
+
+
+# =========================================================================== kernels, by chapter
+# The functions above model a whole layer with ideal traffic. The ones below count what one
+# call of a chapter's kernel (or of its NumPy reference's schedule) computes or moves, with
+# the kernel's own tiles. Units: FLOPs, bytes. A ``*_traffic`` function returns a per-array
+# (or per-pass) breakdown ``{name: {"read": bytes, "write": bytes}}``; `total_bytes` adds one
+# up. A ``*_bytes`` function returns a total. Where a count depends on a kernel's tiling
+# (a block size, a split count), it is an argument; a default of ``None`` reads the kernel's
+# constant lazily, so that importing this module never imports Triton.
+
+def total_bytes(traffic: dict[str, dict[str, int]]) -> int:
+    """Reads plus writes (bytes) of a traffic dict (`fa1_traffic`, `naive_attention_traffic`,
+    `minillm.reference.ch03_online_softmax.HBM.bytes`: any ``{name: {"read": …, "write": …}}``)."""
+    return sum(rw["read"] + rw["write"] for rw in traffic.values())
+
+
+def per_array_bytes(traffic: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Reads plus writes (bytes) of each entry of a traffic dict: ``{name: bytes}``."""
+    return {name: rw["read"] + rw["write"] for name, rw in traffic.items()}
+
+
+# --------------------------------------------------------------------------- Chapter 1: naive attention
+def attention_head_flops(q_len: int, kv_len: int, head_dim: int, causal: bool = True) -> int:
+    """FLOPs of ``Q·Kᵀ`` and ``P·V`` for one query head of one sequence, counting only the
+    (query, key) pairs that are scored (`attention_pairs`): ``4·d·pairs``. `attention_flops`
+    is this times the query heads."""
+    return 4 * head_dim * attention_pairs(q_len, kv_len, causal)
+
+
+def nominal_attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, causal: bool,
+                            backward: bool = False) -> float:
+    """FLOPs credited to attention by convention (the FlashAttention-2 paper's, used for every
+    TFLOP/s the benchmarks report): ``4·B·H·q_len·kv_len·d`` for the forward (two matmuls of
+    ``2·…`` each), halved when causal, whether or not a kernel skips the masked half; the
+    backward is credited 2.5x the forward (five matmuls to the forward's two), whatever a
+    kernel actually recomputes. (`attention_head_flops` counts the causal pairs exactly:
+    ``L·(L+1)/2``, not ``L²/2``.)"""
+    flops = 4.0 * batch * heads * q_len * kv_len * head_dim
+    if causal:
+        flops /= 2
+    return flops * 2.5 if backward else flops
+
+
+def naive_attention_traffic(batch: int, q_heads: int, kv_heads: int, q_len: int, kv_len: int,
+                            head_dim: int, elem_bytes: int) -> dict[str, dict[str, int]]:
+    """HBM bytes each pass of Chapter 1's `minillm.kernels.ch01_naive_attention.naive_attention`
+    must move at least (every operand read once, every result written once):
+    ``{pass: {"read": bytes, "write": bytes}}`` for the passes ``scores``, ``softmax``, ``pv``.
+
+    The eight matrix reads/writes of the standard algorithm: pass 1 reads Q and K and writes S;
+    pass 2 reads S and writes P; pass 3 reads P and V and writes O. S is fp32 (4 bytes), P and
+    the inputs/outputs use ``elem_bytes``. The softmax pass also writes the fp32 lse vector.
+    K and V are counted once per KV head (GQA shares them).
+    """
+    q = batch * q_heads * q_len * head_dim * elem_bytes
+    kv = batch * kv_heads * kv_len * head_dim * elem_bytes  # K or V: GQA shares them, read once
+    s_elems = batch * q_heads * q_len * kv_len
+    lse = batch * q_heads * q_len * 4
+    return {
+        "scores": {"read": q + kv, "write": s_elems * 4},
+        "softmax": {"read": s_elems * 4, "write": s_elems * elem_bytes + lse},
+        "pv": {"read": s_elems * elem_bytes + kv, "write": q},
+    }
+
+
+# --------------------------------------------------------------------------- Chapter 2: the KV cache
+def kv_cache_bytes(tokens: int, kv_heads: int, head_dim: int, elem_bytes: int = 2, layers: int = 1) -> int:
+    """Bytes of the K and V caches of ``tokens`` cached tokens (all sequences together) in
+    ``layers`` layers: ``2 (K and V) · layers · tokens · H_kv · d · elem_bytes``.
+    `kv_bytes_per_token` is this for one token of a whole model."""
+    return 2 * layers * tokens * kv_heads * head_dim * elem_bytes
+
+
+def decode_attention_bytes(seq_lens, q_heads: int, kv_heads: int, head_dim: int, elem_bytes: int) -> int:
+    """HBM bytes one call of Chapter 2's `minillm.kernels.ch02_kv_cache.decode_attention` must
+    move at least: each sequence's K and V over its length (read once, shared by the query heads
+    of a group), q read, out written (``elem_bytes`` each) and the fp32 lse written.
+    ``seq_lens``: an iterable of lengths."""
+    lens = [int(n) for n in seq_lens]
+    kv = kv_cache_bytes(sum(lens), kv_heads, head_dim, elem_bytes)
+    q_and_out = 2 * len(lens) * q_heads * head_dim * elem_bytes
+    return kv + q_and_out + len(lens) * q_heads * 4
+
+
+# --------------------------------------------------------------------------- Chapter 3: online softmax, FA1 order
+def online_softmax_traffic(rows: int, n_cols: int, in_bytes: int, out_bytes: int | None = None,
+                           block_n: int | None = None) -> dict[str, int]:
+    """HBM bytes one call of `minillm.kernels.ch03_online_softmax.online_softmax` moves:
+    ``{"read", "write", "minimal"}`` (bytes).
+
+    A streamed row is read twice (statistics, then output) and written once; a row that fits
+    in one block (``n_cols <= block_n``; default the kernel's ``MAX_ONE_TILE``) is read once.
+    Each row also writes its fp32 lse. ``minimal`` is what any softmax must move: read once,
+    write once."""
+    if block_n is None:
+        from minillm.kernels.ch03_online_softmax import MAX_ONE_TILE as block_n
+    out_bytes = in_bytes if out_bytes is None else out_bytes
+    one_tile = n_cols <= block_n
+    elems = rows * n_cols
+    write = elems * out_bytes + rows * 4
+    return {"read": elems * in_bytes * (1 if one_tile else 2), "write": write,
+            "minimal": elems * in_bytes + write}
+
+
+def fa1_traffic(batch: int, q_heads: int, q_len: int, kv_len: int, head_dim: int, elem_bytes: int,
+                block_kv: int, acc_bytes: int = 4, stat_bytes: int = 4) -> dict[str, dict[str, int]]:
+    """HBM bytes `minillm.reference.ch03_online_softmax.tiled_attention` (and the FA1-order
+    Triton kernel) moves, per array: ``{name: {"read": bytes, "write": bytes}}`` for
+    ``q, k, v, o, l, m, out, lse``.
+
+    With ``Tc = ⌈kv_len / block_kv⌉`` outer iterations, per (batch, query head):
+
+    - ``K, V``: read once, ``kv_len·d`` elements each (every query head reads its KV head
+      itself: under GQA the heads of a group read the same K/V, counted each time);
+    - ``Q``: read ``Tc`` times, ``Tc·q_len·d``: the price of K/V-outer order;
+    - ``O`` (running output, ``acc_bytes`` per element: fp32 in the kernel) and ``ℓ, m``
+      (``stat_bytes``): written and read back ``Tc - 1`` times, ``(Tc-1)·q_len·(d + 2)``
+      each way;
+    - ``out`` (``elem_bytes``) and ``lse`` (``stat_bytes``): written once.
+
+    With ``Bc ≈ M/4d`` the ``Tc``-fold terms are ``≈ 4·N²·d²/M``: the paper's
+    ``Θ(N²d²/M)``, against ``Θ(N²)`` for the naive algorithm. ``Tc = 1`` is the minimum: read
+    Q, K, V once, write the output once."""
+    tc = math.ceil(kv_len / block_kv) if kv_len else 0
+    heads = batch * q_heads
+    rows_e = heads * q_len * head_dim            # elements of Q (or O)
+    revisits = max(tc - 1, 0)
+    kv = heads * kv_len * head_dim * elem_bytes
+    return {
+        "q": {"read": tc * rows_e * elem_bytes, "write": 0},
+        "k": {"read": kv, "write": 0},
+        "v": {"read": kv, "write": 0},
+        "o": {"read": revisits * rows_e * acc_bytes, "write": revisits * rows_e * acc_bytes},
+        "l": {"read": revisits * heads * q_len * stat_bytes, "write": revisits * heads * q_len * stat_bytes},
+        "m": {"read": revisits * heads * q_len * stat_bytes, "write": revisits * heads * q_len * stat_bytes},
+        "out": {"read": 0, "write": (rows_e * elem_bytes) if tc else 0},
+        "lse": {"read": 0, "write": (heads * q_len * stat_bytes) if tc else 0},
+    }
+
+
+def tiled_attention_traffic(batch: int, q_heads: int, q_len: int, kv_len: int, head_dim: int, elem_bytes: int,
+                            block_n: int | None = None) -> dict[str, dict[str, int]]:
+    """HBM bytes `minillm.kernels.ch03_online_softmax.tiled_attention` moves, per array
+    (``q, k, v, o, l, m, out, lse``; ``{"read", "write"}`` each): `fa1_traffic` with the
+    kernel's K/V block (``block_n``, default its ``FA1_BLOCK_N``) and its fp32 workspace. K/V
+    are counted once per *query* head, as each program loads them itself (under GQA, repeats
+    may come from L2)."""
+    if block_n is None:
+        from minillm.kernels.ch03_online_softmax import FA1_BLOCK_N as block_n
+    return fa1_traffic(batch, q_heads, q_len, kv_len, head_dim, elem_bytes, block_n, acc_bytes=4, stat_bytes=4)
+
+
+def traffic_comparison(seq_len: int, head_dim: int, sram_bytes: int | None = None,
+                       elem_bytes: int = 2) -> dict[str, float]:
+    """HBM bytes of one attention head (``q_len = kv_len = seq_len``): FlashAttention-1 with
+    the paper's block sizes for ``sram_bytes`` (default the A100's,
+    `minillm.reference.ch03_online_softmax.A100_SRAM_BYTES`) against Chapter 1's naive
+    algorithm (`naive_attention_traffic`). Returns ``block_q, block_kv`` (elements),
+    ``fa1_bytes, naive_bytes`` (bytes) and ``naive_over_fa1``."""
+    from minillm.reference.ch03_online_softmax import A100_SRAM_BYTES, fa1_block_sizes
+
+    sram_bytes = A100_SRAM_BYTES if sram_bytes is None else sram_bytes
+    br, bc = fa1_block_sizes(sram_bytes, head_dim, elem_bytes)
+    naive = total_bytes(naive_attention_traffic(1, 1, 1, seq_len, seq_len, head_dim, elem_bytes))
+    fa1 = total_bytes(fa1_traffic(1, 1, seq_len, seq_len, head_dim, elem_bytes, bc))
+    return {"block_q": br, "block_kv": bc, "fa1_bytes": fa1, "naive_bytes": naive, "naive_over_fa1": naive / fa1}
+
+
+# --------------------------------------------------------------------------- Chapter 4: FlashAttention-2
+def fa2_traffic(batch: int, q_heads: int, q_len: int, kv_len: int, head_dim: int, block_m: int, block_n: int,
+                causal: bool = False, window: int | None = None, elem_bytes: int = 2) -> dict[str, dict[str, int]]:
+    """HBM bytes of the FlashAttention-2 forward (`minillm.reference.ch04_flash_attention.fa2_forward`,
+    one program per ``block_m`` query rows), per array ``q, k, v, o, lse``
+    (``{"read", "write"}`` each): Q read and O written once (``elem_bytes``), the fp32 lse
+    written once, K and V read once per (query head, Q block) that does not skip their
+    ``block_n``-key block (`minillm.reference.ch04_flash_attention.classify_blocks`)."""
+    from minillm.reference.ch04_flash_attention import SKIP, block_slices, classify_blocks
+
+    classes = classify_blocks(q_len, kv_len, block_m, block_n, causal, window)
+    widths = np.array([s.stop - s.start for s in block_slices(kv_len, block_n)])
+    keys_read = int((widths[None, :] * (classes != SKIP)).sum())       # per query head
+    heads = batch * q_heads
+    return {"q": {"read": heads * q_len * head_dim * elem_bytes, "write": 0},
+            "k": {"read": heads * keys_read * head_dim * elem_bytes, "write": 0},
+            "v": {"read": heads * keys_read * head_dim * elem_bytes, "write": 0},
+            "o": {"read": 0, "write": heads * q_len * head_dim * elem_bytes},
+            "lse": {"read": 0, "write": heads * q_len * 4}}
+
+
+def nonmatmul_flops(q_len: int, kv_len: int, head_dim: int, block_m: int, block_n: int, style: str = "fa2",
+                    causal: bool = False, window: int | None = None) -> dict[str, int]:
+    """Count the floating-point operations of one attention head, FA1-style or FA2-style.
+
+    Runs the loops of `minillm.reference.ch04_flash_attention.fa2_forward` (one program per Q
+    block, the K/V blocks it does not skip streaming past) for one head, on zeros since the
+    values do not matter, with ``style="fa2"``'s ``fa2_tile_step`` and ``fa2_finalize`` or
+    ``style="fa1"``'s ``fa1_tile_step`` and ``fa1_finalize`` (all in that module), and returns
+    what the steps counted: ``exp``, ``mul``, ``add`` (subtractions included), ``max``,
+    ``div`` and ``log``, their total ``nonmatmul``, and ``matmul`` (the two products of a
+    tile, ``2·r·c·d`` FLOPs each). Skipped blocks cost nothing; masked ones cost a whole
+    tile, as in the kernel.
+
+    The difference is change (2) of FlashAttention-2. Per row and visited K/V block, FA1
+    spends ``d + 2`` more multiplies, one more exp, one more add and ``d`` divisions, where
+    FA2 divides ``d`` times per row in all. (The loop order plays no part: it moves memory
+    traffic, not arithmetic.) Why it matters: a GPU's tensor cores run matmuls far faster
+    than its other units run anything else (A100: 312 TFLOP/s of fp16 matmul, 19.5 TFLOP/s
+    of non-matmul fp32), so a non-matmul FLOP costs as much time as some 16 matmul FLOPs.
+    """
+    from collections import Counter
+
+    from minillm.reference import ch04_flash_attention as fa
+
+    styles = {"fa1": (fa.fa1_tile_step, fa.fa1_finalize), "fa2": (fa.fa2_tile_step, fa.fa2_finalize)}
+    if style not in styles:
+        raise ValueError(f"style must be 'fa1' or 'fa2', got {style!r}")
+    step, finalize = styles[style]
+    q, k, v = np.zeros((q_len, head_dim)), np.zeros((kv_len, head_dim)), np.zeros((kv_len, head_dim))
+    classes = fa.classify_blocks(q_len, kv_len, block_m, block_n, causal, window)
+    flops: Counter = Counter()
+    for i, rows in enumerate(fa.block_slices(q_len, block_m)):
+        n_rows = rows.stop - rows.start
+        state = (np.zeros((n_rows, head_dim)), np.zeros(n_rows), np.full(n_rows, -np.inf))
+        for j, cols in enumerate(fa.block_slices(kv_len, block_n)):
+            if classes[i, j] != fa.SKIP:
+                state = step(q[rows], k[cols], v[cols], *state, 1.0, None, flops)
+        finalize(*state, flops)
+    counts = {kind: flops[kind] for kind in ("exp", "mul", "add", "max", "div", "log")}
+    counts["nonmatmul"] = sum(counts.values())
+    counts["matmul"] = flops["matmul"]
+    return counts
+
+
+def warp_partition_traffic(block_m: int, block_n: int, head_dim: int, warps: int, split: str,
+                           elem_bytes: int = 2, acc_bytes: int = 4) -> dict[str, int]:
+    """Shared-memory traffic (bytes) and barriers of one tile step of
+    `minillm.reference.ch04_flash_attention.simulate_warp_split`, closed form:
+    ``{"operand_read_bytes", "exchange_write_bytes", "exchange_read_bytes", "barriers"}``.
+
+    ``Br = block_m`` rows, ``Bc = block_n`` keys, ``d = head_dim``, ``W = warps``; operands
+    (Q, K, V) are ``elem_bytes`` each, exchanged partials ``acc_bytes`` (fp32).
+
+    - split-Q (FlashAttention-2): operand reads ``(Br·d + W·2·Bc·d)·elem_bytes`` (every warp
+      reads all of K and V); nothing exchanged, no barrier.
+    - split-K (FlashAttention-1): operand reads ``(W·Br·d + 2·Bc·d)·elem_bytes`` (every warp
+      reads all of Q); exchanged per step, ``acc_bytes`` each: partial maxima (``W·Br``
+      written, ``W·W·Br`` read: every warp reads all of them), partial sums (``W·Br`` each
+      way) and partial outputs (``W·Br·d`` each way); two barriers.
+
+    Operand reads favour neither scheme in general: split-Q has every warp read K and V,
+    split-K has every warp read Q. The difference is the exchange. At ``Br = Bc = d = 64``
+    with 4 warps, split-Q reads 72 KiB of operands per tile step and that is all; split-K
+    reads 48 KiB of operands, but also writes 66 KiB of partial results to shared memory and
+    reads 69 KiB back, and stops every warp at two barriers. (Both also need a barrier per
+    step before the K/V tile can be refilled; it is not counted here.)
+    """
+    from minillm.reference.ch04_flash_attention import check_warp_split
+
+    check_warp_split(block_m, block_n, warps, split)
+    br, bc, d, w = block_m, block_n, head_dim, warps
+    if split == "q":
+        return {"operand_read_bytes": (br * d + w * 2 * bc * d) * elem_bytes,
+                "exchange_write_bytes": 0, "exchange_read_bytes": 0, "barriers": 0}
+    return {"operand_read_bytes": (w * br * d + 2 * bc * d) * elem_bytes,
+            "exchange_write_bytes": (w * br + w * br + w * br * d) * acc_bytes,
+            "exchange_read_bytes": (w * w * br + w * br + w * br * d) * acc_bytes,
+            "barriers": 2}
+
+
+# --------------------------------------------------------------------------- Chapter 5: paged attention
+def paged_decode_attention_bytes(seq_lens, q_heads: int, kv_heads: int, head_dim: int, elem_bytes: int,
+                                 block_size: int | None = None) -> int:
+    """HBM bytes one call of `minillm.kernels.ch05_paged_attention.paged_decode_attention` must
+    move at least: those of Chapter 2's contiguous kernel (`decode_attention_bytes`: K and V
+    over each sequence's length, q, out, lse) plus, given ``block_size``, the int32 table
+    entries that cover each length (read once). ``seq_lens``: an iterable of lengths."""
+    lens = [int(n) for n in seq_lens]
+    table = 0 if block_size is None else 4 * sum(-(-n // block_size) for n in lens)
+    return decode_attention_bytes(lens, q_heads, kv_heads, head_dim, elem_bytes) + table
+
+
+# --------------------------------------------------------------------------- Chapter 7: flash-decoding
+def split_workspace_bytes(batch: int, q_heads: int, num_splits: int, head_dim: int) -> int:
+    """HBM bytes the split workspace adds to a `minillm.kernels.ch07_flash_decoding.flash_decode_attention`
+    call with ``num_splits > 1``: stage 1 writes ``(head_dim + 1)`` fp32 per (sequence, query
+    head, split) and stage 2 reads them back; 0 with one split (no workspace)."""
+    if num_splits <= 1:
+        return 0
+    return 2 * batch * q_heads * num_splits * (head_dim + 1) * 4
+
+
+def flash_decode_attention_bytes(seq_lens, q_heads: int, kv_heads: int, head_dim: int, elem_bytes: int,
+                                 block_size: int | None = None, num_splits: int = 1) -> int:
+    """HBM bytes one `minillm.kernels.ch07_flash_decoding.flash_decode_attention` call moves at
+    least: those of Chapter 5's kernel (`paged_decode_attention_bytes`: K, V, q, out, lse,
+    table) plus the workspace (`split_workspace_bytes`). The benchmark reports bandwidth over
+    the first part only (the useful bytes), so that the workspace shows up as lost bandwidth."""
+    lens = [int(n) for n in seq_lens]
+    return (paged_decode_attention_bytes(lens, q_heads, kv_heads, head_dim, elem_bytes, block_size)
+            + split_workspace_bytes(len(lens), q_heads, num_splits, head_dim))
+
+
+# --------------------------------------------------------------------------- Chapter 9: the engine
+def kv_block_bytes(num_layers: int, kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int) -> int:
+    """Bytes of one block id of the engine's KV pool: its ``block_size`` rows of K and of V in
+    every layer (`kv_cache_bytes` of ``block_size`` tokens)."""
+    return kv_cache_bytes(block_size, kv_heads, head_dim, dtype_bytes, layers=num_layers)

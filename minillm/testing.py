@@ -13,6 +13,7 @@ What it checks, and why:
 """
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -36,10 +37,17 @@ def kernel_dtypes(device: torch.device | str | None = None) -> tuple[torch.dtype
     return GPU_DTYPES if device.type == "cuda" else CPU_DTYPES
 
 
+#: Every seed `fresh_seed` returned, in order (the grader clears it before each test and
+#: reports the seeds a failing test drew, so its message always says how to reproduce it).
+drawn_seeds: list[int] = []
+
+
 def fresh_seed() -> int:
     """A new seed per call, unless ``MINILLM_SEED`` pins one to reproduce a failure."""
     pinned = os.environ.get("MINILLM_SEED")
-    return int(pinned) if pinned else int.from_bytes(os.urandom(4), "little")
+    seed = int(pinned) if pinned else int.from_bytes(os.urandom(4), "little")
+    drawn_seeds.append(seed)
+    return seed
 
 
 def tolerance(dtype: torch.dtype) -> tuple[float, float]:
@@ -107,3 +115,85 @@ def assert_close(actual: torch.Tensor, expected: np.ndarray, dtype: torch.dtype,
         f"{n_nan} NaN (unwritten/poisoned) elements"
         + (f"; reproduce with MINILLM_SEED={seed}" if seed is not None else "")
     )
+
+
+def skip_fp32_on_gpu(dtype: torch.dtype, device) -> None:
+    """Skip the calling test for fp32 on a GPU. fp32 runs exact IEEE dots, which on a GPU
+    compile to long FMA sequences (slow to compile, no tensor cores, of no interest there):
+    the interpreter checks fp32, the GPU the fp16/bf16 kernels (Chapters 4, 5 and 7)."""
+    import pytest
+
+    if dtype == torch.float32 and torch.device(device).type == "cuda":
+        pytest.skip("fp32 is checked under the interpreter")
+
+
+# ----------------------------------------------------------------------------------------
+# Paged K/V pools for the kernel tests of Chapters 5 and 7
+# ----------------------------------------------------------------------------------------
+#: Blocks of NaN (`PagedPool`) or of random values around a pool, where any access outside
+#: the pool lands and shows.
+GUARD_BLOCKS = 8
+
+
+class PagedPool:
+    """K/V pools ``[num_blocks, block_size, kv_heads, head_dim]`` holding ``len(seq_lens)``
+    sequences of random tokens in randomly placed blocks, every other slot NaN.
+
+    ``tables``: int32 ``[batch, max_blocks]`` padded with -1 (a column more than the longest
+    sequence needs, so padding is always present); ``k_seq[b], v_seq[b]``: sequence ``b``'s
+    tokens ``[len, kv_heads, head_dim]`` as written (the contiguous truth). The pool is the
+    middle of a NaN buffer with `GUARD_BLOCKS` more blocks on each side.
+
+    ``shared_prefix_blocks``: sequences after the first reuse sequence 0's first blocks (and
+    tokens), as prefix caching does; ``spare_blocks``: unused blocks (all NaN)."""
+
+    def __init__(self, seq_lens, block_size, kv_heads, head_dim, dtype, device, gen, spare_blocks=3,
+                 shared_prefix_blocks=0):
+        from minillm.paged import padded_block_tables, write_slots
+        from minillm.reference.ch05_paged_attention import paged_kv_addresses
+
+        self.seq_lens, self.block_size = list(seq_lens), block_size
+        need = [math.ceil(n / block_size) for n in seq_lens]
+        num_blocks = sum(need) + spare_blocks
+        perm = torch.randperm(num_blocks, generator=gen).tolist()
+        tables, used = [], 0
+        for b, n_blocks in enumerate(need):
+            if b > 0 and shared_prefix_blocks:  # prefix caching: reuse sequence 0's first blocks
+                shared = tables[0][:min(shared_prefix_blocks, n_blocks)]
+                tables.append(shared + perm[used:used + n_blocks - len(shared)])
+                used += n_blocks - len(shared)
+            else:
+                tables.append(perm[used:used + n_blocks])
+                used += n_blocks
+        self.table_lists = tables
+        self.tables = padded_block_tables(tables, max(need, default=0) + 1, device=device)
+        # The pool is the middle of a NaN buffer with GUARD_BLOCKS more on each side: a read
+        # just outside the pool (block -1, or past the last one) also meets NaN.
+        shape = (num_blocks + 2 * GUARD_BLOCKS, block_size, kv_heads, head_dim)
+        inside = slice(GUARD_BLOCKS, GUARD_BLOCKS + num_blocks)
+        self.k = torch.full(shape, float("nan"), dtype=dtype, device=device)[inside]
+        self.v = torch.full(shape, float("nan"), dtype=dtype, device=device)[inside]
+        self.k_seq, self.v_seq = [], []
+        for b, n in enumerate(seq_lens):
+            k = random_tensor((n, kv_heads, head_dim), dtype, device, gen)
+            v = random_tensor((n, kv_heads, head_dim), dtype, device, gen)
+            if b > 0 and shared_prefix_blocks:  # the shared blocks hold sequence 0's tokens
+                m = min(shared_prefix_blocks * block_size, n, seq_lens[0])
+                k[:m], v[:m] = self.k_seq[0][:m], self.v_seq[0][:m]
+            slots = paged_kv_addresses(tables[b], np.arange(n), block_size)
+            write_slots(self.k, slots, k)
+            write_slots(self.v, slots, v)
+            self.k_seq.append(k)
+            self.v_seq.append(v)
+
+    def unused_blocks(self) -> list[int]:
+        """Blocks of the pool that no sequence uses (all NaN)."""
+        used = {blk for table in self.table_lists for blk in table}
+        return [blk for blk in range(self.k.shape[0]) if blk not in used]
+
+    def lens(self, device, dtype=torch.int32):
+        return torch.tensor(self.seq_lens, dtype=dtype, device=device)
+
+    def numpy(self):
+        """``(k, v, tables)`` as NumPy, for the references."""
+        return to_numpy(self.k), to_numpy(self.v), self.tables.cpu().numpy()

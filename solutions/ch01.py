@@ -72,3 +72,29 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, causal: bool = False, sca
     _scores_tile[grid](q, k, s, q_len, kv_len, scale, HEAD_DIM=head_dim, CAUSAL=causal,
                        IEEE=q.dtype == torch.float32, BLOCK_M=32, BLOCK_N=32)
     return s
+
+
+@triton.jit
+def softmax_kernel(S, P, n_cols, stride_row, BLOCK_N: tl.constexpr):
+    """Exercise 1.5: the row in one tile; -inf past its end, so the tail adds exp(-inf) = 0."""
+    row = tl.program_id(0).to(tl.int64)  # int64: row x stride can pass 2^31 for long rows
+    cols = tl.arange(0, BLOCK_N)
+    in_row = cols < n_cols
+    s = tl.load(S + row * stride_row + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+    m = tl.max(s, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a fully masked row: avoid -inf - (-inf) = NaN
+    e = tl.exp(s - m)                          # every exponent <= 0: no overflow
+    total = tl.sum(e, axis=0)
+    p = e / tl.where(total == 0.0, 1.0, total)  # fully masked row: 0 / 1 = zeros
+    tl.store(P + row * stride_row + cols, p, mask=in_row)
+
+
+def row_softmax(s: torch.Tensor) -> torch.Tensor:
+    """Exercise 1.5 (launcher): one program per row of the flattened ``[rows, n]`` matrix."""
+    s = s.contiguous()
+    n_cols = s.shape[-1]
+    p = torch.empty(s.shape, device=s.device, dtype=torch.float32)
+    rows = s.numel() // n_cols
+    if rows:
+        softmax_kernel[(rows,)](s, p, n_cols, n_cols, BLOCK_N=triton.next_power_of_2(n_cols))
+    return p

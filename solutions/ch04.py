@@ -1,7 +1,14 @@
 """Chapter 4 solutions. Try the exercises in ``exercises/ch04.py`` first."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from minillm.kernels.base import interpreting  # noqa: F401  (also: no GPU -> the interpreter)
 
 SKIP, MASKED, FULL = 0, 1, 2
 
@@ -70,3 +77,89 @@ def fa2_backward_tile(q_i: np.ndarray, k_j: np.ndarray, v_j: np.ndarray, do_i: n
 def backward_delta(o: np.ndarray, do: np.ndarray) -> np.ndarray:
     """Exercise 4.4: D_i = dO_i · O_i."""
     return np.sum(o * do, axis=-1)
+
+
+@triton.jit
+def fa2_forward_kernel(Q, K, V, O, LSE, q_heads, kv_heads, q_len, kv_len, scale,
+                       HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Exercise 4.5: the Q block's state stays in registers; causal blocks past the diagonal are skipped."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // q_heads, bh % q_heads
+    kv_bh = (b * kv_heads + h // (q_heads // kv_heads)).to(tl.int64)  # GQA: this head's K/V slab
+    Q += bh.to(tl.int64) * q_len * HEAD_DIM
+    O += bh.to(tl.int64) * q_len * HEAD_DIM
+    LSE += bh.to(tl.int64) * q_len
+    K += kv_bh * kv_len * HEAD_DIM
+    V += kv_bh * kv_len * HEAD_DIM
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    in_m = rows < q_len
+    q = tl.load(Q + rows[:, None] * HEAD_DIM + d[None, :], mask=in_m[:, None], other=0.0)
+
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    hi = kv_len
+    if CAUSAL:  # the block's last row sits at position kv_len - q_len + its index: no key past it
+        hi = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M + (kv_len - q_len))
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = tl.load(K + cols[:, None] * HEAD_DIM + d[None, :], mask=cols[:, None] < kv_len, other=0.0)
+        v = tl.load(V + cols[:, None] * HEAD_DIM + d[None, :], mask=cols[:, None] < kv_len, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        visible = cols[None, :] < kv_len
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None] + (kv_len - q_len))
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: subtract 0
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = alpha * l + tl.sum(p, axis=1)
+        acc = alpha[:, None] * acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # no division
+        m = m_new
+
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # FA2: divide once, at the end
+    tl.store(O + rows[:, None] * HEAD_DIM + d[None, :], out.to(O.dtype.element_ty), mask=in_m[:, None])
+    tl.store(LSE + rows, m + tl.log(l), mask=in_m)  # -inf + log(0) = -inf for a row that saw no key
+
+
+def fa2_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 4.5 (launcher): one program per (Q block, sequence and query head)."""
+    batch, q_heads, q_len, d = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+    BLOCK_M, BLOCK_N = 32, 16
+    fa2_forward_kernel[(triton.cdiv(q_len, BLOCK_M), batch * q_heads)](
+        q, k, v, out, lse, q_heads, kv_heads, q_len, kv_len, scale, HEAD_DIM=d, CAUSAL=causal,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    return out, lse
+
+
+@triton.jit
+def delta_kernel(O, DO, Delta, n_rows, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Exercise 4.6: one [BLOCK_M, BLOCK_D] tile of O and of dO, multiplied and summed along rows."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < head_dim)
+    offs = rows[:, None].to(tl.int64) * head_dim + cols[None, :]
+    o = tl.load(O + offs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Delta + rows, tl.sum(o * do, axis=1), mask=rows < n_rows)
+
+
+def backward_delta_triton(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """Exercise 4.6 (launcher): one program per block of 16 rows."""
+    o, do = o.contiguous(), do.contiguous()
+    head_dim = o.shape[-1]
+    n_rows = o.numel() // head_dim
+    delta = torch.empty(o.shape[:-1], device=o.device, dtype=torch.float32)
+    BLOCK_M = 16
+    delta_kernel[(triton.cdiv(n_rows, BLOCK_M),)](o, do, delta, n_rows, head_dim, BLOCK_M=BLOCK_M,
+                                                   BLOCK_D=triton.next_power_of_2(head_dim))
+    return delta

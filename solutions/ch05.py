@@ -5,7 +5,11 @@ import math
 from collections import deque
 
 import numpy as np
+import torch
+import triton
+import triton.language as tl
 
+from minillm.kernels.base import interpreting  # (also: no GPU -> the interpreter)
 from minillm.paged import Admission
 from minillm.paged.errors import DuplicateSequence, OutOfBlocks, RequestTooLong, UnknownSequence
 
@@ -105,7 +109,7 @@ def gather_kv(k_cache: np.ndarray, v_cache: np.ndarray, block_table_row, num_tok
 
 def tile_rows(block_table_row, start: int, block_n: int, seq_len: int, block_size: int, stride_block: int,
               stride_offset: int) -> tuple[np.ndarray, np.ndarray]:
-    """Exercise 5.3: the kernel's `_tile_rows`, both paths."""
+    """Exercise 5.3: the kernel's `tile_rows`, both paths."""
     offs = np.arange(block_n)
     pos = start + offs
     row_ok = pos < seq_len
@@ -149,3 +153,111 @@ def paged_decode_one(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bl
     if seq_len == 0:
         return np.zeros((q_heads, head_dim)), np.full(q_heads, -np.inf)
     return (acc / l[..., None]).reshape(q_heads, head_dim), (m + np.log(l)).reshape(q_heads)
+
+
+# == Exercise 5.5: the paged tile load of the decode kernel =====================================
+
+@triton.jit
+def _paged_decode_kernel(Q, K, V, BlockTables, SeqLens, O, LSE,
+                         q_heads, group, block_size, max_blocks, scale,
+                         stride_kb, stride_ko, stride_kh,
+                         HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                         IEEE: tl.constexpr):
+    """Program ``(b, kv_h)``: the query heads of sequence ``b`` that read KV head ``kv_h``."""
+    b = tl.program_id(0)
+    kv_h = tl.program_id(1)
+    rows = tl.arange(0, GROUP_PAD)                         # the GQA group's heads, padded to 16
+    in_group = rows < group
+    heads = kv_h * group + tl.minimum(rows, group - 1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + (b * q_heads + heads[:, None]) * HEAD_DIM + offs_d[None, :], mask=in_group[:, None], other=0.0)
+    seq_len = tl.load(SeqLens + b)
+    table = BlockTables + b * max_blocks
+    offs_n = tl.arange(0, BLOCK_N)
+
+    m = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((GROUP_PAD,), dtype=tl.float32)
+    acc = tl.zeros((GROUP_PAD, HEAD_DIM), dtype=tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        pos = start + offs_n
+        ok = pos < seq_len
+        # The tile's rows through the block table: entry pos // block_size, offset pos % block_size.
+        blk = tl.load(table + pos // block_size, mask=ok, other=0).to(tl.int64)
+        kv_rows = blk * stride_kb + (pos % block_size) * stride_ko + kv_h * stride_kh
+        k = tl.load(K + kv_rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(V + kv_rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]       # seq_len 0: out 0, lse -inf
+    tl.store(O + (b * q_heads + heads[:, None]) * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=in_group[:, None])
+    tl.store(LSE + b * q_heads + heads, m + tl.log(l), mask=in_group)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 5.5: one program per (sequence, KV head); see the kernel."""
+    batch, q_heads, head_dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the caches must be contiguous")
+    q, block_tables, seq_lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, q_heads, device=q.device, dtype=torch.float32)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    group = q_heads // kv_heads
+    _paged_decode_kernel[(batch, kv_heads)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, lse,
+        q_heads, group, block_size, block_tables.shape[1], scale,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HEAD_DIM=head_dim, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=16 if interpreting() else 64, IEEE=q.dtype == torch.float32)
+    return out, lse
+
+
+# == Exercise 5.6: the paged KV write ============================================================
+
+@triton.jit
+def _write_kv_kernel(K_new, V_new, K_cache, V_cache, Slots, kv_heads, block_size,
+                     stride_cb, stride_co, stride_ch,
+                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program ``t``: token ``t``'s K and V rows to slot ``Slots[t]`` (nothing for -1)."""
+    t = tl.program_id(0)
+    slot = tl.load(Slots + t)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    offs_d = tl.arange(0, HEAD_DIM)[None, :]
+    mask = (heads < tl.where(slot >= 0, kv_heads, 0)) & (offs_d < HEAD_DIM)   # [BLOCK_H, HEAD_DIM]
+    src = (t * kv_heads + heads) * HEAD_DIM + offs_d                  # k_new[t, heads, :]
+    blk = (slot // block_size).to(tl.int64)
+    dst = blk * stride_cb + (slot % block_size) * stride_co + heads * stride_ch + offs_d
+    tl.store(K_cache + dst, tl.load(K_new + src, mask=mask).to(K_cache.dtype.element_ty), mask=mask)
+    tl.store(V_cache + dst, tl.load(V_new + src, mask=mask).to(V_cache.dtype.element_ty), mask=mask)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Exercise 5.6: one program per new token."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    if v_cache.stride() != k_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError("k_cache and v_cache must have the same strides, head_dim contiguous")
+    k_new, v_new, slot_mapping = k_new.contiguous(), v_new.contiguous(), slot_mapping.contiguous()
+    if k_new.shape[0] == 0:
+        return
+    _write_kv_kernel[(k_new.shape[0],)](
+        k_new, v_new, k_cache, v_cache, slot_mapping, kv_heads, block_size,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads))

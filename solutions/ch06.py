@@ -7,6 +7,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from minillm.kernels.base import interpreting  # (also: no GPU -> the interpreter)
 
 
 # == Exercise 6.1 ===============================================================================
@@ -128,3 +133,72 @@ def cached_prefix_tokens(token_ids: Sequence[int], cache: dict, block_size: int,
             break
         hits += 1
     return hits * block_size
+
+
+# == Exercise 6.4: the copy-on-write block copy ===================================================
+
+@triton.jit
+def _copy_blocks_kernel(Pool, Pairs, stride_plane, stride_block, block_elems, BLOCK: tl.constexpr):
+    """Program ``(i, plane)``: block ``Pairs[i, 0]`` of ``plane`` to block ``Pairs[i, 1]``."""
+    i = tl.program_id(0)
+    plane = tl.program_id(1).to(tl.int64)
+    src = tl.load(Pairs + 2 * i)
+    dst = tl.load(Pairs + 2 * i + 1)
+    src_block = Pool + plane * stride_plane + src * stride_block
+    dst_block = Pool + plane * stride_plane + dst * stride_block
+    for start in range(0, block_elems, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < block_elems
+        tl.store(dst_block + offs, tl.load(src_block + offs, mask=mask), mask=mask)
+
+
+def copy_blocks(pool: torch.Tensor, pairs) -> None:
+    """Exercise 6.4: one program per (pair, plane), copying the block in chunks of ``BLOCK``."""
+    num_blocks = pool.shape[2]
+    pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    if len(np.unique(pairs[:, 1])) != len(pairs) or np.intersect1d(pairs[:, 0], pairs[:, 1]).size:
+        raise ValueError("copies must have distinct destinations, none of which is a source")
+    if len(pairs) == 0:
+        return
+    flat = pool.view(pool.shape[0] * pool.shape[1], num_blocks, -1)     # [planes, num_blocks, block_elems]
+    _copy_blocks_kernel[(len(pairs), flat.shape[0])](
+        flat, torch.from_numpy(pairs).to(pool.device), flat.stride(0), flat.stride(1), flat.shape[2], BLOCK=256)
+
+
+# == Exercise 6.5: reading sequences back out of the pool =========================================
+
+@triton.jit
+def _gather_kernel(Cache, BlockTables, CuSeqlens, Out, stride_cb, stride_co, max_blocks, block_size, row_elems,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Program ``(b, j)``: positions ``j·BLOCK_T …`` of sequence ``b`` to their rows of ``Out``."""
+    b = tl.program_id(0)
+    first = tl.load(CuSeqlens + b)
+    seq_len = tl.load(CuSeqlens + b + 1) - first
+    pos = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = pos < seq_len
+    blk = tl.load(BlockTables + b * max_blocks + pos // block_size, mask=ok, other=0).to(tl.int64)
+    src = blk * stride_cb + (pos % block_size) * stride_co                  # [BLOCK_T] row starts
+    offs_e = tl.arange(0, BLOCK_E)
+    mask = ok[:, None] & (offs_e < row_elems)[None, :]
+    rows = tl.load(Cache + src[:, None] + offs_e[None, :], mask=mask)
+    dst = (first + pos).to(tl.int64) * row_elems
+    tl.store(Out + dst[:, None] + offs_e[None, :], rows, mask=mask)
+
+
+def gather_sequences(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 6.5: one program per (sequence, tile of BLOCK_T positions)."""
+    num_blocks, block_size, kv_heads, head_dim = cache.shape
+    if cache.stride(3) != 1 or cache.stride(2) != head_dim:
+        raise ValueError("each token's [kv_heads, head_dim] row of the cache must be contiguous")
+    lens = [int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]), device=cache.device, dtype=torch.int32)
+    out = torch.full((sum(lens), kv_heads, head_dim), float("nan"), device=cache.device, dtype=cache.dtype)
+    if not lens or max(lens) == 0:
+        return out, cu
+    block_tables = block_tables.contiguous()
+    BLOCK_T = 16
+    grid = (len(lens), triton.cdiv(max(lens), BLOCK_T))
+    _gather_kernel[grid](cache, block_tables, cu, out, cache.stride(0), cache.stride(1), block_tables.shape[1],
+                         block_size, kv_heads * head_dim, BLOCK_T=BLOCK_T,
+                         BLOCK_E=triton.next_power_of_2(kv_heads * head_dim))
+    return out, cu

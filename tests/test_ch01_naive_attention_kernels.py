@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from minillm.kernels.ch01_naive_attention import (
-    attention_scores, naive_attention, naive_attention_traffic, probs_times_values, row_softmax,
+    attention_scores, naive_attention, probs_times_values, row_softmax,
 )
 from minillm import reference as ref
-from minillm.reference import ch01_naive_attention, kv_head_for, softmax
+from minillm.reference import attention, kv_head_for, softmax
 from minillm.testing import assert_close, poisoned, random_tensor, to_numpy
 
 # (batch, q_heads, kv_heads, q_len, kv_len, head_dim, causal, window)
@@ -119,18 +119,3 @@ def test_rejects_bad_gqa_ratio(device, gen):
     q, k, v = make_qkv(1, 6, 4, 8, 8, 16, torch.float32, device, gen)
     with pytest.raises(ValueError, match="multiple"):
         naive_attention(q, k, v)
-
-
-def test_traffic_count_is_the_eight_matrix_accesses():
-    b, h, hk, n, d, e = 2, 8, 2, 1000, 64, 2
-    t = naive_attention_traffic(b, h, hk, n, n, d, e)
-    q = o = b * h * n * d * e
-    kv = b * hk * n * d * e
-    s, p = b * h * n * n * 4, b * h * n * n * e
-    lse = b * h * n * 4
-    assert t["scores"] == {"read": q + kv, "write": s}
-    assert t["softmax"] == {"read": s, "write": p + lse}
-    assert t["pv"] == {"read": p + kv, "write": o}
-    total = sum(x["read"] + x["write"] for x in t.values())
-    # Q, K, S(w), S(r), P(w), P(r), V, O: the N² terms dominate once N >> d.
-    assert total == q + kv + s + s + p + p + kv + o + lse

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minillm.reference import ch01_naive_attention, attention_mask, kv_head_for, softmax
+from minillm.reference import attention, attention_mask, kv_head_for, softmax
 
 
 def sdpa(q, k, v, causal, mask=None):

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from minillm.kernels.ch02_kv_cache import decode_attention, decode_attention_bytes, write_kv
-from minillm.reference import ch01_naive_attention
+from minillm.kernels.ch02_kv_cache import decode_attention, write_kv
+from minillm.reference import attention
 from minillm.testing import assert_close, poisoned, random_tensor, to_numpy
 
 
@@ -158,12 +158,6 @@ def test_decode_attention_rejects_bad_shapes(device, gen):
         decode_attention(q[:, :4], k, k, torch.tensor([8, 8], dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="does not match"):
         decode_attention(q[:, :4, :8], k, k, lens)
-
-
-def test_decode_attention_bytes():
-    lens, hq, hk, d, e = [100, 0, 7], 8, 2, 64, 2
-    kv = 2 * hk * 107 * d * e
-    assert decode_attention_bytes(lens, hq, hk, d, e) == kv + 2 * 3 * hq * d * e + 3 * hq * 4
 
 
 # ----------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 from minillm import costs
 from minillm.model import LlamaForCausalLM, ModelConfig
 from minillm.model import reference
-from minillm.reference import KVCache, RingKVCache, ch01_naive_attention
+from minillm.reference import KVCache, RingKVCache, attention
 
 VOCAB = 97
 HEADS = 8

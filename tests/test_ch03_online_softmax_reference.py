@@ -10,11 +10,11 @@ import math
 import numpy as np
 import pytest
 
-from minillm.reference import ch01_naive_attention, softmax
+from minillm.costs import fa1_traffic
+from minillm.reference import attention, softmax
 from minillm.reference.ch03_online_softmax import (
-    A100_SRAM_BYTES, HBM, fa1_block_sizes, fa1_traffic, merge_partials, merge_stats, naive_softmax, online_softmax,
+    A100_SRAM_BYTES, HBM, fa1_block_sizes, merge_partials, merge_stats, naive_softmax, online_softmax,
     online_softmax_trace, online_softmax_update, partial_attention, softmax_stats, tile_step, tiled_attention,
-    total_bytes, traffic_comparison,
 )
 
 E = math.e
@@ -252,24 +252,3 @@ def test_hbm_count_equals_fa1_traffic(trial, seed):
     counted = hbm.bytes(sizes)
     for name, rw in want.items():
         assert counted.get(name, {"read": 0, "write": 0}) == rw, f"{name} (seed {seed + trial}, Br={br}, Bc={bc})"
-
-
-def test_fa1_traffic_against_naive():
-    from minillm.kernels.ch01_naive_attention import naive_attention_traffic
-
-    # Chapter 1's count (eight matrix accesses) is what traffic_comparison calls naive.
-    for n, d in ((1000, 64), (4096, 128)):
-        assert traffic_comparison(n, d)["naive_bytes"] == total_bytes(naive_attention_traffic(1, 1, 1, n, n, d, 2))
-    # The A100 example, N = 4096: FA1 moves 7x fewer bytes at d = 64, only 1.8x at d = 128.
-    c64, c128 = traffic_comparison(4096, 64), traffic_comparison(4096, 128)
-    assert (c64["block_q"], c64["block_kv"]) == (64, 384)
-    assert 6.5 < c64["naive_over_fa1"] < 7.5 and 1.5 < c128["naive_over_fa1"] < 2.0
-    # One K/V block (Bc >= N) is the minimum: read Q, K, V once, write out and lse once.
-    n, d = 300, 64
-    assert total_bytes(fa1_traffic(1, 1, n, n, d, 2, block_kv=n)) == 4 * n * d * 2 + 4 * n
-    # The quadratic part is Θ(N²d²/M): doubling the SRAM halves it.
-    n = 1 << 15
-    linear = total_bytes(fa1_traffic(1, 1, n, n, d, 2, block_kv=n))
-    quad = [total_bytes(fa1_traffic(1, 1, n, n, d, 2, fa1_block_sizes(m, d)[1])) - linear
-            for m in (A100_SRAM_BYTES, 2 * A100_SRAM_BYTES)]
-    assert quad[0] / quad[1] == pytest.approx(2.0, rel=0.03)  # (Tc₁ - 1)/(Tc₂ - 1) = 85/42

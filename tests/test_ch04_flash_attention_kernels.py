@@ -31,16 +31,17 @@ import numpy as np
 import pytest
 import torch
 
+from minillm.costs import nominal_attention_flops
 from minillm.kernels.ch04_flash_attention import (
-    ABLATIONS, FWD_CONFIGS, INTERPRET_FWD_CONFIG, Packing, _forward, attention_flops, flash_attention, flash_attention_varlen,
+    ABLATIONS, FWD_CONFIGS, INTERPRET_FWD_CONFIG, Packing, _forward, flash_attention, flash_attention_varlen,
     seq_bucket,
 )
 from minillm.kernels.ch04_flash_attention import (
     DKDV_CONFIGS, DQ_CONFIGS, INTERPRET_DKDV_CONFIG, INTERPRET_DQ_CONFIG, _backward, flash_attention_backward,
     flash_attention_varlen_backward,
 )
-from minillm.reference import ch01_naive_attention, attention_mask
-from minillm.testing import assert_close, poisoned, random_tensor, to_numpy, tolerance
+from minillm.reference import attention, attention_mask
+from minillm.testing import assert_close, poisoned, random_tensor, skip_fp32_on_gpu, to_numpy, tolerance
 
 
 @pytest.fixture(autouse=True)
@@ -117,16 +118,9 @@ def assert_grad_close(got, want, dtype, name, seed):
     assert_close(got, to_numpy(want), dtype, name, seed, atol=factor * atol * scale, rtol=factor * rtol)
 
 
-def skip_fp32_on_gpu(dtype, device):
-    """fp32 runs exact IEEE dots, which on a GPU compile to long FMA sequences (slow to
-    compile, no tensor cores): the interpreter checks fp32, the GPU the fp16/bf16 kernels."""
-    if dtype == torch.float32 and torch.device(device).type == "cuda":
-        pytest.skip("fp32 is checked under the interpreter")
-
-
 def exact_dtype(device):
     """The dtype of the tests that need no particular one: fp32 (exact dots) under the
-    interpreter, fp16 on a GPU (see `skip_fp32_on_gpu`)."""
+    interpreter, fp16 on a GPU (see `minillm.testing.skip_fp32_on_gpu`)."""
     return torch.float32 if torch.device(device).type == "cpu" else torch.float16
 
 
@@ -580,10 +574,7 @@ def test_rejects_bad_inputs(device, gen):
                                torch.tensor([0, 8], device=device, dtype=torch.int32), 8, 8)
 
 
-def test_attention_flops_and_buckets():
-    assert attention_flops(2, 3, 5, 7, 11, causal=False) == 4 * 2 * 3 * 5 * 7 * 11
-    assert attention_flops(2, 3, 5, 7, 11, causal=True) == 2 * 2 * 3 * 5 * 7 * 11
-    assert attention_flops(1, 1, 8, 8, 8, causal=True, backward=True) == 2.5 * 2 * 8 ** 3
+def test_seq_buckets():
     assert [seq_bucket(n) for n in (1, 64, 65, 4096, 5000, 10 ** 6)] == [64, 64, 128, 4096, 8192, 16384]
 
 
@@ -731,7 +722,7 @@ def test_benchmark_dry_run(device):
     assert all(e < (1e-4 if dtype == torch.float32 else 1e-2) for e in errors), errors
     p = next(r for r in rows if r["metric"] == "TFLOPs" and r["params"]["pass"] == "bwd" and r["params"]["causal"])
     n = p["params"]["seq_len"]
-    assert p["ours"] == pytest.approx(attention_flops(32 // n, 2, n, n, 16, True, backward=True) / 1e-3 / 1e12)
+    assert p["ours"] == pytest.approx(nominal_attention_flops(32 // n, 2, n, n, 16, True, backward=True) / 1e-3 / 1e12)
     assert p["fraction_of_ceiling"] == pytest.approx(p["ours"])  # the stand-in ceiling is 1 TFLOP/s
     assert results.status[bench.BENCHMARK] == "complete"
     table = bench.summary(results)

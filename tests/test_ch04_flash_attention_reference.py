@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from minillm.reference import ch01_naive_attention, attention_mask
+from minillm.costs import nonmatmul_flops, warp_partition_traffic
+from minillm.reference import attention, attention_mask
 from minillm.reference.ch04_flash_attention import (
     FULL, MASKED, SKIP, backward_delta, block_slices, classify_blocks, fa1_finalize, fa1_tile_step, fa2_backward,
-    fa2_backward_tile, fa2_finalize, fa2_forward, fa2_tile_step, kernel_kv_segments, nonmatmul_flops,
-    recompute_probs, simulate_warp_split, warp_partition_traffic,
+    fa2_backward_tile, fa2_finalize, fa2_forward, fa2_tile_step, kernel_kv_segments,
+    recompute_probs, simulate_warp_split,
 )
 from minillm.reference.ch03_online_softmax import HBM, tile_step
 

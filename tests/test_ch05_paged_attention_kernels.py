@@ -1,8 +1,8 @@
 """Chapter 5's paged-KV kernels against float64 NumPy references.
 
-- The references themselves: `paged_kv_addresses` against the slots `gather_slots` reads, and
-  paged attention over K/V scattered into shuffled blocks against `minillm.reference.ch01_naive_attention`
-  on the contiguous K/V.
+(The references themselves are tested in `test_ch05_paged_attention_reference.py`, the
+traffic count in `test_costs.py`.)
+
 - `paged_decode_attention` against `minillm.reference.paged_decode_attention`: block sizes 1,
   3, 16, 17, 64, 256 (powers of two or not), MHA, GQA 4/8, MQA, head dims 32-128 (40 and 96
   too), per-sequence lengths (0, and lengths that are not multiples of the block size). The
@@ -35,156 +35,32 @@ import torch
 
 from minillm.kernels.ch02_kv_cache import decode_attention
 from minillm.kernels.ch05_paged_attention import (
-    _blocks_per_tile, _paged_decode, _paged_prefill, contiguous_as_paged, decode_block_n, paged_decode_attention,
-    paged_decode_attention_bytes, paged_prefill_attention, prefill_config, write_paged_kv,
+    blocks_per_tile, _paged_decode, _paged_prefill, contiguous_as_paged, decode_block_n, paged_decode_attention,
+    paged_prefill_attention, prefill_config, write_paged_kv,
 )
 from minillm.paged import PAD, gather_slots, padded_block_tables, write_slots
-from minillm.reference import ch01_naive_attention
+from minillm.reference import attention
 from minillm.reference import ch05_paged_attention as ref
-from minillm.testing import assert_close, poisoned, random_tensor, to_numpy
+from minillm.testing import (
+    GUARD_BLOCKS, PagedPool, assert_close, poisoned, random_tensor, skip_fp32_on_gpu, to_numpy,
+)
 
 
 # ----------------------------------------------------------------------------------------
-# Helpers: a shuffled, NaN-poisoned pool holding the sequences
+# Helpers: the references over a shuffled, NaN-poisoned pool (`minillm.testing.PagedPool`)
 # ----------------------------------------------------------------------------------------
-#: Blocks of NaN (`Pool`) or of random values (`test_write_paged_kv`) around a pool, where
-#: any access outside the pool lands and shows.
-GUARD_BLOCKS = 8
-
-
-class Pool:
-    """K/V pools ``[num_blocks, block_size, kv_heads, head_dim]`` holding ``len(seq_lens)``
-    sequences of random tokens in randomly placed blocks, every other slot NaN.
-
-    ``tables``: int32 ``[batch, max_blocks]`` padded with -1 (a column more than the longest
-    sequence needs, so padding is always present); ``k_seq[b], v_seq[b]``: sequence ``b``'s
-    tokens ``[len, kv_heads, head_dim]`` as written (the contiguous truth)."""
-
-    def __init__(self, seq_lens, block_size, kv_heads, head_dim, dtype, device, gen, spare_blocks=3,
-                 shared_prefix_blocks=0):
-        self.seq_lens, self.block_size = list(seq_lens), block_size
-        need = [math.ceil(n / block_size) for n in seq_lens]
-        num_blocks = sum(need) + spare_blocks
-        perm = torch.randperm(num_blocks, generator=gen).tolist()
-        tables, used = [], 0
-        for b, n_blocks in enumerate(need):
-            if b > 0 and shared_prefix_blocks:  # prefix caching: reuse sequence 0's first blocks
-                shared = tables[0][:min(shared_prefix_blocks, n_blocks)]
-                tables.append(shared + perm[used:used + n_blocks - len(shared)])
-                used += n_blocks - len(shared)
-            else:
-                tables.append(perm[used:used + n_blocks])
-                used += n_blocks
-        self.table_lists = tables
-        self.tables = padded_block_tables(tables, max(need, default=0) + 1, device=device)
-        # The pool is the middle of a NaN buffer with GUARD_BLOCKS more on each side: a read
-        # just outside the pool (block -1, or past the last one) also meets NaN.
-        shape = (num_blocks + 2 * GUARD_BLOCKS, block_size, kv_heads, head_dim)
-        inside = slice(GUARD_BLOCKS, GUARD_BLOCKS + num_blocks)
-        self.k = torch.full(shape, float("nan"), dtype=dtype, device=device)[inside]
-        self.v = torch.full(shape, float("nan"), dtype=dtype, device=device)[inside]
-        self.k_seq, self.v_seq = [], []
-        for b, n in enumerate(seq_lens):
-            k = random_tensor((n, kv_heads, head_dim), dtype, device, gen)
-            v = random_tensor((n, kv_heads, head_dim), dtype, device, gen)
-            if b > 0 and shared_prefix_blocks:  # the shared blocks hold sequence 0's tokens
-                m = min(shared_prefix_blocks * block_size, n, seq_lens[0])
-                k[:m], v[:m] = self.k_seq[0][:m], self.v_seq[0][:m]
-            slots = ref.paged_kv_addresses(tables[b], np.arange(n), block_size)
-            write_slots(self.k, slots, k)
-            write_slots(self.v, slots, v)
-            self.k_seq.append(k)
-            self.v_seq.append(v)
-
-    def unused_blocks(self) -> list[int]:
-        """Blocks of the pool that no sequence uses (all NaN)."""
-        used = {blk for table in self.table_lists for blk in table}
-        return [blk for blk in range(self.k.shape[0]) if blk not in used]
-
-    def lens(self, device, dtype=torch.int32):
-        return torch.tensor(self.seq_lens, dtype=dtype, device=device)
-
-    def numpy(self):
-        """``(k, v, tables)`` as NumPy, for the references."""
-        return to_numpy(self.k), to_numpy(self.v), self.tables.cpu().numpy()
-
-
-def reference_decode(q, pool: Pool, scale=None):
+def reference_decode(q, pool: PagedPool, scale=None):
     k, v, tables = pool.numpy()
     return ref.paged_decode_attention(to_numpy(q), k, v, tables, pool.seq_lens, scale)
 
 
-def reference_prefill(q, cu, pool: Pool, causal=True, scale=None):
+def reference_prefill(q, cu, pool: PagedPool, causal=True, scale=None):
     k, v, tables = pool.numpy()
     return ref.paged_prefill_attention(to_numpy(q), np.asarray(cu), k, v, tables, pool.seq_lens, causal, scale)
 
 
 def cu_seqlens(q_lens, device):
     return torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=device)
-
-
-def skip_fp32_on_gpu(dtype, device):
-    """As in Chapter 4: fp32 prefill tiles are exact IEEE dots, slow to compile on a GPU and
-    of no interest there; the interpreter checks fp32, the GPU fp16/bf16."""
-    if dtype == torch.float32 and torch.device(device).type == "cuda":
-        pytest.skip("fp32 is checked under the interpreter")
-
-
-# ----------------------------------------------------------------------------------------
-# The references
-# ----------------------------------------------------------------------------------------
-def test_paged_kv_addresses(seed):
-    """The slots equal the ones `gather_slots` reads (a pool whose value is its slot index),
-    for positions in any order; padding entries and positions past the table are refused."""
-    rng = np.random.default_rng(seed)
-    block_size, num_blocks = 7, 13
-    row = rng.permutation(num_blocks)[:5].tolist() + [PAD, PAD]
-    n = 4 * block_size + 3  # five blocks, the last one partial
-    pool = np.arange(num_blocks * block_size).reshape(num_blocks, block_size)
-    positions = rng.permutation(n)
-    got = ref.paged_kv_addresses(row, positions, block_size)
-    assert got.dtype == np.int64
-    assert np.array_equal(got, gather_slots(pool, row, n)[positions])
-    assert np.array_equal(got // block_size, np.asarray(row)[positions // block_size])
-    with pytest.raises(ValueError, match="padding"):
-        ref.paged_kv_addresses(row, [5 * block_size], block_size)
-    with pytest.raises(ValueError, match="past the block table"):
-        ref.paged_kv_addresses(row, [7 * block_size], block_size)
-
-
-@pytest.mark.parametrize("block_size", [1, 4, 5])
-def test_references_equal_contiguous_attention(block_size, seed, gen):
-    """K/V scattered into shuffled blocks, read back by the paged references, give the same
-    attention as `minillm.reference.ch01_naive_attention` on the contiguous K/V (decode and prefill)."""
-    q_heads, kv_heads, head_dim = 6, 2, 8
-    pool = Pool([13, 4, 0], block_size, kv_heads, head_dim, torch.float64, "cpu", gen)
-    k, v, tables = pool.numpy()
-    q = to_numpy(random_tensor((3, q_heads, head_dim), torch.float64, "cpu", gen))
-    out, lse = ref.paged_decode_attention(q, k, v, tables, pool.seq_lens)
-    for b, n in enumerate(pool.seq_lens):
-        if n == 0:
-            assert not out[b].any() and np.all(lse[b] == -np.inf)
-            continue
-        kb, vb = (to_numpy(t[b]).transpose(1, 0, 2)[None] for t in (pool.k_seq, pool.v_seq))
-        o, l = attention(q[b][None, :, None], kb, vb)
-        np.testing.assert_allclose(out[b], o[0, :, 0], rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(lse[b], l[0, :, 0], rtol=1e-12)
-
-    q_lens = [5, 4, 0]
-    qp = to_numpy(random_tensor((9, q_heads, head_dim), torch.float64, "cpu", gen))
-    out, lse = ref.paged_prefill_attention(qp, [0, 5, 9, 9], k, v, tables, pool.seq_lens, causal=True)
-    assert out.shape == (9, q_heads, head_dim) and lse.shape == (q_heads, 9)
-    for b, (q0, nq) in enumerate(zip([0, 5], q_lens[:2])):
-        kb, vb = (to_numpy(t[b]).transpose(1, 0, 2)[None] for t in (pool.k_seq, pool.v_seq))
-        o, l = attention(qp[q0:q0 + nq].transpose(1, 0, 2)[None], kb, vb, causal=True)
-        np.testing.assert_allclose(out[q0:q0 + nq], o[0].transpose(1, 0, 2), rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(lse[:, q0:q0 + nq], l[0], rtol=1e-12)
-
-
-def test_reference_refuses_padding_inside_the_length():
-    k = np.zeros((2, 4, 1, 8))
-    with pytest.raises(ValueError, match="padding"):
-        ref.paged_decode_attention(np.zeros((1, 1, 8)), k, k, np.array([[0, PAD]]), [6])
 
 
 # ----------------------------------------------------------------------------------------
@@ -222,7 +98,7 @@ DECODE_CASES = [pytest.param(*c, id=_decode_id(c)) for c in DECODE_SMALL] + [
 
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,seq_lens", DECODE_CASES)
 def test_paged_decode_attention(q_heads, kv_heads, head_dim, block_size, seq_lens, dtype, device, gen, seed):
-    pool = Pool(seq_lens, block_size, kv_heads, head_dim, dtype, device, gen)
+    pool = PagedPool(seq_lens, block_size, kv_heads, head_dim, dtype, device, gen)
     batch = len(seq_lens)
     q = random_tensor((batch, q_heads, head_dim), dtype, device, gen)
     out, lse = poisoned((batch, q_heads, head_dim), dtype, device), poisoned((batch, q_heads), torch.float32, device)
@@ -241,7 +117,7 @@ def test_paged_decode_both_tile_paths(block_size, device, gen, seed):
     path where a tile can straddle blocks is refused)."""
     dtype = torch.float16
     block_n = 16
-    pool = Pool([block_size + 5, 2 * block_size, 3], block_size, 2, 32, dtype, device, gen)
+    pool = PagedPool([block_size + 5, 2 * block_size, 3], block_size, 2, 32, dtype, device, gen)
     q = random_tensor((3, 4, 32), dtype, device, gen)
     ref_out, ref_lse = reference_decode(q, pool)
     for path in (True, False):
@@ -260,7 +136,7 @@ def test_paged_decode_invalid_block_reads_zeros(block_size, device, gen, seed):
     never dereferenced: its positions read as zero keys and values (score 0, value 0)."""
     dtype = torch.float32
     q_heads, kv_heads, head_dim = 4, 2, 16
-    pool = Pool([3 * block_size + 1, 2 * block_size], block_size, kv_heads, head_dim, dtype, device, gen)
+    pool = PagedPool([3 * block_size + 1, 2 * block_size], block_size, kv_heads, head_dim, dtype, device, gen)
     tables = pool.tables.clone()
     tables[0, 1] = PAD                   # a hole in the middle of sequence 0
     tables[1, 0] = pool.k.shape[0] + 7   # a block id past the pool
@@ -282,7 +158,7 @@ def test_lengths_are_clamped_to_the_table(device, gen, seed):
     whose extra columns name NaN blocks, so reading past it shows (decode and prefill)."""
     dtype = torch.float32 if torch.device(device).type == "cpu" else torch.float16
     block_size, q_heads, kv_heads, head_dim = 4, 4, 2, 16
-    pool = Pool([12, 7], block_size, kv_heads, head_dim, dtype, device, gen, spare_blocks=4)
+    pool = PagedPool([12, 7], block_size, kv_heads, head_dim, dtype, device, gen, spare_blocks=4)
     width = pool.tables.shape[1]  # 4 columns: 3 used by sequence 0, one of -1
     wide = torch.full((2, width + 3), PAD, dtype=torch.int32, device=device)
     wide[:, :width] = pool.tables
@@ -314,7 +190,7 @@ def test_paged_decode_allocates_outputs_and_int64_inputs(device, gen, seed):
     """Without ``out``/``lse`` the launcher allocates them (q's dtype, and float32); int64
     tables and lengths are accepted; a custom scale is applied."""
     dtype = torch.float16
-    pool = Pool([19, 5], 8, 1, 24, dtype, device, gen)
+    pool = PagedPool([19, 5], 8, 1, 24, dtype, device, gen)
     q = random_tensor((2, 3, 24), dtype, device, gen)
     out, lse = paged_decode_attention(q, pool.k, pool.v, pool.tables.long(), pool.lens(device, torch.int64), scale=0.3)
     assert out.shape == (2, 3, 24) and out.dtype == dtype
@@ -331,7 +207,7 @@ def test_paged_decode_follows_strides(device, gen, seed):
     copied, and the padded head-dim columns never address outside the views."""
     dtype = torch.float32
     batch, q_heads, kv_heads, head_dim, block_size = 2, 6, 2, 40, 5
-    pool = Pool([23, 9], block_size, kv_heads, head_dim, dtype, device, gen)
+    pool = PagedPool([23, 9], block_size, kv_heads, head_dim, dtype, device, gen)
     wide = torch.full((*pool.k.shape[:3], 56), float("nan"), dtype=dtype, device=device)
     wide[..., :head_dim] = pool.k
     k = wide[..., :head_dim]
@@ -381,7 +257,7 @@ def test_contiguous_as_paged_equals_chapter_2(heads_first, dtype, device, gen, s
 
 
 def test_paged_decode_rejects_bad_inputs(device, gen):
-    pool = Pool([8], 4, 2, 16, torch.float32, device, gen)
+    pool = PagedPool([8], 4, 2, 16, torch.float32, device, gen)
     lens = pool.lens(device)
     q = random_tensor((1, 6, 16), torch.float32, device, gen)
     with pytest.raises(ValueError, match="multiple"):
@@ -396,13 +272,6 @@ def test_paged_decode_rejects_bad_inputs(device, gen):
         paged_decode_attention(q[..., :8], pool.k, pool.v, pool.tables, lens)
     with pytest.raises(TypeError, match="dtype"):
         paged_decode_attention(q.half(), pool.k, pool.v, pool.tables, lens)
-
-
-def test_paged_decode_attention_bytes():
-    lens, hq, hk, d, e = [100, 0, 7], 8, 2, 64, 2
-    base = 2 * hk * 107 * d * e + 2 * 3 * hq * d * e + 3 * hq * 4
-    assert paged_decode_attention_bytes(lens, hq, hk, d, e) == base
-    assert paged_decode_attention_bytes(lens, hq, hk, d, e, block_size=16) == base + 4 * (7 + 0 + 1)
 
 
 def test_tile_sizes():
@@ -454,7 +323,7 @@ def run_prefill(q_heads, kv_heads, head_dim, block_size, seqs, dtype, device, ge
                 shared_prefix_blocks=0, **kwargs):
     """Build a pool holding each sequence's prefix + new tokens, run the kernel into poisoned
     buffers; returns ``(q, cu, pool, out, lse)``."""
-    pool = Pool([p + n for p, n in seqs], block_size, kv_heads, head_dim, dtype, device, gen,
+    pool = PagedPool([p + n for p, n in seqs], block_size, kv_heads, head_dim, dtype, device, gen,
                 shared_prefix_blocks=shared_prefix_blocks)
     q_lens = [n for _, n in seqs]
     total = sum(q_lens)
@@ -513,7 +382,7 @@ def test_paged_prefill_both_tile_paths(block_size, device, gen, seed):
 
 
 def test_paged_prefill_rejects_bad_inputs(device, gen):
-    pool = Pool([8], 4, 2, 16, torch.float32, device, gen)
+    pool = PagedPool([8], 4, 2, 16, torch.float32, device, gen)
     q = random_tensor((8, 4, 16), torch.float32, device, gen)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         paged_prefill_attention(q, torch.tensor([[0, 8]], dtype=torch.int32, device=device), pool.k, pool.v,
@@ -745,7 +614,7 @@ def test_benchmark_dry_run(device):
     decode_points = 2  # block sizes 1 and 16 at one (kv_heads, batch, context)
     # + a general-path row where a block holds whole tiles (block 16 under the interpreter's
     # 16-position tiles; none with the GPU's 128-position tiles)
-    fast_path_points = sum(_blocks_per_tile(bs, decode_block_n(16, dtype), None) > 0 for bs in (1, 16))
+    fast_path_points = sum(blocks_per_tile(bs, decode_block_n(16, dtype), None) > 0 for bs in (1, 16))
     assert count("time_ms", kind="decode") == decode_points + fast_path_points
     assert count("bandwidth_TBps", kind="decode") == decode_points
     assert count("rel_err", kind="decode") == decode_points
@@ -765,12 +634,12 @@ def test_benchmark_dry_run(device):
 
 
 def test_tile_path_choice():
-    """Which way `_tile_rows` finds a tile's rows: one entry per tile when a block holds whole
+    """Which way `tile_rows` finds a tile's rows: one entry per tile when a block holds whole
     tiles, ``n`` entries when a tile is ``n`` whole blocks, one per position otherwise."""
-    assert _blocks_per_tile(256, 128, None) == 1 and _blocks_per_tile(128, 128, None) == 1
-    assert _blocks_per_tile(16, 128, None) == 8 and _blocks_per_tile(64, 128, None) == 2
-    assert _blocks_per_tile(17, 128, None) == 0 and _blocks_per_tile(1, 128, None) == 0
-    assert _blocks_per_tile(48, 128, None) == 0  # neither divides the other
-    assert _blocks_per_tile(16, 128, False) == 0 and _blocks_per_tile(256, 128, True) == 1
+    assert blocks_per_tile(256, 128, None) == 1 and blocks_per_tile(128, 128, None) == 1
+    assert blocks_per_tile(16, 128, None) == 8 and blocks_per_tile(64, 128, None) == 2
+    assert blocks_per_tile(17, 128, None) == 0 and blocks_per_tile(1, 128, None) == 0
+    assert blocks_per_tile(48, 128, None) == 0  # neither divides the other
+    assert blocks_per_tile(16, 128, False) == 0 and blocks_per_tile(256, 128, True) == 1
     with pytest.raises(ValueError, match="straddle"):
-        _blocks_per_tile(16, 128, True)
+        blocks_per_tile(16, 128, True)

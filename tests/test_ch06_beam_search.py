@@ -168,7 +168,7 @@ def test_the_grid_reaches_every_stopping_rule(monkeypatch):
     """Not vacuous: over the grid, beams finish early, searches stop before ``max_new_tokens``,
     and every ``early_stopping`` rule both continues and stops a search with full hypotheses."""
     decisions = collections.Counter()
-    rule = beam_search_module._search_is_over
+    rule = beam_search_module.search_is_over
 
     def spy(finished, best_live_sum, cur_len, params):
         over = rule(finished, best_live_sum, cur_len, params)
@@ -176,7 +176,7 @@ def test_the_grid_reaches_every_stopping_rule(monkeypatch):
             decisions[params.early_stopping, params.length_penalty > 0, over] += 1
         return over
 
-    monkeypatch.setattr(beam_search_module, "_search_is_over", spy)
+    monkeypatch.setattr(beam_search_module, "search_is_over", spy)
     early_finish = early_stop = 0
     for seed, k, lp, es in GRID:
         out = beam_search(models(seed)[1], prompt_for(seed), BeamSearchParams(k, MAX_NEW, lp, es, k, (EOS,)))
@@ -196,7 +196,7 @@ def test_search_is_over_rules():
         for s in finished_sums:
             finished.add([1, 2], torch.tensor(s))                # 2 tokens each
         params = BeamSearchParams(2, max_new_tokens, length_penalty, early_stopping)
-        return beam_search_module._search_is_over(finished, torch.tensor(best_live_sum), cur_len, params)
+        return beam_search_module.search_is_over(finished, torch.tensor(best_live_sum), cur_len, params)
 
     for es in (False, True, "never"):
         assert not over(es, 1.0, [-1.0], -0.1)                   # fewer than k hypotheses: go on

@@ -1,10 +1,10 @@
 """Chapter 7's flash-decoding kernels against float64 NumPy references.
 
-- The references: `split_bounds` (where splits fall), `split_partials` + `merge_partials`
-  equal plain attention for any cut of the keys (and equal folding Chapter 3's pairwise merge),
-  `async_partials` equals the exact partials and falls back exactly where the window says.
+(The references themselves are tested in `test_ch07_flash_decoding_reference.py`, the
+traffic counts in `test_costs.py`.)
+
 - `flash_decode_attention` / `_flash_decode` against `minillm.reference.ch07_flash_decoding` on
-  Chapter 5's shuffled, NaN-poisoned pools (`Pool`): block sizes 1, 3, 4, 8, 16, 17, 32; MHA, GQA 4
+  Chapter 5's shuffled, NaN-poisoned pools (`minillm.testing.PagedPool`): block sizes 1, 3, 4, 8, 16, 17, 32; MHA, GQA 4
   and 8, MQA; head dims 32-128 (80 too); lengths 0, 1 and odd; 1, 2, 3, 7 splits and more
   splits than tiles (empty splits in a mixed batch). Both the final output and the
   workspace of partials stage 1 wrote are compared; with one split the workspace must stay
@@ -17,7 +17,7 @@
   inputs and outputs, the stage-2 kernel alone (empty splits whose partial output is NaN,
   all-empty rows, logsumexps of ±1000), agreement with Chapter 5's `paged_decode_attention`.
 - The split heuristics: FlashAttention-2's rule on hand-computed cases (including its
-  eligibility rule and a float32 tie), ours, fixed partitions; the traffic count.
+  eligibility rule and a float32 tie), ours, fixed partitions.
 
 CPU: small shapes under the interpreter, fp32 and fp16, ``BLOCK_N = 16`` on every device for
 the small cases (so that splits fall the same way on a GPU). GPU (`make gpu`): the same plus
@@ -34,16 +34,13 @@ import torch
 from minillm.kernels.ch07_flash_decoding import (
     ASYNC_WINDOW_FP16, ASYNC_WINDOW_WIDE, CPU_NUM_SMS, MAX_SPLITS, MIN_TILES_PER_SPLIT, SPLIT_PROGRAMS_PER_SM,
     _flash_decode, _reduce_splits, async_window, fa2_num_splits, flash_decode_attention,
-    flash_decode_attention_bytes, num_sms, num_splits_heuristic, partition_splits, split_counters, split_workspace,
-    split_workspace_bytes,
+    num_sms, num_splits_heuristic, partition_splits, split_counters, split_workspace,
 )
-from minillm.kernels.ch05_paged_attention import decode_block_n, paged_decode_attention, paged_decode_attention_bytes
+from minillm.kernels.ch05_paged_attention import decode_block_n, paged_decode_attention
 from minillm.paged import PAD
-from minillm.reference import ch01_naive_attention, kv_head_for
+from minillm.reference import attention, kv_head_for
 from minillm.reference import ch07_flash_decoding as ref
-from minillm.reference.ch03_online_softmax import merge_partials as merge_two
-from minillm.testing import assert_close, poisoned, random_tensor, to_numpy
-from test_ch05_paged_attention_kernels import Pool, skip_fp32_on_gpu
+from minillm.testing import PagedPool, assert_close, poisoned, random_tensor, skip_fp32_on_gpu, to_numpy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -52,13 +49,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 BLOCK_N = 16
 
 
-def reference_partials(q, pool: Pool, num_splits, block_n=BLOCK_N, scale=None, phi=None, window=None):
+def reference_partials(q, pool: PagedPool, num_splits, block_n=BLOCK_N, scale=None, phi=None, window=None):
     k, v, tables = pool.numpy()
     return ref.flash_decode_partials(to_numpy(q), k, v, tables, pool.seq_lens, num_splits, block_n, scale, phi,
                                      window)
 
 
-def run(q, pool: Pool, num_splits, dtype, device, **kwargs):
+def run(q, pool: PagedPool, num_splits, dtype, device, **kwargs):
     """`_flash_decode` into NaN-poisoned output, lse and workspace (with its own arrival
     counters, which must be back to zero after the call); returns out, lse, (o_part, lse_part)."""
     batch, q_heads, head_dim = q.shape
@@ -70,79 +67,6 @@ def run(q, pool: Pool, num_splits, dtype, device, **kwargs):
     assert got[0] is out and got[1] is lse
     assert not workspace[2].any(), "the arrival counters must be back to zero after the call"
     return out, lse, workspace[:2]
-
-
-# ----------------------------------------------------------------------------------------
-# The references
-# ----------------------------------------------------------------------------------------
-def test_split_bounds():
-    """Hand-checked cuts, then the invariants: S ranges, contiguous, covering [0, n), starting
-    at multiples of block_n, each at most ⌈tiles / S⌉ tiles long."""
-    assert ref.split_bounds(50, 3, 16) == [(0, 32), (32, 50), (50, 50)]  # 4 tiles: 2, 2, none
-    assert ref.split_bounds(50, 1, 16) == [(0, 50)]
-    assert ref.split_bounds(0, 2, 16) == [(0, 0), (0, 0)]
-    assert ref.split_bounds(7, 3, 1) == [(0, 3), (3, 6), (6, 7)]
-    for n in (1, 15, 16, 17, 100, 333):
-        for s in (1, 2, 3, 7, 40):
-            for bn in (1, 16, 128):
-                b = ref.split_bounds(n, s, bn)
-                assert len(b) == s and b[0][0] == 0 and b[-1][1] == n
-                assert all(b[i][1] == b[i + 1][0] for i in range(s - 1))
-                span = math.ceil(math.ceil(n / bn) / s) * bn
-                assert all(hi - lo <= span and (lo % bn == 0 or lo == n) for lo, hi in b)
-
-
-@pytest.mark.parametrize("trial", range(3))
-def test_reference_merge_equals_attention(trial, seed):
-    """Any cut of the keys (random bounds, empty splits included), merged, is attention over
-    all of them; and the S-way merge equals folding Chapter 3's pairwise `merge_partials`."""
-    rng = np.random.default_rng(seed + trial)
-    q_heads, kv_heads, head_dim, n = 6, 2, 8, int(rng.integers(1, 60))
-    q = rng.standard_normal((q_heads, head_dim))
-    k, v = rng.standard_normal((2, kv_heads, n, head_dim)) * [[[[3.0]]], [[[1.0]]]]
-    cuts = np.sort(rng.integers(0, n + 1, size=int(rng.integers(0, 6))))
-    edges = [0, *cuts.tolist(), n]
-    bounds = list(zip(edges[:-1], edges[1:]))
-    o, lse = ref.split_partials(q, k, v, bounds)
-    out, l = ref.merge_partials(o, lse)
-    want_o, want_l = attention(q[None, :, None], k[None], v[None])
-    np.testing.assert_allclose(out, want_o[0, :, 0], rtol=1e-12, atol=1e-12, err_msg=f"seed {seed + trial}")
-    np.testing.assert_allclose(l, want_l[0, :, 0], rtol=1e-12, err_msg=f"seed {seed + trial}")
-    m, acc_l, acc_o = np.full(q_heads, -np.inf), np.zeros(q_heads), np.zeros((q_heads, head_dim))
-    for s in range(len(bounds)):  # Chapter 3's merge wants (m, l) = (lse, 1) for a normalised piece
-        empty = np.isneginf(lse[:, s])
-        m, acc_l, acc_o = merge_two(m, acc_l, acc_o, lse[:, s], np.where(empty, 0.0, 1.0), o[:, s])
-    np.testing.assert_allclose(out, acc_o, rtol=1e-12, atol=1e-12)
-
-
-def test_reference_merge_edge_cases():
-    """Empty splits weigh nothing whatever their output (NaN here); an all-empty row gives 0
-    and -inf; huge logsumexps do not overflow."""
-    o = np.array([[[1.0, 2.0], [np.nan, np.nan], [3.0, 5.0]], [[np.nan, 1.0], [7.0, np.nan], [0.0, 0.0]]])
-    lse = np.array([[1000.0, -np.inf, 1000.0 + math.log(3)], [-np.inf, -np.inf, -np.inf]])
-    out, l = ref.merge_partials(o, lse)
-    np.testing.assert_allclose(out[0], (np.array([1.0, 2.0]) + 3 * np.array([3.0, 5.0])) / 4, rtol=1e-14)
-    assert l[0] == pytest.approx(1000 + math.log(4), rel=1e-15)
-    assert np.array_equal(out[1], [0.0, 0.0]) and l[1] == -np.inf
-
-
-def test_reference_async_partials(seed):
-    """With φ near the scores nothing falls back and the partials equal the exact ones; a KV
-    head whose scores lie far above φ falls back (all of its non-empty splits), the other not."""
-    rng = np.random.default_rng(seed)
-    q_heads, kv_heads, head_dim, n = 8, 2, 16, 45
-    q = rng.standard_normal((q_heads, head_dim))
-    k, v = rng.standard_normal((2, kv_heads, n, head_dim))
-    q[4:] = 50.0 / math.sqrt(head_dim)   # group 1: every score >= 50 (keys of KV head 1 all >= 1)
-    k[1] = np.abs(k[1]) + 1.0
-    bounds = ref.split_bounds(n, 4, 16)  # 3 tiles: splits of 16, 16, 13 keys and an empty one
-    want_o, want_l = ref.split_partials(q, k, v, bounds)
-    o, lse, fell = ref.async_partials(q, k, v, bounds, 0.0, ASYNC_WINDOW_WIDE)
-    np.testing.assert_allclose(o, want_o, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(lse, want_l, rtol=1e-12)
-    assert fell.tolist() == [[False] * 4, [True, True, True, False]]  # 50 nats = 72 binades > 60
-    _, _, fell = ref.async_partials(q[:4], k[:1], v[:1], bounds, 0.0, ASYNC_WINDOW_FP16)
-    assert not fell.any()  # N(0, 1) scores: a split's max is within [-4.2, 10.4] nats of 0
 
 
 # ----------------------------------------------------------------------------------------
@@ -178,7 +102,7 @@ def test_flash_decode_attention(q_heads, kv_heads, head_dim, block_size, seq_len
     """Output, lse and the workspace of partials against the reference (stage 1 and the
     merge each checked), with the merge in stage 1's last program (fused) and in a second
     launch; with one split the workspace is never touched."""
-    pool = Pool(seq_lens, block_size, kv_heads, head_dim, dtype, device, gen)
+    pool = PagedPool(seq_lens, block_size, kv_heads, head_dim, dtype, device, gen)
     q = random_tensor((len(seq_lens), q_heads, head_dim), dtype, device, gen)
     out, lse, (o_part, lse_part) = run(q, pool, num_splits, dtype, device, fused_merge=fused)
     want_o, want_l, _ = reference_partials(q, pool, num_splits)
@@ -200,7 +124,7 @@ def test_flash_decode_attention_long(q_heads, kv_heads, head_dim, block_size, se
     """Long contexts with the GPU's own tile size, exact and asynchronized (φ = 0: random
     scores never leave the window, so nothing falls back)."""
     skip_fp32_on_gpu(dtype, device)
-    pool = Pool(seq_lens, block_size, kv_heads, head_dim, dtype, device, gen)
+    pool = PagedPool(seq_lens, block_size, kv_heads, head_dim, dtype, device, gen)
     q = random_tensor((len(seq_lens), q_heads, head_dim), dtype, device, gen)
     want_out, want_lse = ref.merge_partials(*reference_partials(q, pool, 1, decode_block_n(head_dim, dtype))[:2])
     for phi, fused in ((None, True), (0.0, True), (None, False)):
@@ -215,7 +139,7 @@ def test_both_tile_paths(block_size, device, gen, seed):
     """Split starts are multiples of BLOCK_N, so blocks of 16 and 32 take the
     one-entry-per-tile path by default; forcing the general path gives the same answer."""
     dtype = torch.float16
-    pool = Pool([5 * block_size + 3, 2 * block_size, 3], block_size, 2, 32, dtype, device, gen)
+    pool = PagedPool([5 * block_size + 3, 2 * block_size, 3], block_size, 2, 32, dtype, device, gen)
     q = random_tensor((3, 4, 32), dtype, device, gen)
     want_out, want_lse = ref.merge_partials(*reference_partials(q, pool, 3)[:2])
     for path in (True, False):
@@ -230,7 +154,7 @@ def test_invalid_blocks_read_zeros_and_lengths_are_clamped(device, gen, seed):
     (the table is a column slice of a wider one naming NaN blocks, so a read past it shows)."""
     dtype = torch.float32
     block_size, q_heads, kv_heads, head_dim = 8, 4, 2, 16
-    pool = Pool([45, 24], block_size, kv_heads, head_dim, dtype, device, gen, spare_blocks=6)
+    pool = PagedPool([45, 24], block_size, kv_heads, head_dim, dtype, device, gen, spare_blocks=6)
     width = pool.tables.shape[1]  # 7 columns: 6 used by sequence 0, 3 by sequence 1
     spare = pool.unused_blocks()
     wide = torch.full((2, width + 2), PAD, dtype=torch.int32, device=device)
@@ -266,7 +190,7 @@ def test_follows_strides(device, gen, seed):
     projection, a column-sliced table, out/lse and the workspace written through strided views."""
     dtype = torch.float32
     batch, q_heads, kv_heads, head_dim, block_size, splits = 2, 6, 2, 40, 5, 3
-    pool = Pool([43, 9], block_size, kv_heads, head_dim, dtype, device, gen)
+    pool = PagedPool([43, 9], block_size, kv_heads, head_dim, dtype, device, gen)
     wide = torch.full((*pool.k.shape[:3], 56), float("nan"), dtype=dtype, device=device)
     wide[..., :head_dim] = pool.k
     k = wide[..., :head_dim]
@@ -291,7 +215,7 @@ def test_follows_strides(device, gen, seed):
 def test_agrees_with_chapter_5_and_default_splits(dtype, device, gen, seed):
     """The public function with its default heuristic splits a 200-token sequence (six
     splits of 2+ tiles on the CPU), and agrees with Chapter 5's unsplit kernel."""
-    pool = Pool([200, 31], 16, 2, 64, dtype, device, gen)
+    pool = PagedPool([200, 31], 16, 2, 64, dtype, device, gen)
     q = random_tensor((2, 8, 64), dtype, device, gen)
     if decode_block_n(64, dtype) == 16:  # the interpreter: the heuristic sees 13 tiles
         assert num_splits_heuristic(2, 2, 208, num_sms(device), 16) == min(13 // MIN_TILES_PER_SPLIT, MAX_SPLITS)
@@ -306,7 +230,7 @@ def test_agrees_with_chapter_5_and_default_splits(dtype, device, gen, seed):
 # ----------------------------------------------------------------------------------------
 # The asynchronized softmax
 # ----------------------------------------------------------------------------------------
-def split_row_maxima(q, pool: Pool, num_splits, block_n=BLOCK_N):
+def split_row_maxima(q, pool: PagedPool, num_splits, block_n=BLOCK_N):
     """``[q_heads]`` arrays: each query head's largest scaled score in each non-empty split."""
     k, v, tables = pool.numpy()
     q = to_numpy(q)
@@ -324,7 +248,7 @@ def test_async_equals_exact_without_fallback(dtype, device, gen, seed):
     """φ one unit below the smallest split max: every row's offset is inside the window (for
     fp16's narrow one too), no program falls back, and the result is the exact one."""
     q_heads, kv_heads, head_dim, splits = 8, 2, 64, 3
-    pool = Pool([61, 40, 0], 16, kv_heads, head_dim, dtype, device, gen)
+    pool = PagedPool([61, 40, 0], 16, kv_heads, head_dim, dtype, device, gen)
     q = random_tensor((3, q_heads, head_dim), dtype, device, gen)
     maxima = split_row_maxima(q, pool, splits)
     phi = float(min(m.min() for m in maxima)) - 1.0
@@ -355,7 +279,7 @@ def test_async_fallback_fires_where_it_must(lanes, dtype, device, gen, seed):
     skip_fp32_on_gpu(dtype, device)
     q_heads, kv_heads, head_dim, splits = 8, 2, 32, 4
     seq_lens = [50, 0, 7]
-    pool = Pool(seq_lens, 4, kv_heads, head_dim, dtype, device, gen)
+    pool = PagedPool(seq_lens, 4, kv_heads, head_dim, dtype, device, gen)
     pool.k[:, :, 1] = pool.k[:, :, 1].abs() + 1.0  # (NaN slots stay NaN)
     q = random_tensor((3, q_heads, head_dim), dtype, device, gen)
     q[:, 4:] = 50.0 / math.sqrt(head_dim)
@@ -386,7 +310,7 @@ def test_async_window_edges(dtype, device, gen, seed):
     where fp32 and float64 scores could disagree), and the output is right every time."""
     skip_fp32_on_gpu(dtype, device)
     q_heads, kv_heads, head_dim, splits = 4, 2, 32, 3
-    pool = Pool([45, 30], 8, kv_heads, head_dim, dtype, device, gen)
+    pool = PagedPool([45, 30], 8, kv_heads, head_dim, dtype, device, gen)
     q = random_tensor((2, q_heads, head_dim), dtype, device, gen, scale=2.0)  # maxima spread over ~10 binades
     maxima2 = np.concatenate(split_row_maxima(q, pool, splits)) * math.log2(math.e)  # log2 units
     lo, hi = async_window(dtype)
@@ -443,7 +367,7 @@ def test_reduce_kernel_alone(num_splits, device, gen, seed):
 
 
 def test_rejects_bad_inputs(device, gen):
-    pool = Pool([20], 4, 2, 16, torch.float32, device, gen)
+    pool = PagedPool([20], 4, 2, 16, torch.float32, device, gen)
     lens = pool.lens(device)
     q = random_tensor((1, 4, 16), torch.float32, device, gen)
     with pytest.raises(ValueError, match="num_splits"):
@@ -520,7 +444,7 @@ def test_cached_workspace(dtype, device, gen, seed):
     and a second call on other values of that shape is still right (nothing stale)."""
     from minillm.kernels import ch07_flash_decoding as fd
 
-    pool = Pool([70, 33], 16, 2, 32, dtype, device, gen)
+    pool = PagedPool([70, 33], 16, 2, 32, dtype, device, gen)
     fd._WORKSPACES.clear()
     for _ in range(2):
         q = random_tensor((2, 4, 32), dtype, device, gen)
@@ -545,7 +469,7 @@ def test_fused_merge_equals_two_launches(phi, dtype, device, gen, seed):
 
     skip_fp32_on_gpu(dtype, device)
     q_heads, kv_heads, head_dim, splits = 6, 2, 32, 5
-    pool = Pool([83, 0, 7, 50], 8, kv_heads, head_dim, dtype, device, gen)
+    pool = PagedPool([83, 0, 7, 50], 8, kv_heads, head_dim, dtype, device, gen)
     q = random_tensor((4, q_heads, head_dim), dtype, device, gen)
     if phi is not None:
         q[:, 3:] *= 40.0  # KV head 1's scores leave the window: its non-empty splits fall back
@@ -591,15 +515,6 @@ def test_partition_splits_and_num_sms(device):
         assert num_sms(device) == CPU_NUM_SMS == 132
     else:
         assert num_sms(device) == torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def test_traffic_counts():
-    lens, hq, hk, d, e = [100, 0, 7], 8, 2, 64, 2
-    base = paged_decode_attention_bytes(lens, hq, hk, d, e, 16)
-    assert flash_decode_attention_bytes(lens, hq, hk, d, e, 16) == base  # one split: no workspace
-    assert split_workspace_bytes(3, hq, 5, d) == 2 * 3 * hq * 5 * (d + 1) * 4
-    with_workspace = base + split_workspace_bytes(3, hq, 5, d)
-    assert flash_decode_attention_bytes(lens, hq, hk, d, e, 16, num_splits=5) == with_workspace
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,8 +1,7 @@
 """Chapter 8's decode-GEMM kernels and dispatcher against float64 NumPy references.
 
-- The references: the tile models of the GEMV and flat GEMM schedules (`gemv_tiles`,
-  `flat_gemm_tiles`, with ragged tiles and split-K, empty runs included) equal ``x @ w.T``;
-  `split_k_ranges`, `padding_waste` and `arithmetic_intensity` on hand-checked values.
+(The references themselves are tested in `test_ch08_flat_gemm_reference.py`.)
+
 - `gemv` and `flat_gemm` against `minillm.reference.ch08_flat_gemm.linear`: M in {1, 2, 3, 5, 16,
   17, 33} (one program, several, a ragged last one), N and K not powers of two (ragged last
   tiles), with and without bias, split-K on and off (runs of unequal length), into a
@@ -11,7 +10,8 @@
   forced tiles (GEMV rows per program that are not powers of two, flat tiles of 32 rows);
   split-K results reproducible bit for bit; empty M and K; bad inputs refused.
 - The dispatch: `choose_kernel` at and around the thresholds, `DispatchTable` (save/load
-  round trip, the nearest-shape fallback, the default rule, the file name per GPU, refusals),
+  round trip through `minillm.engine.gemm_table`, the nearest-shape fallback, the default
+  rule, the file name per GPU, refusals),
   `find_inflection_points` on hand-made sweeps (clean, ties within tolerance, a noisy point,
   missing GEMV times, kernels never best) and random ones (its answer has the least regret
   of all pairs); `linear` on CPU is ``F.linear``; on a GPU every branch equals ``F.linear``.
@@ -31,8 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from minillm.kernels import ch08_flat_gemm as fg
+from minillm.engine.gemm_table import load_table, save_table, table_for_device, table_path
 from minillm.kernels.ch08_flat_gemm import (
-    DEFAULT_THRESHOLDS, DispatchTable, TileConfig, choose_kernel, find_inflection_points, flat_gemm, gemv, linear,
+    DEFAULT_TABLE, DEFAULT_THRESHOLDS, DispatchTable, TileConfig, choose_kernel, find_inflection_points, flat_gemm,
+    gemv, linear,
 )
 from minillm.reference import ch08_flat_gemm as ref
 from minillm.testing import assert_close, poisoned, random_tensor, to_numpy
@@ -64,46 +66,6 @@ def tol(dtype, K):
     """fp16/bf16 outputs are rounded once (the sums are fp32); fp32 sums of K products differ
     from float64 by ~sqrt(K) ulps."""
     return None if dtype != torch.float32 else 1e-5 * max(1.0, math.sqrt(K) / 4)
-
-
-# ----------------------------------------------------------------------------------------
-# The references
-# ----------------------------------------------------------------------------------------
-def test_split_k_ranges():
-    # 72 in tiles of 16 is 5 tiles (the last ragged): runs of 2 tiles, the last one empty.
-    assert ref.split_k_ranges(72, 16, 4) == [(0, 32), (32, 64), (64, 72), (72, 72)]
-    assert ref.split_k_ranges(200, 32, 3) == [(0, 96), (96, 192), (192, 200)]
-    assert ref.split_k_ranges(64, 16, 1) == [(0, 64)]
-    assert ref.split_k_ranges(10, 16, 3) == [(0, 10), (10, 10), (10, 10)]
-    with pytest.raises(ValueError):
-        ref.split_k_ranges(64, 16, 0)
-
-
-@pytest.mark.parametrize("trial", range(6))
-def test_tile_models_equal_matmul(trial, seed):
-    rng = np.random.default_rng(seed + trial)
-    M, N, K = (int(v) for v in rng.integers(1, 70, size=3))
-    x, w = rng.standard_normal((M, K)), rng.standard_normal((N, K))
-    want = x @ w.T
-    bn, bk, split = int(rng.choice([1, 3, 8, 16])), int(rng.choice([1, 5, 16, 32])), int(rng.integers(1, 6))
-    msg = f"M={M} N={N} K={K} block_n={bn} block_k={bk} split_k={split}, seed {seed + trial}"
-    np.testing.assert_allclose(ref.gemv_tiles(x, w, bn, bk, split), want, rtol=1e-12, atol=1e-12, err_msg=msg)
-    np.testing.assert_allclose(ref.flat_gemm_tiles(x, w, 16, bn, bk, split), want, rtol=1e-12, atol=1e-12,
-                               err_msg=msg)
-    got32 = ref.flat_gemm_tiles(x, w, 32, bn, bk, split, acc_dtype=np.float32)
-    assert got32.dtype == np.float32 and got32.shape == (M, N)
-    np.testing.assert_allclose(got32, want, rtol=1e-4, atol=1e-4 * math.sqrt(K), err_msg=msg)
-
-
-def test_padding_waste_and_intensity():
-    assert ref.padding_waste(1, 64) == pytest.approx(63 / 64)
-    assert ref.padding_waste(1, 16) == pytest.approx(15 / 16)
-    assert ref.padding_waste(16, 16) == 0.0
-    assert ref.padding_waste(17, 16) == pytest.approx(15 / 32)
-    # Weights dominate: 2M / elem_bytes FLOP/byte (1 per row of the batch in fp16).
-    assert ref.arithmetic_intensity(1, 4096, 4096, 2) == pytest.approx(1.0, rel=1e-3)
-    assert ref.arithmetic_intensity(8, 4096, 4096, 2) == pytest.approx(8.0, rel=1e-2)
-    assert ref.arithmetic_intensity(4, 10, 20, 4) == pytest.approx(2 * 4 * 10 * 20 / (4 * (200 + 80 + 40)))
 
 
 # ----------------------------------------------------------------------------------------
@@ -235,11 +197,11 @@ def test_choose_kernel_thresholds():
 def test_dispatch_table_roundtrip_and_fallback(tmp_path):
     table = DispatchTable({(4096, 4096): (8, 96), (12288, 4096): (4, 128), (256, 256): (2, 16)},
                           default=(3, 30), info={"device": "NVIDIA Test GPU"})
-    path = table.save(DispatchTable.path_for("NVIDIA Test GPU", tmp_path))
+    path = save_table(table, table_path("NVIDIA Test GPU", tmp_path))
     assert path == tmp_path / "nvidia-test-gpu.flat_gemm.json"
     data = json.loads(path.read_text())
     assert data["kind"] == "flat_gemm_dispatch" and "date" not in data, "no top-level date (see the docstring)"
-    back = DispatchTable.load(path)
+    back = load_table(path)
     assert back == table
     # Exact shapes, then the nearest by N·K: [4096, 11008] is 2.7x of 4096² and 0.9x of 12288x4096.
     assert back.thresholds(4096, 4096) == (8, 96)
@@ -253,7 +215,7 @@ def test_dispatch_table_roundtrip_and_fallback(tmp_path):
         DispatchTable.from_dict({**data, "kind": "something else"})
     with pytest.raises(ValueError):
         DispatchTable.from_dict({**data, "shapes": [{"n": 1, "k": 1, "m1": 8, "m2": 4}]})
-    assert DispatchTable.for_device("cpu") == DispatchTable(), "no table off the GPU"
+    assert table_for_device("cpu") == DispatchTable() == DEFAULT_TABLE, "no table off the GPU"
 
 
 def _regret(ms, times, m1, m2, tolerance):
@@ -366,11 +328,11 @@ def test_linear_every_branch_on_gpu(kind, dtype, device, gen, seed):
 
 @pytest.mark.gpu
 def test_table_for_this_gpu(device, tmp_path):
-    """`DispatchTable.for_device` finds the file named after this GPU, or gives the default."""
+    """`table_for_device` finds the file named after this GPU, or gives the default."""
     table = DispatchTable({(100, 72): (1, 2)})
-    table.save(DispatchTable.path_for(torch.cuda.get_device_name(device), tmp_path))
-    assert DispatchTable.for_device(device, tmp_path) == table
-    assert DispatchTable.for_device(device, tmp_path / "elsewhere") == DispatchTable()
+    save_table(table, table_path(torch.cuda.get_device_name(device), tmp_path))
+    assert table_for_device(device, tmp_path) == table
+    assert table_for_device(device, tmp_path / "elsewhere") == DispatchTable()
 
 
 @pytest.mark.gpu
@@ -417,7 +379,7 @@ def test_benchmark_dry_run(device, tmp_path):
     # Every time ties (the stand-in timer): the largest thresholds win, GEMV up to 3, flat beyond.
     assert table.entries == {(48, 40): (3, 17)}
     assert count("m1", shape="tiny.a") == 1 and next(r["ours"] for r in rows if r["metric"] == "m1") == 3
-    assert DispatchTable.load(DispatchTable.path_for("dry run", tmp_path)) == table
+    assert load_table(table_path("dry run", tmp_path)) == table
     assert [r["params"]["chosen"] for r in rows if r["metric"] == "time_ms" and r["params"]["kernel"] == "dispatch"] \
         == ["gemv", "gemv", "flat_gemm"]
     bw = next(r for r in rows if r["metric"] == "bandwidth_TBps" and r["params"]["kernel"] == "flat_gemm")

@@ -308,7 +308,7 @@ def test_ch09_rows_and_summary():
     ours = bench.OfflineResult("minillm", "cuda_graphs_all", 4, 2, 0.5, 40, 20, 40.0, 120.0, 8.0, 20, 1.0, steps=12,
                                kv_waste_mean=0.02, kv_waste_max=0.05, preemptions=0, peak_kv_blocks=9,
                                num_kv_blocks=100, decode_step_ms=1.5, eager_steps=0)
-    ch09_engine._add_offline(results, base, "cuda_graphs_all", ours, peer)
+    ch09_engine.add_offline(results, base, "cuda_graphs_all", ours, peer)
     headline = results.rows[0]
     assert headline["metric"] == "output_tokens_per_s" and headline["ratio"] == pytest.approx(4.0)
     text = ch09_engine.summary(results)

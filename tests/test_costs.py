@@ -458,3 +458,181 @@ def test_generation_total_is_linear_with_cache_quadratic_without():
     unc = C.generation_costs(s, 1, n, cached=False).flops
     assert unc > gemm_per_token * n * (n + 1) / 2
     assert C.generation_costs(s, 1, n).flops < 1.02 * (gemm_per_token + 2 * s.vocab * s.hidden) * n
+
+
+# =========================================================================== kernels, by chapter
+def test_total_and_per_array_bytes():
+    t = {"a": {"read": 1, "write": 2}, "b": {"read": 10, "write": 0}}
+    assert C.total_bytes(t) == 13
+    assert C.per_array_bytes(t) == {"a": 3, "b": 10}
+
+
+# --------------------------------------------------------------------------- Chapter 1
+def test_nominal_attention_flops():
+    assert C.nominal_attention_flops(2, 3, 5, 7, 11, causal=False) == 4 * 2 * 3 * 5 * 7 * 11
+    assert C.nominal_attention_flops(2, 3, 5, 7, 11, causal=True) == 2 * 2 * 3 * 5 * 7 * 11
+    assert C.nominal_attention_flops(1, 1, 8, 8, 8, causal=True, backward=True) == 2.5 * 2 * 8 ** 3
+    assert C.nominal_attention_flops(1, 16, 4096, 4096, 128, False) == 4 * 16 * 4096 ** 2 * 128
+    assert C.nominal_attention_flops(1, 16, 4096, 4096, 128, True) == 2 * 16 * 4096 ** 2 * 128
+
+
+def test_attention_head_flops_counts_the_visible_pairs():
+    # bottom-right aligned: `new` queries after `cached` keys see cached + i + 1 keys each
+    for cached, new in ((0, 1), (0, 7), (5, 3), (100, 1)):
+        pairs = sum(cached + i + 1 for i in range(new))
+        assert C.attention_head_flops(new, cached + new, 16) == 4 * 16 * pairs
+    assert C.attention_head_flops(3, 5, 8, causal=False) == 4 * 8 * 15
+    s = TINY[1]
+    assert C.attention_flops(s, 3, 5) == s.heads * C.attention_head_flops(3, 5, s.head_dim)
+
+
+def test_naive_attention_traffic_is_the_eight_matrix_accesses():
+    b, h, hk, n, d, e = 2, 8, 2, 1000, 64, 2
+    t = C.naive_attention_traffic(b, h, hk, n, n, d, e)
+    q = o = b * h * n * d * e
+    kv = b * hk * n * d * e
+    s, p = b * h * n * n * 4, b * h * n * n * e
+    lse = b * h * n * 4
+    assert t["scores"] == {"read": q + kv, "write": s}
+    assert t["softmax"] == {"read": s, "write": p + lse}
+    assert t["pv"] == {"read": p + kv, "write": o}
+    # Q, K, S(w), S(r), P(w), P(r), V, O: the N² terms dominate once N >> d.
+    assert C.total_bytes(t) == q + kv + s + s + p + p + kv + o + lse
+    # the scores pass writes N² fp32 values per head
+    t = C.naive_attention_traffic(1, 16, 16, 1024, 1024, 64, 2)
+    assert t["scores"]["write"] == 16 * 1024 * 1024 * 4
+
+
+# --------------------------------------------------------------------------- Chapter 2
+def test_kv_cache_bytes():
+    assert C.kv_cache_bytes(1000, 8, 128, 2) == 2 * 1000 * 8 * 128 * 2
+    assert C.kv_cache_bytes(10, 2, 4, 4, layers=3) == 3 * C.kv_cache_bytes(10, 2, 4, 4)
+    for s in (C.LLAMA2_7B, C.LLAMA3_8B, *TINY):
+        assert C.kv_bytes_per_token(s, 2) == C.kv_cache_bytes(1, s.kv_heads, s.head_dim, 2, layers=s.layers)
+
+
+def test_decode_attention_bytes():
+    lens, hq, hk, d, e = [100, 0, 7], 8, 2, 64, 2
+    kv = 2 * hk * 107 * d * e
+    assert C.decode_attention_bytes(lens, hq, hk, d, e) == kv + 2 * 3 * hq * d * e + 3 * hq * 4
+
+
+# --------------------------------------------------------------------------- Chapter 3
+def test_online_softmax_traffic():
+    r, n = 4096, 65536
+    streamed = C.online_softmax_traffic(r, n, 2)
+    assert streamed == {"read": 2 * r * n * 2, "write": r * n * 2 + 4 * r, "minimal": 2 * r * n * 2 + 4 * r}
+    assert C.online_softmax_traffic(r, 100, 4, block_n=64)["read"] == 2 * r * 100 * 4
+    assert C.online_softmax_traffic(r, 100, 4, block_n=128)["read"] == r * 100 * 4
+
+
+def test_online_softmax_traffic_default_block_is_the_kernels():
+    from minillm.kernels.ch03_online_softmax import MAX_ONE_TILE
+
+    r = 4096
+    fits = C.online_softmax_traffic(r, MAX_ONE_TILE, 4, out_bytes=2)
+    assert fits["read"] == r * MAX_ONE_TILE * 4 and fits["write"] == r * MAX_ONE_TILE * 2 + 4 * r
+    assert C.online_softmax_traffic(r, MAX_ONE_TILE + 1, 4)["read"] == 2 * r * (MAX_ONE_TILE + 1) * 4
+
+
+def test_tiled_attention_traffic_is_the_reference_schedule(seed):
+    """The kernel's traffic formula is the count of the NumPy reference run with the
+    kernel's K/V block (the two follow one schedule); Q is read once per K/V block."""
+    from minillm.reference.ch03_online_softmax import HBM, tiled_attention
+
+    rng = np.random.default_rng(seed)
+    batch, heads, q_len, kv_len, d = 1, 2, 70, 150, 16
+    q = rng.standard_normal((batch, heads, q_len, d))
+    k, v = rng.standard_normal((2, batch, 1, kv_len, d))
+    hbm = HBM()
+    tiled_attention(q, k, v, causal=True, block_q=64, block_kv=64, hbm=hbm)
+    counted = hbm.bytes({"q": 2, "k": 2, "v": 2, "out": 2, "o": 4, "l": 4, "m": 4, "lse": 4})
+    want = C.tiled_attention_traffic(batch, heads, q_len, kv_len, d, 2, block_n=64)
+    assert want == C.fa1_traffic(batch, heads, q_len, kv_len, d, 2, 64)
+    assert {n: rw for n, rw in want.items() if rw["read"] or rw["write"]} == counted
+    assert want["q"]["read"] == 3 * batch * heads * q_len * d * 2          # ⌈150 / 64⌉ = 3 K/V blocks
+
+
+def test_tiled_attention_traffic_default_block_is_the_kernels():
+    from minillm.kernels.ch03_online_softmax import FA1_BLOCK_N
+
+    assert C.tiled_attention_traffic(2, 4, 300, 500, 64, 2) == C.fa1_traffic(2, 4, 300, 500, 64, 2, FA1_BLOCK_N)
+
+
+def test_fa1_traffic_against_naive():
+    from minillm.reference.ch03_online_softmax import A100_SRAM_BYTES, fa1_block_sizes
+
+    # Chapter 1's count (eight matrix accesses) is what traffic_comparison calls naive.
+    for n, d in ((1000, 64), (4096, 128)):
+        naive = C.total_bytes(C.naive_attention_traffic(1, 1, 1, n, n, d, 2))
+        assert C.traffic_comparison(n, d)["naive_bytes"] == naive == 4 * n * d * 2 + n * n * (4 + 4 + 2 + 2) + 4 * n
+    # The A100 example, N = 4096: FA1 moves 7x fewer bytes at d = 64, only 1.8x at d = 128.
+    c64, c128 = C.traffic_comparison(4096, 64), C.traffic_comparison(4096, 128)
+    assert (c64["block_q"], c64["block_kv"]) == (64, 384)
+    assert 6.5 < c64["naive_over_fa1"] < 7.5 and 1.5 < c128["naive_over_fa1"] < 2.0
+    assert C.traffic_comparison(4096, 64, sram_bytes=A100_SRAM_BYTES) == c64
+    # One K/V block (Bc >= N) is the minimum: read Q, K, V once, write out and lse once.
+    n, d = 300, 64
+    assert C.total_bytes(C.fa1_traffic(1, 1, n, n, d, 2, block_kv=n)) == 4 * n * d * 2 + 4 * n
+    # The quadratic part is Θ(N²d²/M): doubling the SRAM halves it.
+    n = 1 << 15
+    linear = C.total_bytes(C.fa1_traffic(1, 1, n, n, d, 2, block_kv=n))
+    quad = [C.total_bytes(C.fa1_traffic(1, 1, n, n, d, 2, fa1_block_sizes(m, d)[1])) - linear
+            for m in (A100_SRAM_BYTES, 2 * A100_SRAM_BYTES)]
+    assert quad[0] / quad[1] == pytest.approx(2.0, rel=0.03)  # (Tc₁ - 1)/(Tc₂ - 1) = 85/42
+
+
+# --------------------------------------------------------------------------- Chapter 4
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, 40)])
+def test_fa2_traffic_is_the_reference_count(causal, window, seed):
+    """The closed form equals what `fa2_forward` moves through its counting HBM."""
+    from minillm.reference.ch03_online_softmax import HBM
+    from minillm.reference.ch04_flash_attention import fa2_forward
+
+    rng = np.random.default_rng(seed)
+    b, h, n, d, bm, bn = 1, 2, 100, 8, 32, 16
+    q, k, v = (rng.standard_normal((b, h, n, d)) for _ in range(3))
+    hbm = HBM()
+    fa2_forward(q, k, v, causal=causal, window=window, block_m=bm, block_n=bn, hbm=hbm)
+    counted = hbm.bytes({"q": 2, "k": 2, "v": 2, "o": 2, "lse": 4})
+    want = C.fa2_traffic(b, h, n, n, d, bm, bn, causal, window)
+    assert {name: rw for name, rw in want.items() if rw["read"] or rw["write"]} == counted
+    full = C.fa2_traffic(b, h, n, n, d, bm, bn)
+    assert full["k"]["read"] == b * h * -(-n // bm) * n * d * 2            # every Q block reads all of K
+    if causal:
+        assert want["k"]["read"] < full["k"]["read"]
+
+
+# --------------------------------------------------------------------------- Chapters 5, 7, 9
+def test_paged_decode_attention_bytes():
+    lens, hq, hk, d, e = [100, 0, 7], 8, 2, 64, 2
+    base = 2 * hk * 107 * d * e + 2 * 3 * hq * d * e + 3 * hq * 4
+    assert C.paged_decode_attention_bytes(lens, hq, hk, d, e) == base == C.decode_attention_bytes(lens, hq, hk, d, e)
+    assert C.paged_decode_attention_bytes(lens, hq, hk, d, e, block_size=16) == base + 4 * (7 + 0 + 1)
+
+
+def test_flash_decode_attention_bytes():
+    lens, hq, hk, d, e = [100, 0, 7], 8, 2, 64, 2
+    base = C.paged_decode_attention_bytes(lens, hq, hk, d, e, 16)
+    assert C.flash_decode_attention_bytes(lens, hq, hk, d, e, 16) == base  # one split: no workspace
+    assert C.split_workspace_bytes(3, hq, 1, d) == 0
+    assert C.split_workspace_bytes(3, hq, 5, d) == 2 * 3 * hq * 5 * (d + 1) * 4
+    with_workspace = base + C.split_workspace_bytes(3, hq, 5, d)
+    assert C.flash_decode_attention_bytes(lens, hq, hk, d, e, 16, num_splits=5) == with_workspace
+
+
+def test_kv_block_bytes():
+    # 2 (K and V) · layers · block_size · H_kv · d · dtype bytes
+    assert C.kv_block_bytes(4, 2, 16, 8, 2) == 2 * 4 * 8 * 2 * 16 * 2
+    s = C.LLAMA3_8B
+    assert C.kv_block_bytes(s.layers, s.kv_heads, s.head_dim, 16, 2) == 16 * C.kv_bytes_per_token(s, 2)
+
+
+def test_kernel_counts_do_not_import_triton():
+    import subprocess
+    import sys
+
+    code = ("import sys, minillm.costs as C; C.fa2_traffic(1, 1, 8, 8, 4, 4, 4); C.nonmatmul_flops(8, 8, 4, 4, 4); "
+            "C.traffic_comparison(64, 16); C.warp_partition_traffic(8, 8, 4, 2, 'q'); "
+            "assert 'triton' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)

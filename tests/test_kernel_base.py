@@ -1,13 +1,21 @@
 """`minillm.kernels.base`: a cached launch must compute what Triton's own launch computes,
 for every specialization Triton makes (pointer alignment, integers equal to 1 or divisible
-by 16, constexpr defaults), and under CUDA-graph capture."""
+by 16, constexpr defaults), and under CUDA-graph capture. And the helpers every chapter
+shares: the host-side checks and sizes, the head-dim offsets, and the online-softmax update
+(tile by tile, masked and unmasked, it must give NumPy's softmax statistics)."""
+import math
+
+import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 from minillm.kernels import base as launch_mod
-from minillm.kernels.base import launch
+from minillm.kernels.base import (
+    CPU_NUM_SMS, LN2, LOG2E, block_d, dot_precision, head_dim_offsets, launch, num_sms, online_softmax_update,
+    scale_and_window,
+)
 
 
 @triton.jit
@@ -83,3 +91,96 @@ def test_cached_launch_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, _reference(x, y, 3.0))
+
+
+# ----------------------------------------------------------------------------------------
+# The shared helpers
+# ----------------------------------------------------------------------------------------
+def test_host_helpers():
+    assert LOG2E * LN2 == pytest.approx(1.0) and LOG2E == pytest.approx(1 / math.log(2))
+    assert [block_d(d) for d in (1, 16, 17, 64, 100, 128, 256)] == [16, 16, 32, 64, 128, 128, 256]
+    assert dot_precision(torch.float32) == "ieee" and dot_precision(torch.float16) == "tf32"
+    assert scale_and_window(64, None, None) == (0.125, None)
+    assert scale_and_window(64, 2, 5) == (2.0, 5)
+    for bad in ((0.0, None), (-1.0, None), (None, 0)):
+        with pytest.raises(ValueError):
+            scale_and_window(64, *bad)
+    assert num_sms("cpu") == num_sms(torch.device("cpu")) == CPU_NUM_SMS
+    if torch.cuda.is_available():
+        assert num_sms("cuda:0") == torch.cuda.get_device_properties(0).multi_processor_count
+
+
+@triton.jit
+def _online_softmax_kernel(S, Visible, P, Alpha, L, M, n_tiles, qk_scale,
+                           ROWS: tl.constexpr, COLS: tl.constexpr, MASKED: tl.constexpr):
+    """Fold ``n_tiles`` tiles ``S[t]: [ROWS, COLS]`` into the statistics; store each tile's
+    ``p`` and ``alpha`` and the final ``l``, ``m``."""
+    rows = tl.arange(0, ROWS)
+    cols = tl.arange(0, COLS)
+    tile = rows[:, None] * COLS + cols[None, :]
+    m = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((ROWS,), dtype=tl.float32)
+    for t in range(0, n_tiles):
+        s = tl.load(S + t * ROWS * COLS + tile)
+        if MASKED:
+            s = tl.where(tl.load(Visible + t * ROWS * COLS + tile) != 0, s * qk_scale, float("-inf"))
+        p, alpha, l, m = online_softmax_update(m, l, s, qk_scale, MASKED)
+        tl.store(P + t * ROWS * COLS + tile, p)
+        tl.store(Alpha + t * ROWS + rows, alpha)
+    tl.store(L + rows, l)
+    tl.store(M + rows, m)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_online_softmax_update(masked, device, gen):
+    """Over 3 tiles the update gives the running max (log2 units), the sum of 2^(x - m), and
+    the weights p of each tile against the max so far; alpha rescales the earlier ones. With
+    the mask: an invisible pair weighs 0, and a row that sees nothing (here row 0, in every
+    tile; row 1 in the first tile only) stays at m = -inf, l = 0, with no NaN."""
+    rows, cols, tiles, scale = 16, 16, 3, 0.3
+    s = torch.randn(tiles, rows, cols, generator=gen, dtype=torch.float32) * 4
+    visible = torch.rand(tiles, rows, cols, generator=gen) < 0.7 if masked else torch.ones(tiles, rows, cols, dtype=torch.bool)
+    if masked:
+        visible[:, 0] = False
+        visible[0, 1] = False
+    out = [torch.empty(tiles, rows, cols), torch.empty(tiles, rows), torch.empty(rows), torch.empty(rows)]
+    out = [t.to(device) for t in out]
+    _online_softmax_kernel[(1,)](s.to(device), visible.to(torch.int32).to(device), *out, tiles, scale * LOG2E,
+                                 ROWS=rows, COLS=cols, MASKED=masked)
+    p, alpha, l, m = (t.cpu().numpy().astype(np.float64) for t in out)
+
+    x = np.where(visible.numpy(), s.numpy().astype(np.float64) * scale * LOG2E, -np.inf)  # log2 units
+    m_ref = np.full(rows, -np.inf)
+    for t in range(tiles):
+        m_new = np.maximum(m_ref, x[t].max(axis=1))
+        m_sub = np.where(np.isinf(m_new), 0.0, m_new)
+        np.testing.assert_allclose(p[t], np.exp2(x[t] - m_sub[:, None]), rtol=1e-5, atol=1e-30)
+        np.testing.assert_allclose(alpha[t], np.exp2(m_ref - m_sub), rtol=1e-5, atol=1e-30)
+        m_ref = m_new
+    np.testing.assert_allclose(m, m_ref, rtol=1e-6)
+    seen = ~np.isinf(m_ref)
+    l_ref = np.where(seen, np.exp2(x - np.where(seen, m_ref, 0.0)[None, :, None]).sum(axis=(0, 2)), 0.0)
+    np.testing.assert_allclose(l, l_ref, rtol=1e-5)
+    assert not np.isnan(p).any() and not np.isnan(alpha).any() and not np.isnan(l).any()
+    if masked:
+        assert m[0] == -np.inf and l[0] == 0.0 and alpha[0, 1] == 0.0  # row 1 sees nothing in tile 0
+
+
+@triton.jit
+def _offsets_kernel(Offs, Ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs, d_ok = head_dim_offsets(HEAD_DIM, BLOCK_D)
+    cols = tl.arange(0, BLOCK_D)
+    tl.store(Offs + cols, offs)
+    tl.store(Ok + cols[None, :], d_ok.to(tl.int32))
+
+
+@pytest.mark.parametrize("head_dim", [16, 20, 64, 100])
+def test_head_dim_offsets(head_dim, device):
+    """The real columns as they are, the padding ones masked and clamped onto the last real one."""
+    bd = block_d(head_dim)
+    offs = torch.empty(bd, dtype=torch.int32, device=device)
+    ok = torch.empty(bd, dtype=torch.int32, device=device)
+    _offsets_kernel[(1,)](offs, ok, HEAD_DIM=head_dim, BLOCK_D=bd)
+    cols = torch.arange(bd)
+    assert offs.cpu().tolist() == torch.clamp(cols, max=head_dim - 1).tolist()
+    assert ok.cpu().tolist() == (cols < head_dim).int().tolist()

@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `pytest` without `python -m` does not put the root on the path
     sys.path.insert(0, str(REPO))
 
+from minillm import costs as C  # noqa: E402
 from minillm import results as mr  # noqa: E402
 from bench import common  # noqa: E402
 from bench.common import Results, compute_ratio, metric_direction  # noqa: E402
@@ -324,20 +325,6 @@ def test_bench_run_refuses_without_gpu():
     assert bench_run.main(["--only", "ch01_naive_attention"]) == 2
 
 
-def test_ch01_flops_and_counted_bytes():
-    from bench import ch01_naive_attention as ch01
-    from minillm.kernels.ch01_naive_attention import naive_attention_traffic
-
-    assert ch01.attention_flops(1, 16, 4096, 4096, 128, False) == 4 * 16 * 4096 ** 2 * 128
-    assert ch01.attention_flops(1, 16, 4096, 4096, 128, True) == 2 * 16 * 4096 ** 2 * 128
-    c = ch01.counted_bytes(1, 16, 1024, 64, 2)
-    t = naive_attention_traffic(1, 16, 16, 1024, 1024, 64, 2)
-    assert c["scores"] == t["scores"]["read"] + t["scores"]["write"]
-    assert c["total"] == sum(rw["read"] + rw["write"] for rw in t.values())
-    # the scores pass writes N² fp32 values per head
-    assert t["scores"]["write"] == 16 * 1024 * 1024 * 4
-
-
 def test_attempt_records_oom_and_propagates_bugs():
     import torch
 
@@ -403,7 +390,7 @@ RAW_CSV = '''"ID","Process ID","Process Name","Host Name","Kernel Name","Context
 
 def _meta():
     from bench import ch01_traffic as tr
-    from minillm.kernels.ch01_naive_attention import naive_attention_traffic
+    from minillm.costs import naive_attention_traffic
 
     p = tr.PARAMS
     counts = naive_attention_traffic(p["batch"], p["heads"], p["heads"], p["seq_len"], p["seq_len"], p["head_dim"], 2)
@@ -501,14 +488,14 @@ def test_traffic_run_without_ncu_records_nothing(monkeypatch, capsys):
 def test_unit_conversion():
     from bench import ch01_traffic as tr
 
-    assert tr._to_number("1,024", "byte") == 1024
-    assert tr._to_number("2", "Kbyte") == 2000
-    assert tr._to_number("1", "MiB") == 2 ** 20
+    assert tr.to_number("1,024", "byte") == 1024
+    assert tr.to_number("2", "Kbyte") == 2000
+    assert tr.to_number("1", "MiB") == 2 ** 20
     with pytest.raises(ValueError):
-        tr._to_number("1", "furlong")
+        tr.to_number("1", "furlong")
     with pytest.raises(ValueError):
-        tr._to_number("n/a", "byte")
-    assert math.isclose(tr._to_number("1.5", "Gbyte"), 1.5e9)
+        tr.to_number("n/a", "byte")
+    assert math.isclose(tr.to_number("1.5", "Gbyte"), 1.5e9)
 
 
 def test_ch01_sweep_rows_and_oom_stop(monkeypatch):
@@ -565,19 +552,19 @@ def test_ch01_sweep_rows_and_oom_stop(monkeypatch):
     t128 = {row["peer"]: row for row in mr.rows(data, metric="time_ms", seq_len=128)}
     assert set(t128) == {"sdpa_flash"}  # nothing to compare with math: both out of memory
 
-    flops = ch01.attention_flops(1, 16, 32, 32, 16, True)
+    flops = C.nominal_attention_flops(1, 16, 32, 32, 16, True)
+    counted = C.per_array_bytes(C.naive_attention_traffic(1, 16, 16, 32, 32, 16, 2))
     tf = mr.rows(data, metric="TFLOPs", seq_len=32)[0]
     assert tf["ours"] == pytest.approx(flops / 2e-3 / 1e12)
     assert tf["fraction_of_ceiling"] == pytest.approx(tf["ours"] / 800.0)
     bw = mr.rows(data, metric="bandwidth_TBps", seq_len=32)[0]
-    assert bw["ours"] == pytest.approx(ch01.counted_bytes(1, 16, 32, 16)["total"] / 2e-3 / 1e12)
+    assert bw["ours"] == pytest.approx(sum(counted.values()) / 2e-3 / 1e12)
     assert bw["fraction_of_ceiling"] == pytest.approx(bw["ours"] / 3.0)
     err = mr.rows(data, metric="rel_err", seq_len=32)[0]
     assert err["peer"] == "sdpa_math" and 0 <= err["ours"] < 2e-2  # bf16 inputs, fp32 "ours"
     passes = mr.rows(data, metric="pass_bandwidth_TBps", seq_len=32)
     assert [row["params"]["pass"] for row in passes] == ["scores", "softmax", "pv"]
-    softmax_bytes = ch01.counted_bytes(1, 16, 32, 16)["softmax"]
-    assert passes[1]["ours"] == pytest.approx(softmax_bytes / 0.5e-3 / 1e12)
+    assert passes[1]["ours"] == pytest.approx(counted["softmax"] / 0.5e-3 / 1e12)
     assert mr.rows(data, metric="pass_time_ms", seq_len=64) == []  # ours out of memory: no passes
     assert r.status[ch01.BENCHMARK] == "complete"
     assert "OOM/—" in ch01.summary(r)

@@ -288,7 +288,7 @@ BAD = [
     ("completions", {**P, "logprobs": 21}, 400, "logprobs"),
     ("completions", {**P, "prompt": ""}, 400, "prompt"),
     ("completions", {**P, "prompt": []}, 400, "prompt"),
-    ("completions", {**P, "prompt": [PROMPT, PROMPT]}, 400, "prompt"),
+    ("completions", {**P, "prompt": [PROMPT, ""]}, 400, "prompt"),   # the second prompt is empty
     ("completions", {**P, "prompt": [10**6]}, 400, "prompt"),
     ("completions", {"max_tokens": 4}, 400, "prompt"),
     ("completions", {**P, "stop": [""]}, 400, "stop"),

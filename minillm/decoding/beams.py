@@ -41,6 +41,7 @@ stops on a heuristic that can be wrong for ``length_penalty > 0``.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ from minillm.paged import BlockManager
 from minillm.decoding.sharing_trace import SharingTrace
 
 __all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamState", "FinishedHypotheses", "Hypothesis", "beam_search",
-           "reassign_beams"]
+           "reassign_beams", "search_is_over", "top_candidates"]
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,17 @@ class FinishedHypotheses:
         return self._hyps[-1].score
 
     def score(self, sum_logprob: torch.Tensor, length: int) -> float:
-        """``sum_logprob`` (a float32 scalar tensor) over ``length ** length_penalty``, in float32."""
-        return float(sum_logprob / (length ** self.length_penalty))
+        """``sum_logprob`` (a float32 scalar tensor) over ``length ** length_penalty``, in float32.
+
+        Any ``length_penalty`` is safe: a power too large for a float (``20 ** 400``) counts
+        as infinite (the score is then ``-0.0``), one that underflows to 0 gives ``-inf``, and
+        the one undefined case, ``0 / 0``, scores 0."""
+        try:
+            denominator = length ** self.length_penalty
+        except OverflowError:
+            denominator = math.inf
+        score = float(sum_logprob / denominator)
+        return 0.0 if math.isnan(score) else score
 
     def add(self, token_ids: Sequence[int], sum_logprob: torch.Tensor) -> None:
         """Keep ``token_ids`` if it is among the ``num_beams`` best (dropping the worst if full)."""
@@ -209,7 +219,7 @@ class BeamState:
         token is the last of ``token_ids[i]``), or ``[]`` once the search is over.
         """
         p = self.params
-        cands = _top_candidates(self.sum_logprobs, logprobs.float().cpu(), p.num_candidates)
+        cands = top_candidates(self.sum_logprobs, logprobs.float().cpu(), p.num_candidates)
         self.steps += 1
         at_max_length = self.steps == p.max_new_tokens  # then every candidate finishes
         ends = [at_max_length or t in p.eos_token_ids for t in cands.tokens]
@@ -220,7 +230,7 @@ class BeamState:
                 self.finished.add(self.token_ids[cands.parents[rank]] + (cands.tokens[rank],),
                                   cands.sum_logprobs[rank])
         go_on = [r for r, end in enumerate(ends) if not end][:p.num_beams]  # k of them, unless at the end
-        if at_max_length or _search_is_over(self.finished, cands.sum_logprobs[go_on[0]], self.steps, p):
+        if at_max_length or search_is_over(self.finished, cands.sum_logprobs[go_on[0]], self.steps, p):
             self.done = True
             return []
         parents = [cands.parents[r] for r in go_on]
@@ -278,7 +288,7 @@ def beam_search(model, prompt: Sequence[int], params: BeamSearchParams, *, block
     return BeamSearchOutput(tuple(prompt), state.result(), pool.trace())
 
 
-def _top_candidates(sum_logprobs: torch.Tensor, logprobs: torch.Tensor, k: int) -> _Candidates:
+def top_candidates(sum_logprobs: torch.Tensor, logprobs: torch.Tensor, k: int) -> _Candidates:
     """The ``k`` best of all ``live · vocab`` one-token extensions of the live beams, ranked by
     ``sum_logprobs [live] + logprobs [live, vocab]`` (float32, as transformers adds them)."""
     vocab = logprobs.shape[1]
@@ -287,7 +297,7 @@ def _top_candidates(sum_logprobs: torch.Tensor, logprobs: torch.Tensor, k: int) 
     return _Candidates((index // vocab).tolist(), (index % vocab).tolist(), best)
 
 
-def _search_is_over(finished: FinishedHypotheses, best_live_sum: torch.Tensor, cur_len: int,
+def search_is_over(finished: FinishedHypotheses, best_live_sum: torch.Tensor, cur_len: int,
                     params: BeamSearchParams) -> bool:
     """Whether no live beam (the best of which has summed ``best_live_sum`` over ``cur_len``
     new tokens) can improve the kept hypotheses, by ``params.early_stopping``'s rule."""

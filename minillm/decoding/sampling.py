@@ -19,6 +19,7 @@ too: prefill a prompt, decode a step, and record how many blocks the sequences h
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ from minillm.paged import BlockManager, blocks_for
 from minillm.decoding.sharing_trace import SharingTrace
 
 __all__ = ["Completion", "KVPool", "ParallelSampler", "SamplingOutput", "SamplingParams", "completion_generator",
-           "parallel_sample", "sample_token"]
+           "min_p_filter", "parallel_sample", "sample_token", "sampling_probs", "top_p_filter"]
 
 _request_numbers = itertools.count()  # makes sequence ids unique in a manager shared by several requests
 
@@ -120,13 +121,19 @@ class KVPool:
 class SamplingParams:
     """How to draw each token, and when to stop (the engine's request parameters too).
 
+    The logits go through, in vLLM's order: ``logit_bias`` and ``min_tokens``, then the three
+    penalties (`minillm.decoding.logits_processors`, batched over a step's rows), then, when
+    sampling, temperature, ``min_p``, top-k and top-p (`sample_token`). Greedy takes the argmax
+    after the penalties. `minillm.reference.ch09_sampling` is the NumPy reference of it all.
+
     Attributes:
         temperature: logits are divided by it; ``0`` means greedy (argmax).
         top_k: keep only the ``top_k`` most likely tokens (``0``: all).
         top_p: keep the fewest most likely tokens whose probability reaches ``top_p`` (nucleus
             sampling; ``1.0``: all).
         max_tokens: a completion stops after this many tokens.
-        stop_token_ids: a completion stops after producing one of these (it is kept).
+        stop_token_ids: a completion stops after producing one of these (kept in its token ids;
+            its text is left out unless ``include_stop_str_in_output``).
         seed: completion ``i`` draws from a generator seeded ``seed + i``; ``None``: a fresh
             random seed (the engine draws one per request).
         n: completions per prompt (the engine forks them from one prefill, sharing its blocks).
@@ -135,8 +142,25 @@ class SamplingParams:
         logprobs: also return, per generated token, its log-probability and the ``logprobs``
             most likely alternatives (0 to 20); ``None``: none.
         num_beams: ``> 1`` runs beam search of that width instead of sampling, returning the
-            ``n`` best hypotheses (``minillm.decoding.beams``' semantics).
+            ``n`` best hypotheses (``minillm.decoding.beams``' semantics). The penalties,
+            ``logit_bias``, ``min_p`` and ``min_tokens`` are refused with it.
         length_penalty: beam search's hypothesis score is ``sum_logprob / len ** length_penalty``.
+        logit_bias: ``{token_id: bias}`` added to those tokens' logits (the server clamps each
+            bias to ``[-100, 100]`` as OpenAI does); ids must lie in the vocabulary.
+        min_tokens: the end-of-sequence and stop token ids are masked, and stop strings do not
+            count, until this many tokens were generated (``<= max_tokens``).
+        repetition_penalty: ``> 0``; every token of the prompt or the output so far has its
+            logit divided by it if positive, multiplied by it if not (``1``: off).
+        frequency_penalty: in ``[-2, 2]``; subtracts ``frequency_penalty * count`` from the logit
+            of each token generated ``count`` times so far (the prompt does not count).
+        presence_penalty: in ``[-2, 2]``; subtracts it once from every token generated so far.
+        min_p: in ``[0, 1]``; after temperature, drops tokens whose probability is below
+            ``min_p`` times the most likely token's.
+        include_stop_str_in_output: keep the stop string (or the stop token's text) that ended
+            a completion in its text.
+        prompt_logprobs: also return each prompt token's log-probability given the tokens
+            before it, with the ``prompt_logprobs`` most likely alternatives (0 to 20); the first
+            token has none.
     """
 
     temperature: float = 1.0
@@ -151,6 +175,14 @@ class SamplingParams:
     logprobs: int | None = None
     num_beams: int = 1
     length_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
     MAX_LOGPROBS = 20
 
@@ -176,6 +208,60 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        """The logits-processing fields (messages start with the field's name)."""
+        def number(name):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                    or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            return float(value)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= number(name) <= 2:
+                raise ValueError(f"{name} must lie in [-2, 2], got {getattr(self, name)}")
+        if not number("repetition_penalty") > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= number("min_p") <= 1:
+            raise ValueError(f"min_p must lie in [0, 1], got {self.min_p}")
+        value = self.min_tokens
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {value!r}")
+        if value > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {value}")
+        if self.prompt_logprobs is not None and not (isinstance(self.prompt_logprobs, int)
+                                                     and not isinstance(self.prompt_logprobs, bool)
+                                                     and 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {self.MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
+        if self.logit_bias is not None:
+            bias = {}
+            for token, value in dict(self.logit_bias).items():
+                if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                        or not math.isfinite(value):
+                    raise ValueError(f"logit_bias values must be finite numbers, got {value!r} for token {token}")
+                bias[int(token)] = float(value)
+            object.__setattr__(self, "logit_bias", bias or None)
+        if self.beam_search:
+            for name, off in (("logit_bias", None), ("min_tokens", 0), ("repetition_penalty", 1.0),
+                              ("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("min_p", 0.0)):
+                if getattr(self, name) != off:
+                    raise ValueError(f"{name} is not supported with beam search")
+
+    __hash__ = None  # logit_bias is a dict
+
+    @property
+    def penalized(self) -> bool:
+        """Any of the three penalties is on."""
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Anything changes the logits before temperature (so greedy sees it too)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:
@@ -196,21 +282,37 @@ def completion_generator(params: SamplingParams, index: int, seed: int | None = 
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Draw one token from ``logits [vocab]`` (float32, CPU): temperature, then top-k, then
-    top-p, then a draw from the softmax of what is left."""
+    """Draw one token from ``logits [vocab]`` (float32, CPU): temperature, then min-p, then
+    top-k, then top-p, then a draw from the softmax of what is left. (The logit bias, min_tokens
+    and penalties come before, over the whole batch: `minillm.decoding.logits_processors`.)"""
     if params.temperature == 0:
         return int(logits.argmax())
+    return int(torch.multinomial(sampling_probs(logits, params), 1, generator=generator))
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution ``[vocab]`` `sample_token` draws from (``temperature > 0``)."""
     logits = logits / params.temperature
+    if params.min_p > 0:
+        logits = min_p_filter(logits, params.min_p)
     if 0 < params.top_k < logits.shape[0]:
         kth_best = logits.topk(params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth_best, -torch.inf)
     if params.top_p < 1:
-        logits = _top_p_filter(logits, params.top_p)
+        logits = top_p_filter(logits, params.top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float | torch.Tensor) -> torch.Tensor:
+    """Drop (``-inf``) the tokens whose probability is below ``min_p`` times the most likely
+    token's; ``logits [..., vocab]``, ``min_p`` a number or one per row (``[...]``)."""
     probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    if isinstance(min_p, torch.Tensor):
+        min_p = min_p.to(probs.dtype).unsqueeze(-1)
+    return logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), -torch.inf)
 
 
-def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the most likely tokens until their total probability reaches ``top_p``; the most
     likely token always stays."""
     sorted_logits, order = logits.sort(descending=True)
@@ -259,7 +361,7 @@ class ParallelSampler:
                  manager: BlockManager | None = None, cache: PagedKVCache | None = None):
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        self.params = params
+        self.params, self.prompt = params, list(prompt)
         self.pool = KVPool.create(model, n, len(prompt) + params.max_tokens, block_size, manager, cache)
         self.seq_ids = [self.pool.new_seq_id() for _ in range(n)]
         self.generators = [completion_generator(params, i) for i in range(n)]
@@ -289,7 +391,14 @@ class ParallelSampler:
 
     def _sample_live(self, logits: torch.Tensor) -> None:
         """Draw the next token of each live sample from its row of ``logits [live, vocab]``;
-        finish (and free) those that stop."""
+        finish (and free) those that stop. The logit bias, min_tokens and penalties apply as in
+        the engine (`minillm.decoding.logits_processors`)."""
+        if self.params.processes_logits:
+            from minillm.decoding.logits_processors import apply_logits_processors  # it imports this module
+
+            k = len(self.live)
+            logits = apply_logits_processors(logits, [self.params] * k, [self.prompt] * k,
+                                             [self.tokens[i] for i in self.live], [self.params.stop_token_ids] * k)
         still_live = []
         for i, row in zip(self.live, logits):
             token = sample_token(row, self.params, self.generators[i])

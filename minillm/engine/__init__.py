@@ -8,6 +8,7 @@
 - `minillm.engine.request`: a request's sequences and what the engine returns.
 - `minillm.engine.detokenizer`: incremental text and stop strings.
 - `minillm.engine.config`: the knobs, the KV pool's size, the request errors.
+- `minillm.engine.gemm_table`: Chapter 8's measured flat-GEMM dispatch tables, read per GPU.
 
 The OpenAI-compatible server around it is `minillm.server`.
 """

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ContextLengthExceeded", "EngineConfig", "InvalidRequest", "kv_block_bytes"]
+__all__ = ["ContextLengthExceeded", "EngineConfig", "InvalidRequest"]
 
 MiB = 2**20
 
@@ -64,11 +64,6 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-def kv_block_bytes(num_layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block id: its ``block_size`` rows of K and of V in every layer."""
-    return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 class InvalidRequest(ValueError):

@@ -9,10 +9,15 @@ A stop string ends a completion and is not part of its text. While the completio
 last ``len(longest stop) - 1`` characters might still become the start of a stop string, and a
 trailing U+FFFD might still become a whole character: `Detokenizer.stable_text` leaves them
 out, so that text streamed to a client is never taken back.
+
+vLLM's ``include_stop_str_in_output`` keeps the stop string in the text (cut after it, not
+before), and the text of a stop token that ended the completion (otherwise left out). With
+``min_tokens``, a stop string counts only if it ends past the text of the first ``min_tokens``
+tokens (vLLM checks stop strings only from the token after those).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 __all__ = ["Detokenizer"]
 
@@ -23,8 +28,11 @@ REPLACEMENT = "\ufffd"
 class Detokenizer:
     """The text of one completion (``tokenizer``: a ``tokenizers.Tokenizer``)."""
 
-    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (), skip_special_tokens: bool = True,
+                 *, stop_token_ids: Collection[int] = (), include_stop: bool = False, min_tokens: int = 0):
         self.tokenizer = tokenizer
+        self.stop_token_ids, self.include_stop, self.min_tokens = stop_token_ids, include_stop, min_tokens
+        self.min_end: int | None = 0 if min_tokens == 0 else None  # chars of the first min_tokens tokens' text
         self.skip_special_tokens = skip_special_tokens
         self.context = list(prompt_ids[-CONTEXT_TOKENS:])
         self.context_text = self._decode(self.context)
@@ -48,13 +56,22 @@ class Detokenizer:
         if len(output_ids) == self._decoded:
             return self.stop_reason
         self._decoded = len(output_ids)
-        full = self._decode(self.context + list(output_ids))
-        self.text = full[len(self.context_text):] if full.startswith(self.context_text) else self._decode(output_ids)
-        hits = [(i, s) for s in self.stop if (i := self.text.find(s)) >= 0]
+        if self.min_end is None and len(output_ids) >= self.min_tokens:
+            self.min_end = len(self._text_of(output_ids[:self.min_tokens]))
+        if output_ids and output_ids[-1] in self.stop_token_ids and not self.include_stop:
+            output_ids = output_ids[:-1]   # a stop token's text is not part of the completion
+        self.text = self._text_of(output_ids)
+        if self.min_end is None:
+            return None
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, max(0, self.min_end - len(s) + 1))) >= 0]
         if hits:
             at, self.stop_reason = min(hits)
-            self.text = self.text[:at]
+            self.text = self.text[:at + len(self.stop_reason) if self.include_stop else at]
         return self.stop_reason
+
+    def _text_of(self, output_ids: Sequence[int]) -> str:
+        full = self._decode(self.context + list(output_ids))
+        return full[len(self.context_text):] if full.startswith(self.context_text) else self._decode(output_ids)
 
     @property
     def stable_text(self) -> str:

@@ -10,6 +10,7 @@ loop in a background thread; `LLM.generate` runs it until everything is done.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import secrets
 import time
@@ -20,10 +21,13 @@ from pathlib import Path
 
 import torch
 
+from minillm.costs import kv_block_bytes
 from minillm.decoding.beams import BeamSearchParams, BeamState, reassign_beams
+from minillm.decoding.logits_processors import apply_logits_processors
 from minillm.decoding.sampling import SamplingParams, completion_generator, sample_token
-from minillm.engine.config import ContextLengthExceeded, EngineConfig, InvalidRequest, kv_block_bytes
+from minillm.engine.config import ContextLengthExceeded, EngineConfig, InvalidRequest
 from minillm.engine.detokenizer import Detokenizer
+from minillm.engine.guards import check_limits as _check_limits, normalise_params
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.request import CompletionOutput, Request, RequestOutput, Sequence as Seq, TokenLogprob
 from minillm.engine.scheduler import Scheduler, SchedulerOutput
@@ -58,6 +62,7 @@ class EngineStats:
     generation_tokens: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
+    requests_failed: int = 0          # ended by an error in their own sampling (`LLMEngine.failures`)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -95,6 +100,7 @@ class LLMEngine:
                                  self.model_config.max_position_embeddings, num_blocks * config.block_size)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self.failures: dict[str, Exception] = {}   # request id -> the error that ended it (`_fail`)
         self.stats = EngineStats()
         self.steps: list[StepRecord] = []
         self._arrivals = itertools.count()
@@ -122,7 +128,7 @@ class LLMEngine:
     def block_bytes(self) -> int:
         c = self.model_config
         return kv_block_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.config.block_size,
-                              self.model.lm_head.weight.dtype)
+                              self.model.lm_head.weight.element_size())
 
     def _pool_blocks(self) -> int:
         """``num_blocks`` if set; on CUDA, what ``gpu_memory_utilization`` leaves after the
@@ -159,27 +165,38 @@ class LLMEngine:
 
     # == requests ==================================================================================
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Check a request and queue it; returns its id. ``prompt`` is text or token ids.
+                    request_id: str | None = None, *, prompt_token_ids: Sequence[int] | None = None) -> str:
+        """Check a request and queue it; returns its id. ``prompt`` is text or token ids;
+        ``prompt_token_ids``, when given, are the text's tokens (the server tokenizes off the
+        engine thread). Parameters are normalised first (`normalise_params`).
 
         Raises:
             InvalidRequest: an empty prompt, token ids outside the vocabulary, ``n`` or the
                 beam width over ``max_n``, a request that could never fit in the KV pool; and
                 `ContextLengthExceeded` when prompt + ``max_tokens`` > ``max_model_len``.
         """
-        params = params or SamplingParams()
+        params = normalise_params(params or SamplingParams())
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt).ids if text is not None else [int(t) for t in prompt]
+        if prompt_token_ids is not None:
+            ids = [int(t) for t in prompt_token_ids]
+        elif text is not None:
+            try:
+                ids = self.tokenizer.encode(text).ids
+            except Exception as e:  # e.g. a lone surrogate, which no encoding can write
+                raise InvalidRequest(f"the prompt cannot be tokenized: {e}", param="prompt") from None
+        else:
+            ids = [int(t) for t in prompt]
         self._check(ids, params)
         seed = params.seed if params.seed is not None else (self.config.seed if self.config.seed is not None
                                                             else secrets.randbits(62))
         request = Request(request_id, text, ids, params, next(self._arrivals), seed, self.eos_token_ids)
         root = Seq(next(self._seq_ids), 0, list(ids), len(ids),
                    None if params.greedy or params.beam_search else completion_generator(params, 0, seed),
-                   Detokenizer(self.tokenizer, ids, params.stop))
+                   Detokenizer(self.tokenizer, ids, params.stop, stop_token_ids=request.stop_token_ids,
+                               include_stop=params.include_stop_str_in_output, min_tokens=params.min_tokens))
         request.seqs = [root]
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -188,15 +205,22 @@ class LLMEngine:
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise InvalidRequest("the prompt is empty: it must contain at least one token", param="prompt")
+        if len(ids) + params.max_tokens > self.max_model_len:   # before any scan of the ids
+            raise ContextLengthExceeded(self.max_model_len, len(ids), params.max_tokens)
         vocab = self.model_config.vocab_size
         if not all(0 <= t < vocab for t in ids):
             raise InvalidRequest(f"prompt token ids must lie in [0, {vocab})", param="prompt")
+        if params.logit_bias and not all(t < vocab for t in params.logit_bias):
+            bad = sorted(t for t in params.logit_bias if t >= vocab)
+            raise InvalidRequest(f"logit_bias token ids must lie in [0, {vocab}), got {bad[:5]}", param="logit_bias")
+        if (params.prompt_logprobs or 0) > vocab:
+            raise InvalidRequest(f"prompt_logprobs must be at most the vocabulary's size, {vocab}",
+                                 param="prompt_logprobs")
         width = params.num_beams if params.beam_search else params.n
         if width > self.config.max_n:
             name = "num_beams" if params.beam_search else "n"
             raise InvalidRequest(f"{name} must be at most {self.config.max_n}, got {width}", param=name)
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ContextLengthExceeded(self.max_model_len, len(ids), params.max_tokens)
+        _check_limits(params, vocab, len(self.eos_token_ids))
         # Its sequences share the prompt's full blocks (by fork, and by the prefix cache after a
         # preemption); the rest is theirs. A request needing more than the pool can never run.
         bs = self.config.block_size
@@ -227,8 +251,19 @@ class LLMEngine:
     # == one step ==================================================================================
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; returns the outputs of the requests that made
-        progress (a new token, or finished)."""
-        return [r.output() for r in self._step()]
+        progress (a new token, or finished). A request whose own sampling or output raised is
+        ended alone (`_fail`): its error is in `failures`, and the others go on."""
+        outputs = []
+        for request in self._step():
+            try:
+                outputs.append(request.output())
+            except Exception as e:
+                self._fail(request, e)
+                outputs.append(RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                                             prompt_token_ids=request.prompt_token_ids, outputs=[], finished=True,
+                                             num_cached_tokens=request.num_cached_tokens or 0,
+                                             metrics=request.metrics))
+        return outputs
 
     @torch.inference_mode()
     def _step(self) -> list[Request]:
@@ -253,7 +288,16 @@ class LLMEngine:
             tokens: dict[str, int] = {}
             for request, count in zip(sched.owners, sched.num_new_tokens):
                 tokens[request.request_id] = tokens.get(request.request_id, 0) + count
-        progressed = self._sample(sched, logits)
+        try:
+            progressed = self._sample(sched, logits)
+        except Exception:  # a batched part raised (before any request changed): one request at a time
+            progressed = []
+            for request in sched.requests:
+                try:
+                    progressed += self._sample(dataclasses.replace(sched, requests=[request]), logits)
+                except Exception as e:
+                    self._fail(request, e)
+                    progressed.append(request)
         self.stats.steps += 1
         if self.config.record_steps:
             self.steps.append(StepRecord(start, time.perf_counter(), tokens, len(self.scheduler.waiting),
@@ -270,9 +314,13 @@ class LLMEngine:
         # One argmax and one log-softmax for the whole step, one copy to the CPU for sampling.
         rows = torch.tensor([row_of[s.seq_id] for r in ready for s in r.seqs], device=logits.device)
         logits = logits[rows].float()
-        argmax = logits.argmax(-1).tolist()
         need_lp = any(r.params.logprobs is not None or r.params.beam_search for r in ready)
-        logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None
+        logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None   # of the raw logits, as vLLM's
+        logits = self._process_logits(ready, logits)      # logit bias, min_tokens, penalties
+        argmax = logits.argmax(-1).tolist()
+        for request in ready:
+            if request.params.prompt_logprobs is not None and request.prompt_logprobs is None:
+                request.prompt_logprobs = self._prompt_logprobs(request)
         sampled = any(not r.params.greedy and not r.params.beam_search for r in ready)
         logits_cpu = logits.cpu() if sampled else None
         now = time.perf_counter()
@@ -281,14 +329,57 @@ class LLMEngine:
             k = request.num_seqs
             view = slice(at, at + k)
             at += k
-            if request.params.beam_search:
-                self._advance_beams(request, logprobs[view])
-            else:
-                self._advance_samples(request, argmax[view], logits_cpu[view] if logits_cpu is not None else None,
-                                      logprobs[view] if logprobs is not None else None, now)
+            try:  # one request's error ends that request alone
+                if request.params.beam_search:
+                    self._advance_beams(request, logprobs[view])
+                else:
+                    self._advance_samples(request, argmax[view], logits_cpu[view] if logits_cpu is not None else None,
+                                          logprobs[view] if logprobs is not None else None, now)
+            except Exception as e:
+                self._fail(request, e)
+                continue
             if not request.seqs:
                 self._finish(request, now)
         return ready
+
+    @staticmethod
+    def _process_logits(ready: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """The rows of requests with a logit bias, min_tokens or penalties, processed in one
+        batch (`minillm.decoding.logits_processors`); the others as they are."""
+        if not any(r.params.processes_logits for r in ready):
+            return logits
+        rows = [(r, s) for r in ready for s in r.seqs]
+        return apply_logits_processors(logits, [r.params for r, _ in rows], [r.prompt_token_ids for r, _ in rows],
+                                       [s.output_ids for _, s in rows], [r.stop_token_ids for r, _ in rows])
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, request: Request) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability given the tokens before it (the first has none),
+        with the ``prompt_logprobs`` most likely alternatives and its rank.
+
+        A pass over the prompt on the side, in chunks of at most 256 tokens, through the
+        model's contiguous cache: the engine's own prefill computes only the last position's
+        logits, and skips the prompt blocks the prefix cache holds (vLLM turns the prefix cache
+        off for such requests instead). It costs one more prefill of the prompt."""
+        ids, k = request.prompt_token_ids, request.params.prompt_logprobs
+        out: list[TokenLogprob | None] = [None]
+        if len(ids) < 2:
+            return out
+        tokens = torch.tensor([ids], device=self.device)
+        cache = self.model.new_cache(1, len(ids))
+        step = min(self.config.max_num_batched_tokens, 256)   # logits [step, vocab] at a time
+        for start in range(0, len(ids) - 1, step):
+            end = min(start + step, len(ids) - 1)
+            lp = torch.log_softmax(self.model(tokens[:, start:end], start_pos=start, cache=cache)[0].float(), -1)
+            target = tokens[0, start + 1:end + 1]
+            chosen = lp.gather(1, target[:, None])[:, 0]
+            ranks = ((lp > chosen[:, None]).sum(-1) + 1).tolist()
+            tops = [()] * (end - start)
+            if k:
+                values, top_ids = lp.topk(k)
+                tops = [tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
+            out += [TokenLogprob(t, v, top, r) for t, v, top, r in zip(target.tolist(), chosen.tolist(), tops, ranks)]
+        return out
 
     def _advance_samples(self, request: Request, argmax: list[int], logits: torch.Tensor | None,
                          logprobs: torch.Tensor | None, now: float) -> None:
@@ -374,12 +465,27 @@ class LLMEngine:
             request.seqs.append(seq)
 
     def _hypothesis_output(self, request: Request, index: int, hyp) -> CompletionOutput:
-        det = Detokenizer(self.tokenizer, request.prompt_token_ids, request.params.stop)
+        det = Detokenizer(self.tokenizer, request.prompt_token_ids, request.params.stop,
+                          stop_token_ids=request.stop_token_ids, include_stop=request.params.include_stop_str_in_output)
         det.update(hyp.token_ids)
         ended = bool(hyp.token_ids) and hyp.token_ids[-1] in request.stop_token_ids
         reason = "stop" if ended or det.stop_reason else "length"
         return CompletionOutput(index, det.text, list(hyp.token_ids), reason, None, hyp.score,
                                 hyp.token_ids[-1] if ended else det.stop_reason)
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        """End ``request`` because its own step raised ``error``: free its blocks, finish its
+        unfinished completions with ``"error"``, keep the error in ``failures`` (the server
+        answers that request alone with it). Every other request goes on as if it never came."""
+        self.requests.pop(request.request_id, None)
+        for seq in request.seqs:
+            seq.finish_reason = seq.finish_reason or "error"
+            request.done[seq.index] = seq
+        self.scheduler.finish(request)
+        request.seqs = []
+        request.metrics.finished = time.perf_counter()
+        self.failures[request.request_id] = error
+        self.stats.requests_failed += 1
 
     def _finish(self, request: Request, now: float) -> None:
         self.scheduler.finish(request)

@@ -16,6 +16,8 @@ from minillm.decoding.sampling import SamplingParams
 from minillm.engine.config import EngineConfig
 from minillm.engine.engine import LLMEngine
 from minillm.engine.request import RequestOutput
+from minillm.model.config import CheckpointError
+from minillm.model.loader import NoTokenizer
 
 __all__ = ["BUNDLED_MODEL", "LLM"]
 
@@ -27,12 +29,22 @@ class LLM:
     """A checkpoint and an engine around it.
 
     Args:
-        model: a local Hugging Face-format folder (default: the bundled model).
+        model: a local Hugging Face-format folder (default: the bundled model). A folder without
+            ``tokenizer.json`` runs too: prompts are then token ids, and completions token ids
+            with empty text (a text prompt raises `minillm.model.CheckpointError`).
         **config: `EngineConfig` fields (``device``, ``num_blocks``, ``max_num_seqs``, ...).
+
+    Raises:
+        minillm.model.CheckpointError: the folder is not a checkpoint minillm can load (the
+            message names the file and the problem).
     """
 
     def __init__(self, model: str | Path = BUNDLED_MODEL, **config):
-        self.engine = LLMEngine.from_pretrained(model, EngineConfig(**config))
+        config = EngineConfig(**config)
+        if (Path(model) / "tokenizer.json").exists() or not (Path(model) / "config.json").exists():
+            self.engine = LLMEngine.from_pretrained(model, config)
+        else:
+            self.engine = _engine_without_tokenizer(Path(model), config)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -45,6 +57,9 @@ class LLM:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        if isinstance(self.tokenizer, NoTokenizer) and (any(isinstance(p, str) for p in prompts)
+                                                        or any(sp.stop for sp in params)):
+            raise CheckpointError(self.tokenizer.message)  # before any request is queued
         engine = self.engine
         ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         done: dict[str, RequestOutput] = {}
@@ -71,3 +86,16 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [render_chat(self.engine.chat_template, m) for m in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+
+def _engine_without_tokenizer(path: Path, config: EngineConfig) -> LLMEngine:
+    """`LLMEngine.from_pretrained` for a folder without ``tokenizer.json`` (same device and dtype
+    defaults), with a `NoTokenizer`."""
+    import torch
+
+    from minillm.model import load_model
+
+    config.device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, _ = load_model(path, device=config.device, dtype=config.dtype or ("float32" if config.device == "cpu"
+                                                                              else None))
+    return LLMEngine(model, NoTokenizer(path), config, model_name=path.name)

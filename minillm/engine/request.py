@@ -39,6 +39,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int | None = None     # 1 + how many tokens were more likely (prompt log-probabilities)
 
 
 class Sequence:
@@ -142,6 +143,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # when the request asked (the first is None)
 
 
 class Request:
@@ -162,6 +164,7 @@ class Request:
         self.done: dict[int, Sequence] = {}  # finished completions by index
         self.beams: BeamState | None = None
         self.beam_outputs: list[CompletionOutput] = []  # beam search's result, once done
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs: before the 1st token
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served (first admission)
         self.num_preemptions = 0
         self.metrics = RequestMetrics(arrival=time.perf_counter())
@@ -186,7 +189,7 @@ class Request:
             seqs = sorted([*self.done.values(), *self.seqs], key=lambda s: s.index)
             outputs = [self._completion(s) for s in seqs]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
-                             self.num_cached_tokens or 0, self.metrics)
+                             self.num_cached_tokens or 0, self.metrics, prompt_logprobs=self.prompt_logprobs)
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         det = seq.detokenizer

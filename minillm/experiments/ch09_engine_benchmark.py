@@ -57,7 +57,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -68,8 +68,8 @@ from minillm.decoding.sampling import SamplingParams
 from minillm.engine.config import EngineConfig
 from minillm.engine.engine import LLMEngine, StepRecord
 
-__all__ = ["BenchRequest", "LatencySummary", "OfflineResult", "OnlineResult", "PRESETS", "WorkloadSpec",
-           "add_arguments", "build_engine", "build_random_llama", "kv_waste", "latency_summary", "main",
+__all__ = ["BENCH_ENGINE_DEFAULTS", "BenchConfig", "BenchRequest", "LatencySummary", "OfflineResult", "OnlineResult", "PRESETS", "WorkloadSpec",
+           "add_arguments", "bench_engine_config", "build_engine", "build_random_llama", "kv_waste", "latency_summary", "main",
            "make_workload", "percentile", "poisson_arrivals", "run_hf_static", "run_offline", "run_online"]
 
 BUNDLED = Path(__file__).resolve().parent.parent / "checkpoints" / "shakespeare"
@@ -268,14 +268,20 @@ def build_random_llama(preset: str = "llama-280m", directory: str | os.PathLike 
 # == minillm ==========================================================================================
 
 
-def build_engine(model_path=None, *, model=None, tokenizer=None, **config) -> LLMEngine:
+def build_engine(model_path=None, *, model=None, tokenizer=None, config: EngineConfig | None = None,
+                 **fields) -> LLMEngine:
     """An `LLMEngine` from a checkpoint folder, or around an already loaded ``model`` and
-    ``tokenizer`` (several engines, one copy of the weights). ``config``: `EngineConfig`
-    fields (``cuda_graphs="off"`` for the eager engine)."""
-    config.setdefault("max_n", min(EngineConfig.max_n, config.get("max_num_seqs", EngineConfig.max_num_seqs)))
+    ``tokenizer`` (several engines, one copy of the weights). ``config``: the `EngineConfig`;
+    else ``fields`` are its fields (``cuda_graphs="off"`` for the eager engine; ``max_n``
+    defaults to at most ``max_num_seqs``)."""
+    if config is None:
+        fields.setdefault("max_n", min(EngineConfig.max_n, fields.get("max_num_seqs", EngineConfig.max_num_seqs)))
+        config = EngineConfig(**fields)
+    elif fields:
+        config = replace(config, **fields)
     if model is None:
-        return LLMEngine.from_pretrained(model_path, EngineConfig(**config))
-    return LLMEngine(model, tokenizer, EngineConfig(**config), model_name=Path(model_path or "model").name)
+        return LLMEngine.from_pretrained(model_path, config)
+    return LLMEngine(model, tokenizer, config, model_name=Path(model_path or "model").name)
 
 
 @dataclass
@@ -475,7 +481,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     parser.add_argument("--seed", type=int, default=0, help="the workload's seed (and the arrivals')")
-    parser.add_argument("--concurrency", type=int, default=64,
+    parser.add_argument("--concurrency", type=int, default=BENCH_ENGINE_DEFAULTS["max_num_seqs"],
                         help="max_num_seqs of the engine, and the peer's batch size")
     parser.add_argument("--request-rate", type=float, action="append", default=None,
                         help="online: requests/s of the Poisson arrivals (repeatable; default 8)")
@@ -483,58 +489,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="online: how many requests (default: --num-requests)")
     parser.add_argument("--peer", default="auto", choices=["auto", "hf", "none"],
                         help="transformers static batching in the same run (auto: when transformers imports)")
-    parser.add_argument("--cuda-graphs", default="all", choices=["off", "decode", "all"],
-                        help="CUDA graphs for decode steps, for all steps, or none (GPU only)")
     parser.add_argument("--compare-eager", action="store_true",
                         help="also run the offline workload eagerly (no CUDA graphs) for comparison")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="default: bfloat16 on a GPU, float32 on a CPU")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
-                        help="of the GPU's memory for the engine (default 0.5: the peer runs in the same process)")
-    parser.add_argument("--kv-cache-memory-mb", type=float, default=256, help="the KV pool on a CPU")
-    parser.add_argument("--num-blocks", type=int, default=None, help="force the KV pool's size in blocks")
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    # The engine's own flags (those of `minillm serve`), with the benchmark's defaults.
+    from minillm.cli import add_engine_arguments
+
+    add_engine_arguments(parser, defaults=BENCH_ENGINE_DEFAULTS, exclude=("max_num_seqs", "max_model_len"), helps={
+        "dtype": "default: bfloat16 on a GPU, float32 on a CPU",
+        "gpu_memory_utilization": "of the GPU's memory for the engine (default %(default)s: the peer runs in the "
+                                  "same process)"})
     parser.add_argument("--json", default=None, help="write the results (a list of rows) to this file")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+#: Where ``minillm bench``'s engine differs from `EngineConfig`'s defaults: a larger step budget
+#: and CPU pool, half the GPU (the peer shares the process), seeded, every step recorded.
+BENCH_ENGINE_DEFAULTS = dict(max_num_seqs=64, max_num_batched_tokens=2048, gpu_memory_utilization=0.5,
+                             kv_cache_memory_mb=256, seed=0, record_steps=True)
+
+
+def bench_engine_config(concurrency: int = BENCH_ENGINE_DEFAULTS["max_num_seqs"], **fields) -> EngineConfig:
+    """The benchmark's `EngineConfig`: ``max_num_seqs = concurrency`` (``max_n`` capped by it)."""
+    fields = {**BENCH_ENGINE_DEFAULTS, "max_num_seqs": concurrency, **fields}
+    fields.setdefault("max_n", min(EngineConfig.max_n, fields["max_num_seqs"]))
+    return EngineConfig(**fields)
+
+
 @dataclass
 class BenchConfig:
-    """Everything `run_benchmark` needs (what ``minillm bench``'s options say)."""
+    """Everything `run_benchmark` needs (what ``minillm bench``'s options say). The engine's
+    knobs are an `EngineConfig` (``engine.max_num_seqs`` is the concurrency); its ``device`` and
+    ``dtype`` of ``None`` mean CUDA if available, bfloat16 on a GPU and float32 on a CPU."""
 
     model: str | None = None
     preset: str | None = None
     mode: str = "both"
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
-    concurrency: int = 64
+    engine: EngineConfig = field(default_factory=bench_engine_config)
     request_rates: tuple[float, ...] = (8.0,)
     online_requests: int | None = None
     peer: str = "auto"
-    cuda_graphs: str = "all"
     compare_eager: bool = False
-    device: str | None = None
-    dtype: str | None = None
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    gpu_memory_utilization: float = 0.5
-    kv_cache_memory_mb: float = 256
-    num_blocks: int | None = None
-    prefix_caching: bool = True
     progress: bool = True
+
+    @property
+    def concurrency(self) -> int:
+        """Requests in flight at once: the engine's ``max_num_seqs``, the peer's batch size."""
+        return self.engine.max_num_seqs
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchConfig:
+        from minillm.cli import engine_flag_values
+
         return cls(model=args.model, preset=args.preset, mode=args.mode,
                    workload=WorkloadSpec(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed),
-                   concurrency=args.concurrency, request_rates=tuple(args.request_rate or (8.0,)),
-                   online_requests=args.online_requests, peer=args.peer, cuda_graphs=args.cuda_graphs,
-                   compare_eager=args.compare_eager, device=args.device, dtype=args.dtype, block_size=args.block_size,
-                   max_num_batched_tokens=args.max_num_batched_tokens,
-                   gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_mb=args.kv_cache_memory_mb,
-                   num_blocks=args.num_blocks, prefix_caching=not args.no_prefix_caching, progress=not args.no_progress)
+                   engine=bench_engine_config(args.concurrency, **engine_flag_values(args)), request_rates=tuple(args.request_rate or (8.0,)),
+                   online_requests=args.online_requests, peer=args.peer, compare_eager=args.compare_eager,
+                   progress=not args.no_progress)
 
 
 def run_benchmark(cfg: BenchConfig, log=print) -> dict:
@@ -542,8 +553,8 @@ def run_benchmark(cfg: BenchConfig, log=print) -> dict:
     "online": [OnlineResult...]}`` (dataclasses)."""
     from minillm.model import load_model, load_tokenizer
 
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = cfg.dtype or ("bfloat16" if device == "cuda" else "float32")
+    device = cfg.engine.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = cfg.engine.dtype or ("bfloat16" if device == "cuda" else "float32")
     model_path = Path(cfg.model) if cfg.model else build_random_llama(cfg.preset or default_preset(device),
                                                                       dtype=dtype, device=device)
     model, mconfig = load_model(model_path, device=device, dtype=dtype)
@@ -558,12 +569,9 @@ def run_benchmark(cfg: BenchConfig, log=print) -> dict:
     warmup = make_workload(WorkloadSpec(min(cfg.workload.num_requests, cfg.concurrency), cfg.workload.prompt_len,
                                         (min(cfg.workload.output_len), min(cfg.workload.output_len[1], 64)),
                                         cfg.workload.seed + 1000), mconfig.vocab_size)
-    engine_config = dict(device=device, block_size=cfg.block_size, max_num_seqs=cfg.concurrency,
-                         max_num_batched_tokens=max(cfg.max_num_batched_tokens, cfg.concurrency),
-                         gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_memory_mb=cfg.kv_cache_memory_mb,
-                         num_blocks=cfg.num_blocks, enable_prefix_caching=cfg.prefix_caching, seed=0,
-                         record_steps=True)
-    graphs = cfg.cuda_graphs if device == "cuda" else "off"
+    engine_config = replace(cfg.engine, device=device, dtype=dtype,
+                            max_num_batched_tokens=max(cfg.engine.max_num_batched_tokens, cfg.concurrency))
+    graphs = cfg.engine.cuda_graphs if device == "cuda" else "off"
     modes = ([graphs] + (["off"] if cfg.compare_eager and graphs != "off" else []))
     offline, online = [], []
 
@@ -581,7 +589,7 @@ def run_benchmark(cfg: BenchConfig, log=print) -> dict:
         free_memory()
 
     for mode in modes:
-        engine = build_engine(model_path, model=model, tokenizer=tokenizer, cuda_graphs=mode, **engine_config)
+        engine = build_engine(model_path, model=model, tokenizer=tokenizer, config=replace(engine_config, cuda_graphs=mode))
         run_offline(engine, warmup, mode=mode, use_tqdm=False)  # compile and tune everything first
         if cfg.mode in ("offline", "both"):
             result = run_offline(engine, workload, mode=mode, use_tqdm=cfg.progress, desc=f"minillm offline ({mode})")
@@ -659,11 +667,17 @@ def format_table(results: dict) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """``minillm bench``: run, print the table, optionally write ``--json``."""
+    from minillm.model.config import CheckpointError
+
     cfg = BenchConfig.from_args(args)
     if cfg.model is not None and not (Path(cfg.model) / "config.json").is_file():
         print(f"minillm bench: {cfg.model} is not a checkpoint folder (no config.json)", file=sys.stderr)
         return 2
-    results = run_benchmark(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    try:
+        results = run_benchmark(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    except CheckpointError as e:
+        print(f"minillm bench: {e}", file=sys.stderr)
+        return 2
     print(format_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(result_rows(results), indent=1) + "\n")

@@ -11,6 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+#: Keys of config.json without which the model has no shape.
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+__all__ = ["CheckpointError", "ModelConfig", "REQUIRED_KEYS", "SUPPORTED_MODEL_TYPES"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder minillm cannot use; the message names the file and the problem
+    (``minillm`` commands print it and exit 2, without a traceback)."""
 
 
 @dataclass
@@ -41,16 +50,39 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
-        """Read ``config.json`` (or the folder holding it)."""
+        """Read ``config.json`` (or the folder holding it).
+
+        Raises:
+            CheckpointError: no such file, not JSON, a required key missing, or a feature minillm
+                does not implement; the message starts with the file's path.
+        """
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        return cls.from_dict(json.loads(path.read_text()))
+        if not path.is_file():
+            raise CheckpointError(f"{path}: no such file; a checkpoint folder holds config.json, its weights as "
+                                  "*.safetensors and tokenizer.json")
+        try:
+            d = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{path}: expected a JSON object, got {type(d).__name__}")
+        try:
+            return cls.from_dict(d)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         """Parse and validate an HF config dict (transformers v4 or v5 layout)."""
+        missing = [k for k in REQUIRED_KEYS if d.get(k) is None]
+        if missing:
+            raise ValueError(f"missing required key{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                             "(a Llama-family config.json gives the model's sizes)")
         model_type = d.get("model_type")
+        if model_type is None:
+            raise ValueError(f"no model_type; minillm supports {SUPPORTED_MODEL_TYPES}")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type={model_type!r}; minillm supports {SUPPORTED_MODEL_TYPES}")
         act = d.get("hidden_act", "silu")

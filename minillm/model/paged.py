@@ -58,11 +58,11 @@ class _Kernels:
     5's cache write and prefill, Chapter 7's flash-decoding."""
 
     def __init__(self):
-        from minillm.kernels import ch04_flash_attention, ch07_flash_decoding, ch05_paged_attention
-        self.write_paged_kv = paged_attention.write_paged_kv
-        self.paged_prefill_attention = paged_attention.paged_prefill_attention
-        self.flash_decode_attention = flash_decoding.flash_decode_attention
-        self.flash_attention_varlen = flash_attention.flash_attention_varlen
+        from minillm.kernels import ch04_flash_attention, ch05_paged_attention, ch07_flash_decoding
+        self.write_paged_kv = ch05_paged_attention.write_paged_kv
+        self.paged_prefill_attention = ch05_paged_attention.paged_prefill_attention
+        self.flash_decode_attention = ch07_flash_decoding.flash_decode_attention
+        self.flash_attention_varlen = ch04_flash_attention.flash_attention_varlen
 
 
 def _triton_kernels() -> _Kernels | None:
@@ -137,8 +137,14 @@ class PagedKVCache:
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: ``block[dst] = block[src]`` for each ``(src, dst)`` pair, in every layer,
-        for K and V, in one batched index copy. Call it with `AppendResult.copies` *before*
-        the step writes its new tokens (the copied block is the one they go into)."""
+        for K and V: one launch of Chapter 6's kernel when the kernels run on a GPU, else one
+        batched index copy. Call it with `AppendResult.copies` *before* the step writes its
+        new tokens (the copied block is the one they go into)."""
+        if self.kernels is not None and self.pool.is_cuda:
+            # Chapter 6's Triton kernel: every pair, layer, K and V in one launch.
+            from minillm.kernels.ch06_copy_on_write import copy_blocks as copy_blocks_kernel
+            copy_blocks_kernel(self.pool, copies)
+            return
         # Viewed block-first, the whole pool is one "cache" for the reference `copy_blocks`.
         copy_blocks([self.pool.movedim(2, 0)], copies)
 

@@ -33,13 +33,18 @@ _SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
 @functools.cache
 def _flat_gemm_linear():
-    """Chapter 8's dispatcher `minillm.kernels.ch08_flat_gemm.linear`, or ``None`` when it cannot be
-    imported (no Triton). Imported on first use: a model on a CPU never needs Triton."""
+    """Chapter 8's dispatcher `minillm.kernels.ch08_flat_gemm.linear` with the measured dispatch
+    table of the GPU it runs on (`minillm.engine.gemm_table.table_for_device`), or ``None`` when
+    it cannot be imported (no Triton). Imported on first use: a model on a CPU never needs Triton."""
     try:
         from minillm.kernels.ch08_flat_gemm import linear
     except ImportError:
         return None
-    return linear
+    from minillm.engine.gemm_table import table_for_device
+
+    def dispatch(x, weight, bias):
+        return linear(x, weight, bias, table=table_for_device(x.device))
+    return dispatch
 
 
 class Linear(nn.Linear):

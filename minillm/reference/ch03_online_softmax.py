@@ -21,7 +21,7 @@ Everything here is float64 and written to be read next to the chapter. The story
 4. **Tiling.** `tiled_attention` is Algorithm 1 of the FlashAttention paper (Dao et al.
    2022): outer loop over blocks of K/V, inner loop over blocks of Q, with the running
    ``O, ℓ, m`` of every query row kept in (simulated) HBM between visits. `HBM` counts every
-   element that moves, and `fa1_traffic` is the closed form of that count.
+   element that moves, and `minillm.costs.fa1_traffic` is the closed form of that count.
 
 Shapes follow `minillm.reference.ch01_naive_attention`: ``q: [batch, q_heads, q_len, head_dim]``,
 ``k, v: [batch, kv_heads, kv_len, head_dim]``, positions bottom-right aligned.
@@ -41,9 +41,9 @@ from minillm.reference.ch01_naive_attention import attention_mask, kv_head_for
 A100_SRAM_BYTES = 192 * 1024
 
 __all__ = [
-    "A100_SRAM_BYTES", "HBM", "fa1_block_sizes", "fa1_traffic", "merge_partials", "merge_stats", "naive_softmax",
+    "A100_SRAM_BYTES", "HBM", "fa1_block_sizes", "merge_partials", "merge_stats", "naive_softmax",
     "online_softmax", "online_softmax_trace", "online_softmax_update", "partial_attention", "softmax_stats",
-    "tile_step", "tiled_attention", "total_bytes", "traffic_comparison",
+    "tile_step", "tiled_attention",
 ]
 
 
@@ -289,7 +289,7 @@ def tiled_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool = 
     the initial ``O = 0, ℓ = 0, m = -inf`` are not written to HBM and read back, and the
     final rows go straight to ``out`` and ``lse`` (FlashAttention-2's single statistic)
     instead of ``O, ℓ, m``. Pass an `HBM` as ``hbm`` to get the traffic counted in it
-    (arrays ``q, k, v, o, l, m, out, lse``); `fa1_traffic` is the closed form.
+    (arrays ``q, k, v, o, l, m, out, lse``); `minillm.costs.fa1_traffic` is the closed form.
     """
     q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
     batch, q_heads, q_len, head_dim = q.shape
@@ -331,59 +331,3 @@ def tiled_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool = 
                         mem.write("l", (b, h, rows), l_i)
                         mem.write("m", (b, h, rows), m_i)
     return mem.arrays["out"], mem.arrays["lse"]
-
-
-def fa1_traffic(batch: int, q_heads: int, q_len: int, kv_len: int, head_dim: int, elem_bytes: int,
-                block_kv: int, acc_bytes: int = 4, stat_bytes: int = 4) -> dict[str, dict[str, int]]:
-    """HBM bytes `tiled_attention` (and the FA1-order Triton kernel) moves, per array:
-    ``{name: {"read": bytes, "write": bytes}}`` for ``q, k, v, o, l, m, out, lse``.
-
-    With ``Tc = ⌈kv_len / block_kv⌉`` outer iterations, per (batch, query head):
-
-    - ``K, V``: read once, ``kv_len·d`` elements each (every query head reads its KV head
-      itself: under GQA the heads of a group read the same K/V, counted each time);
-    - ``Q``: read ``Tc`` times, ``Tc·q_len·d``: the price of K/V-outer order;
-    - ``O`` (running output, ``acc_bytes`` per element: fp32 in the kernel) and ``ℓ, m``
-      (``stat_bytes``): written and read back ``Tc - 1`` times, ``(Tc-1)·q_len·(d + 2)``
-      each way;
-    - ``out`` (``elem_bytes``) and ``lse`` (``stat_bytes``): written once.
-
-    With ``Bc ≈ M/4d`` the ``Tc``-fold terms are ``≈ 4·N²·d²/M``: the paper's
-    ``Θ(N²d²/M)``, against ``Θ(N²)`` for the naive algorithm. ``Tc = 1`` is the minimum: read
-    Q, K, V once, write the output once."""
-    tc = math.ceil(kv_len / block_kv) if kv_len else 0
-    heads = batch * q_heads
-    rows_e = heads * q_len * head_dim            # elements of Q (or O)
-    revisits = max(tc - 1, 0)
-    kv = heads * kv_len * head_dim * elem_bytes
-    return {
-        "q": {"read": tc * rows_e * elem_bytes, "write": 0},
-        "k": {"read": kv, "write": 0},
-        "v": {"read": kv, "write": 0},
-        "o": {"read": revisits * rows_e * acc_bytes, "write": revisits * rows_e * acc_bytes},
-        "l": {"read": revisits * heads * q_len * stat_bytes, "write": revisits * heads * q_len * stat_bytes},
-        "m": {"read": revisits * heads * q_len * stat_bytes, "write": revisits * heads * q_len * stat_bytes},
-        "out": {"read": 0, "write": (rows_e * elem_bytes) if tc else 0},
-        "lse": {"read": 0, "write": (heads * q_len * stat_bytes) if tc else 0},
-    }
-
-
-def total_bytes(traffic: dict[str, dict[str, int]]) -> int:
-    """Reads plus writes of a traffic dict (`fa1_traffic`, `HBM.bytes`, or Chapter 1's
-    `naive_attention_traffic`: any ``{name: {"read": …, "write": …}}``)."""
-    return sum(rw["read"] + rw["write"] for rw in traffic.values())
-
-
-def traffic_comparison(seq_len: int, head_dim: int, sram_bytes: int = A100_SRAM_BYTES,
-                       elem_bytes: int = 2) -> dict[str, float]:
-    """HBM bytes of one attention head (``q_len = kv_len = seq_len``): FlashAttention-1 with
-    the paper's block sizes for ``sram_bytes`` against Chapter 1's naive algorithm.
-
-    Naive: read Q, K; write S (fp32); read S; write P (``elem_bytes``) and lse; read P, V;
-    write O. The same count as `minillm.kernels.ch01_naive_attention.naive_attention_traffic`.
-    Returns ``block_q, block_kv, fa1_bytes, naive_bytes`` and ``naive_over_fa1``."""
-    br, bc = fa1_block_sizes(sram_bytes, head_dim, elem_bytes)
-    n, d, e = seq_len, head_dim, elem_bytes
-    naive = 4 * n * d * e + n * n * (4 + 4 + e + e) + 4 * n
-    fa1 = total_bytes(fa1_traffic(1, 1, n, n, d, e, bc))
-    return {"block_q": br, "block_kv": bc, "fa1_bytes": fa1, "naive_bytes": naive, "naive_over_fa1": naive / fa1}

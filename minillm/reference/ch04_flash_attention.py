@@ -11,12 +11,13 @@ changes how the work is organised:
    so it is read and written exactly once (`fa2_forward`; pass an `HBM` to see the count).
 2. **Unscaled O.** The accumulator is ``Σ exp(s - m)·v``, not yet divided by ``ℓ``; a K/V
    block only rescales it by ``exp(m_old - m_new)`` and the one division by ``ℓ`` waits
-   until the end (`fa2_tile_step`, `fa2_finalize`). `nonmatmul_flops` counts what that saves
+   until the end (`fa2_tile_step`, `fa2_finalize`). `minillm.costs.nonmatmul_flops` counts what that saves
    against FlashAttention-1's step (`fa1_tile_step`), which renormalises every time.
 3. **Only L is saved.** The forward returns ``L = m + log ℓ`` per row; the backward
    recomputes each tile of probabilities as ``P = exp(S - L)`` (`recompute_probs`).
 4. **Warps split Q, not K.** Inside a program, giving each warp its own rows of Q means the
-   warps never exchange partial results (`warp_partition_traffic`, `simulate_warp_split`).
+   warps never exchange partial results (`simulate_warp_split`; `minillm.costs.warp_partition_traffic`
+   is its closed form).
 
 Two more ingredients of the kernels are here too. **Block skipping**: with a causal mask or
 a sliding window many (Q block, K block) pairs see nothing at all, and many see everything;
@@ -46,7 +47,7 @@ from minillm.reference.ch03_online_softmax import HBM
 __all__ = [
     "FULL", "MASKED", "SKIP", "SharedMemory", "backward_delta", "block_slices", "classify_blocks", "fa1_finalize",
     "fa1_tile_step", "fa2_backward", "fa2_backward_tile", "fa2_finalize", "fa2_forward", "fa2_tile_step",
-    "kernel_kv_segments", "nonmatmul_flops", "recompute_probs", "simulate_warp_split", "warp_partition_traffic",
+    "check_warp_split", "kernel_kv_segments", "recompute_probs", "simulate_warp_split",
 ]
 
 #: What a program does with one (Q block, K block) pair, the codes of `classify_blocks`:
@@ -188,7 +189,7 @@ def fa2_tile_step(q_i: np.ndarray, k_j: np.ndarray, v_j: np.ndarray, acc: np.nda
     Chapter 3's `tile_step` (here `fa1_tile_step`) also divides by ``ℓ_new`` and multiplies
     the new term by ``exp(m̃ - m_new)``: an ``[r, d]`` division and an ``[r, d]`` multiply per
     step that this version does not need. Pass a `collections.Counter` as ``flops`` to
-    have the step's floating-point operations added to it (see `nonmatmul_flops`).
+    have the step's floating-point operations added to it (see `minillm.costs.nonmatmul_flops`).
     """
     s = scale * (q_i @ k_j.T)                                   # [r, c]
     if visible is not None:
@@ -350,50 +351,6 @@ def fa2_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool = Fals
 
 
 # ----------------------------------------------------------------------------------------
-# Counting change (2): non-matmul FLOPs of FA1's step against FA2's
-# ----------------------------------------------------------------------------------------
-_STYLES = {"fa1": (fa1_tile_step, fa1_finalize), "fa2": (fa2_tile_step, fa2_finalize)}
-
-
-def nonmatmul_flops(q_len: int, kv_len: int, head_dim: int, block_m: int, block_n: int, style: str = "fa2",
-                    causal: bool = False, window: int | None = None) -> dict[str, int]:
-    """Count the floating-point operations of one attention head, FA1-style or FA2-style.
-
-    Runs the loops of `fa2_forward` (one program per Q block, the K/V blocks it does not
-    skip streaming past) for one head, on zeros since the values do not matter, with
-    ``style="fa2"``'s `fa2_tile_step` and `fa2_finalize` or ``style="fa1"``'s
-    `fa1_tile_step` and `fa1_finalize`, and returns what the steps counted: ``exp``,
-    ``mul``, ``add`` (subtractions included), ``max``, ``div`` and ``log``, their total
-    ``nonmatmul``, and ``matmul`` (the two products of a tile, ``2·r·c·d`` FLOPs each).
-    Skipped blocks cost nothing; masked ones cost a whole tile, as in the kernel.
-
-    The difference is change (2) of FlashAttention-2. Per row and visited K/V block, FA1
-    spends ``d + 2`` more multiplies, one more exp, one more add and ``d`` divisions, where
-    FA2 divides ``d`` times per row in all. (The loop order plays no part: it moves memory
-    traffic, not arithmetic.) Why it matters: a GPU's tensor cores run matmuls far faster
-    than its other units run anything else (A100: 312 TFLOP/s of fp16 matmul, 19.5 TFLOP/s
-    of non-matmul fp32), so a non-matmul FLOP costs as much time as some 16 matmul FLOPs.
-    """
-    if style not in _STYLES:
-        raise ValueError(f"style must be 'fa1' or 'fa2', got {style!r}")
-    step, finalize = _STYLES[style]
-    q, k, v = np.zeros((q_len, head_dim)), np.zeros((kv_len, head_dim)), np.zeros((kv_len, head_dim))
-    classes = classify_blocks(q_len, kv_len, block_m, block_n, causal, window)
-    flops: Counter = Counter()
-    for i, rows in enumerate(block_slices(q_len, block_m)):
-        n_rows = rows.stop - rows.start
-        state = (np.zeros((n_rows, head_dim)), np.zeros(n_rows), np.full(n_rows, -np.inf))
-        for j, cols in enumerate(block_slices(kv_len, block_n)):
-            if classes[i, j] != SKIP:
-                state = step(q[rows], k[cols], v[cols], *state, 1.0, None, flops)
-        finalize(*state, flops)
-    counts = {kind: flops[kind] for kind in ("exp", "mul", "add", "max", "div", "log")}
-    counts["nonmatmul"] = sum(counts.values())
-    counts["matmul"] = flops["matmul"]
-    return counts
-
-
-# ----------------------------------------------------------------------------------------
 # Change (4): how a program's warps share a tile
 # ----------------------------------------------------------------------------------------
 class SharedMemory(HBM):
@@ -409,7 +366,9 @@ class SharedMemory(HBM):
         self.barriers += 1
 
 
-def _check_warp_split(block_m: int, block_n: int, warps: int, split: str) -> None:
+def check_warp_split(block_m: int, block_n: int, warps: int, split: str) -> None:
+    """Raise ValueError unless ``split`` is ``"q"`` or ``"k"`` and ``warps`` divides ``block_m``
+    (and, for ``"k"``, ``block_n``)."""
     if split not in ("q", "k"):
         raise ValueError(f"split must be 'q' (FlashAttention-2) or 'k' (FlashAttention-1), got {split!r}")
     if warps < 1 or block_m % warps or (split == "k" and block_n % warps):
@@ -442,7 +401,7 @@ def simulate_warp_split(q_i: np.ndarray, k_j: np.ndarray, v_j: np.ndarray, scale
     `merge_partials`; but then every warp holds an ``[r, d]`` accumulator, ``W`` times the
     registers of split-Q.)"""
     r, c = q_i.shape[0], k_j.shape[0]
-    _check_warp_split(r, c, warps, split)
+    check_warp_split(r, c, warps, split)
     smem = SharedMemory(q=q_i, k=k_j, v=v_j)
     acc, l, m = np.zeros((r, v_j.shape[1])), np.zeros(r), np.full(r, -np.inf)
     rows_of = block_slices(r, r // warps)                           # rows_of[w]: warp w's rows
@@ -470,39 +429,6 @@ def simulate_warp_split(q_i: np.ndarray, k_j: np.ndarray, v_j: np.ndarray, scale
         l[rows] = smem.read("sum", (slice(None), rows)).sum(axis=0)
         acc[rows] = smem.read("out", (slice(None), rows)).sum(axis=0)
     return (acc, l, m), smem
-
-
-def warp_partition_traffic(block_m: int, block_n: int, head_dim: int, warps: int, split: str,
-                           elem_bytes: int = 2, acc_bytes: int = 4) -> dict[str, int]:
-    """Shared-memory traffic and barriers of one tile step of `simulate_warp_split`, closed
-    form: ``{"operand_read_bytes", "exchange_write_bytes", "exchange_read_bytes", "barriers"}``.
-
-    ``Br = block_m`` rows, ``Bc = block_n`` keys, ``d = head_dim``, ``W = warps``; operands
-    (Q, K, V) are ``elem_bytes`` each, exchanged partials ``acc_bytes`` (fp32).
-
-    - split-Q (FlashAttention-2): operand reads ``(Br·d + W·2·Bc·d)·elem_bytes`` (every warp
-      reads all of K and V); nothing exchanged, no barrier.
-    - split-K (FlashAttention-1): operand reads ``(W·Br·d + 2·Bc·d)·elem_bytes`` (every warp
-      reads all of Q); exchanged per step, ``acc_bytes`` each: partial maxima (``W·Br``
-      written, ``W·W·Br`` read: every warp reads all of them), partial sums (``W·Br`` each
-      way) and partial outputs (``W·Br·d`` each way); two barriers.
-
-    Operand reads favour neither scheme in general: split-Q has every warp read K and V,
-    split-K has every warp read Q. The difference is the exchange. At ``Br = Bc = d = 64``
-    with 4 warps, split-Q reads 72 KiB of operands per tile step and that is all; split-K
-    reads 48 KiB of operands, but also writes 66 KiB of partial results to shared memory and
-    reads 69 KiB back, and stops every warp at two barriers. (Both also need a barrier per
-    step before the K/V tile can be refilled; it is not counted here.)
-    """
-    _check_warp_split(block_m, block_n, warps, split)
-    br, bc, d, w = block_m, block_n, head_dim, warps
-    if split == "q":
-        return {"operand_read_bytes": (br * d + w * 2 * bc * d) * elem_bytes,
-                "exchange_write_bytes": 0, "exchange_read_bytes": 0, "barriers": 0}
-    return {"operand_read_bytes": (w * br * d + 2 * bc * d) * elem_bytes,
-            "exchange_write_bytes": (w * br + w * br + w * br * d) * acc_bytes,
-            "exchange_read_bytes": (w * w * br + w * br + w * br * d) * acc_bytes,
-            "barriers": 2}
 
 
 # ----------------------------------------------------------------------------------------

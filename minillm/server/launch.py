@@ -1,6 +1,8 @@
 """Chapter 9: ``minillm serve``: load the checkpoint, build the engine, print how to call it,
 run uvicorn. Binds 127.0.0.1 unless told otherwise: the server has no rate limits and, without
-``--api-key``, no authentication, so exposing it is a deliberate choice (``--host 0.0.0.0``)."""
+``--api-key``, no authentication, so exposing it is a deliberate choice (``--host 0.0.0.0``).
+``--max-body-bytes`` caps a request body (413 beyond it); ``--shutdown-timeout`` is how long the
+first Ctrl-C (or SIGTERM) lets the requests in flight finish (`minillm.server.shutdown`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,16 +13,24 @@ __all__ = ["banner", "serve"]
 
 
 def serve(model: str | Path, config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, log_level: str = "info") -> None:
-    """Serve the checkpoint folder ``model`` until Ctrl-C."""
+          api_key: str | None = None, log_level: str = "info", max_body_bytes: int | None = None,
+          shutdown_timeout: float | None = None) -> None:
+    """Serve the checkpoint folder ``model`` until Ctrl-C (or SIGTERM): the first drains the
+    requests in flight for ``shutdown_timeout`` seconds, a second stops at once."""
     import uvicorn
 
     from minillm.engine import LLMEngine
     from minillm.server.app import create_app
+    from minillm.server.middleware import DEFAULT_MAX_BODY_BYTES
+    from minillm.server.shutdown import DEFAULT_SHUTDOWN_TIMEOUT, GracefulServer
 
     engine = LLMEngine.from_pretrained(model, config)
     print(banner(engine, host, port, api_key is not None), flush=True)
-    uvicorn.run(create_app(engine, api_key=api_key), host=host, port=port, log_level=log_level)
+    app = create_app(engine, api_key=api_key, max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+    server = GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5),
+                            app.state.runner, DEFAULT_SHUTDOWN_TIMEOUT if shutdown_timeout is None else shutdown_timeout)
+    server.run()
 
 
 def banner(engine, host: str, port: int, with_key: bool) -> str:

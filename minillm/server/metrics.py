@@ -9,6 +9,16 @@ tokens after the first) and end-to-end latency.
 
 Each app gets its own `CollectorRegistry`, so that several servers in one process (the tests)
 do not share or clash over metrics.
+
+Every number is exported twice: under minillm's own names (``minillm_*``), and, for those vLLM
+has, under vLLM's names and labels (``vllm:num_requests_running{model_name="..."}``,
+``vllm:kv_cache_usage_perc`` (a fraction, as in vLLM), ``vllm:time_to_first_token_seconds``,
+``vllm:e2e_request_latency_seconds``, ``vllm:time_per_output_token_seconds``,
+``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, ``vllm:num_preemptions_total``,
+``vllm:request_success_total{finished_reason}``), so that a dashboard built for vLLM works
+unchanged. Requests that did not succeed are counted apart: ``minillm_requests_aborted_total``
+(the client went away) and ``minillm_requests_failed_total`` (an error ended them). HTTP
+responses are counted by method, route and status code: ``minillm_http_responses_total``.
 """
 from __future__ import annotations
 
@@ -31,10 +41,22 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 class Metrics:
     """The server's metrics. ``snapshot`` returns the engine's latest `EngineSnapshot`."""
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str = "minillm"):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(snapshot))
+        self.registry.register(_EngineCollector(snapshot, model_name))
+        self.model_name = model_name
         r = self.registry
+        label = ["model_name"]
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token (vLLM's name).", label,
+                                   buckets=TTFT_BUCKETS, registry=r)
+        self.vllm_tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token (vLLM's name).",
+                                   label, buckets=TPOT_BUCKETS, registry=r)
+        self.vllm_latency = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency (vLLM's name).",
+                                      label, buckets=LATENCY_BUCKETS, registry=r)
+        self.vllm_success = Counter("vllm:request_success", "Requests that finished, by finish reason (vLLM's name).",
+                                    ["model_name", "finished_reason"], registry=r)
+        self.http = Counter("minillm_http_responses", "HTTP responses by method, route and status code.",
+                            ["method", "route", "status"], registry=r)
         self.ttft = Histogram("minillm_time_to_first_token_seconds", "Time from arrival to the first token.",
                               buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("minillm_time_per_output_token_seconds",
@@ -46,14 +68,22 @@ class Metrics:
 
     def observe(self, output: RequestOutput) -> None:
         """Record a finished request (called on the engine thread; prometheus_client is thread-safe)."""
-        m = output.metrics
+        m, name = output.metrics, self.model_name
         self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.vllm_success.labels(name, output.outputs[0].finish_reason if output.outputs else "stop").inc()
         if m.ttft is not None:
             self.ttft.observe(m.ttft)
+            self.vllm_ttft.labels(name).observe(m.ttft)
         if m.latency is not None:
             self.latency.observe(m.latency)
+            self.vllm_latency.labels(name).observe(m.latency)
         if len(m.token_times) > 1:
-            self.tpot.observe((m.token_times[-1] - m.token_times[0]) / (len(m.token_times) - 1))
+            tpot = (m.token_times[-1] - m.token_times[0]) / (len(m.token_times) - 1)
+            self.tpot.observe(tpot)
+            self.vllm_tpot.labels(name).observe(tpot)
+
+    def count_response(self, method: str, route: str, status: int) -> None:
+        self.http.labels(method, route, str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -77,10 +107,22 @@ class _EngineCollector(Collector):
         "generation_tokens": ("minillm_generation_tokens", "Tokens generated."),
         "requests_finished": ("minillm_requests_finished", "Requests that finished."),
         "requests_aborted": ("minillm_requests_aborted", "Requests aborted (e.g. the client disconnected)."),
+        "requests_failed": ("minillm_requests_failed", "Requests ended by an error (their own, an engine fault, "
+                                                       "or the shutdown)."),
+    }
+    VLLM_GAUGES = {
+        "running": ("vllm:num_requests_running", "Requests running (vLLM's name)."),
+        "waiting": ("vllm:num_requests_waiting", "Requests waiting (vLLM's name)."),
+        "kv_cache_usage": ("vllm:kv_cache_usage_perc", "KV-cache usage, as a fraction of the pool (vLLM's name)."),
+    }
+    VLLM_COUNTERS = {
+        "prompt_tokens": ("vllm:prompt_tokens", "Prompt tokens of the requests admitted (vLLM's name)."),
+        "generation_tokens": ("vllm:generation_tokens", "Tokens generated (vLLM's name)."),
+        "preemptions": ("vllm:num_preemptions", "Preemptions (vLLM's name)."),
     }
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
-        self.snapshot = snapshot
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str = "minillm"):
+        self.snapshot, self.model_name = snapshot, model_name
 
     def collect(self):
         s = self.snapshot()
@@ -88,3 +130,9 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=getattr(s, field))
         for field, (name, doc) in self.COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=getattr(s, field))
+        values = {"kv_cache_usage": s.blocks_used / s.num_blocks if s.num_blocks else 0.0}
+        for family, table in ((GaugeMetricFamily, self.VLLM_GAUGES), (CounterMetricFamily, self.VLLM_COUNTERS)):
+            for field, (name, doc) in table.items():
+                metric = family(name, doc, labels=["model_name"])
+                metric.add_metric([self.model_name], values[field] if field in values else getattr(s, field))
+                yield metric

@@ -5,14 +5,27 @@ be JSON integers (``"max_tokens": 5.5`` or ``"5"`` is refused, not rounded), ``t
 0``, ``0 < top_p <= 1``, ``logprobs`` in ``[0, 20]``. What depends on the model is checked by
 `LLMEngine.add_request`: an empty prompt, ``n`` or the beam width above ``max_n``, prompt +
 ``max_tokens`` above ``max_model_len``. Either failure is an HTTP 400 in OpenAI's error
-envelope (`minillm.server.app`). Fields the OpenAI API has and minillm does not use (``user``,
-...) are ignored.
+envelope (`minillm.server.app`).
+
+Fields the OpenAI API has that change nothing here (``user``, ``store``, ``metadata``,
+``service_tier``, ``parallel_tool_calls``) are ignored, as are fields no API defines (vLLM also
+ignores unknown fields, with a warning in its log; so does minillm). A field that would change
+the output and that minillm does not implement (``response_format`` other than text,
+``tools``, ``tool_choice`` other than ``"none"``, ``functions``, ``function_call``, ``suffix``,
+``audio``, ``prediction``, vLLM's ``guided_*``, ...: `UNSUPPORTED`) is refused with a 400 whose
+``param`` names it, never ignored.
+
+Sampling parameters (vLLM's semantics, `minillm.decoding.sampling.SamplingParams`):
+``presence_penalty``, ``frequency_penalty`` (``[-2, 2]``) and ``logit_bias`` (``{"token id":
+bias}``, each bias clamped to ``[-100, 100]``) are OpenAI's; ``repetition_penalty``, ``min_p``,
+``min_tokens``, ``include_stop_str_in_output`` and ``prompt_logprobs`` are vLLM's extras.
 
 Extra fields beyond the OpenAI API (vLLM's names; the ``openai`` client sends them with
 ``extra_body={...}``):
 
 - ``top_k``: sample from the ``k`` most likely tokens only (``0``: all).
-- ``stop_token_ids``: token ids that end a completion (kept in its ``token_ids``).
+- ``stop_token_ids``: token ids that end a completion (kept in its ``token_ids``, its text
+  left out unless ``include_stop_str_in_output``).
 - ``ignore_eos``: do not stop at the model's end-of-sequence token (benchmarks do).
 - ``use_beam_search`` with ``best_of`` or ``num_beams``: beam search of that width (default:
   ``n``, at least 2), returning the ``n`` best hypotheses, best first, deterministic
@@ -22,9 +35,10 @@ Extra fields beyond the OpenAI API (vLLM's names; the ``openai`` client sends th
 """
 from __future__ import annotations
 
-from typing import Annotated
+import logging
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from minillm.decoding.sampling import SamplingParams
 from minillm.engine.config import InvalidRequest
@@ -32,6 +46,27 @@ from minillm.engine.config import InvalidRequest
 __all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest"]
 
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
+log = logging.getLogger("minillm.server")
+
+# Known fields minillm does not implement, and when a value asks for something (null, and the
+# values that ask for nothing, pass).
+UNSUPPORTED = {
+    "response_format": lambda v: v is not None and v != {"type": "text"},
+    "tools": bool,
+    "tool_choice": lambda v: v not in (None, "none"),
+    "functions": bool,
+    "function_call": lambda v: v not in (None, "none"),
+    "suffix": bool,
+    "audio": lambda v: v is not None,
+    "modalities": lambda v: v not in (None, ["text"]),
+    "prediction": lambda v: v is not None,
+    "web_search_options": lambda v: v is not None,
+    "guided_json": lambda v: v is not None,
+    "guided_regex": lambda v: v is not None,
+    "guided_choice": lambda v: v is not None,
+    "guided_grammar": lambda v: v is not None,
+    "structured_outputs": lambda v: v is not None,
+}
 
 
 def _opt(tp, **constraints):
@@ -46,7 +81,18 @@ class StreamOptions(BaseModel):
 class _Request(BaseModel):
     """The fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)   # NaN and Infinity are refused
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data):
+        """Refuse a string holding half a UTF-16 pair (``"\\ud800"``), which nothing can encode."""
+        from minillm.server.tokens import find_surrogate
+
+        if (where := find_surrogate(data)) is not None:
+            raise InvalidRequest(f"{where}: the string holds a lone UTF-16 surrogate, which is not valid Unicode "
+                                 "text", param=where.split(".")[0], code="invalid_unicode")
+        return data
 
     model: str | None = None
     n: _opt(StrictInt, ge=1) = None
@@ -64,12 +110,65 @@ class _Request(BaseModel):
     best_of: _opt(StrictInt, ge=1) = None
     num_beams: _opt(StrictInt, ge=1) = None
     length_penalty: float = 1.0
+    # sampling parameters (see the module docstring)
+    presence_penalty: _opt(float, ge=-2, le=2) = None
+    frequency_penalty: _opt(float, ge=-2, le=2) = None
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: _opt(float, gt=0) = None
+    min_p: _opt(float, ge=0, le=1) = None
+    min_tokens: _opt(StrictInt, ge=0) = None
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: _opt(StrictInt, ge=0, le=MAX_LOGPROBS) = None
+    # known, not implemented: refused when they ask for anything (`UNSUPPORTED`)
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored(cls, data):
+        """Fields no API defines are ignored, with a warning in the log (vLLM's behaviour)."""
+        if isinstance(data, dict) and (unknown := sorted(set(data) - set(cls.model_fields))):
+            log.warning("ignored request fields: %s", ", ".join(map(str, unknown)))
+        return data
+
+    def check_supported(self) -> None:
+        """Refuse (400, ``param`` = the field) a known field asking for what minillm lacks."""
+        for name, asks in UNSUPPORTED.items():
+            if name in type(self).model_fields and asks(getattr(self, name)):
+                raise InvalidRequest(f"{name} is not supported by this server", param=name, code="unsupported")
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """OpenAI's ``{"token id": bias}``, biases clamped to ``[-100, 100]``."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            bias[token] = min(100.0, max(-100.0, value))
+        return bias
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        self.check_supported()
         n = self.n or 1
         beam = self.use_beam_search or (self.num_beams or 1) > 1
         if beam:
@@ -80,6 +179,8 @@ class _Request(BaseModel):
             if n > width:
                 raise InvalidRequest(f"beam search returns at most its width ({width}) hypotheses, got n={n}",
                                      param="n")
+            if logprobs is not None:
+                raise InvalidRequest("logprobs is not supported with beam search", param="logprobs")
         else:
             width = 1
             if self.best_of not in (None, n):
@@ -90,31 +191,49 @@ class _Request(BaseModel):
                 top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p,
                 max_tokens=max_tokens, stop_token_ids=tuple(self.stop_token_ids or ()), seed=self.seed, n=n,
                 stop=self.stop or (), ignore_eos=self.ignore_eos, logprobs=logprobs, num_beams=width,
-                length_penalty=self.length_penalty)
+                length_penalty=self.length_penalty, logit_bias=self.logit_bias_ids(),
+                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
         except ValueError as e:  # SamplingParams' messages start with the field's name
             raise InvalidRequest(str(e), param=str(e).split()[0]) from None
 
 
 class CompletionRequest(_Request):
-    """``POST /v1/completions``. ``prompt``: text, token ids, or a list of one of either."""
+    """``POST /v1/completions``. ``prompt``: text, token ids, or a list of either (one
+    completion per prompt, ``n`` choices each: choice ``i * n + j`` is prompt ``i``'s ``j``-th).
+
+    ``echo`` puts the prompt in front of each choice's text; with ``logprobs``, its tokens'
+    log-probabilities too (the first token's is ``null``). ``max_tokens: 0`` is allowed with
+    ``echo`` only: the prompt alone comes back (as vLLM, one token is generated and dropped).
+    """
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    max_tokens: _opt(StrictInt, ge=1) = None       # OpenAI's default: 16
+    max_tokens: _opt(StrictInt, ge=0) = None       # OpenAI's default: 16
     logprobs: _opt(StrictInt, ge=0, le=MAX_LOGPROBS) = None
     echo: bool = False
+    suffix: Any = None
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per completion (a list of one for a single prompt)."""
         prompt = self.prompt
-        if prompt and isinstance(prompt, list) and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise InvalidRequest(f"this server takes one prompt per request, got {len(prompt)}", param="prompt")
-            prompt = prompt[0]
-        if self.echo:
-            raise InvalidRequest("echo is not supported", param="echo")
-        return prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt and no completion."""
+        return self.echo and self.max_tokens == 0
 
     def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest("max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
+        max_tokens = 16 if self.max_tokens is None else max(self.max_tokens, 1)
+        prompt_logprobs = self.logprobs if self.echo and self.prompt_logprobs is None else None
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ContentPart(BaseModel):

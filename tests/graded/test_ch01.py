@@ -13,7 +13,8 @@ from minillm.testing import assert_close, random_tensor, to_numpy
 safe_softmax = pytest.mark.exercise(id="1.1", title="Safe softmax", points=2)
 mask_ex = pytest.mark.exercise(id="1.2", title="Causal and sliding-window mask", points=2)
 gqa_ex = pytest.mark.exercise(id="1.3", title="GQA head mapping", points=1)
-scores_ex = pytest.mark.exercise(id="1.4", title="The scores kernel in Triton", points=3)
+scores_ex = pytest.mark.exercise(id="1.4", title="The scores kernel in Triton", points=3, kind="triton")
+softmax_kernel_ex = pytest.mark.exercise(id="1.5", title="The row softmax kernel in Triton", points=3, kind="triton")
 
 
 @safe_softmax
@@ -95,3 +96,19 @@ def test_scores_kernel(impl, batch, heads, q_len, kv_len, head_dim, causal, devi
     assert_close(s, ref.attention_scores(to_numpy(q), to_numpy(k), causal), dtype, "S", seed)
     s2 = impl.attention_scores(q, k, causal=causal, scale=0.5)
     assert_close(s2, ref.attention_scores(to_numpy(q), to_numpy(k), causal, scale=0.5), dtype, "S(scale=0.5)", seed)
+
+
+@softmax_kernel_ex
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 5, 33), (6, 100), (2, 257)])
+def test_softmax_kernel(impl, shape, dtype, device, gen, seed):  # dtype: every kernel dtype (conftest)
+    s = random_tensor(shape, torch.float64, "cpu", gen, scale=5.0)
+    rows = s.reshape(-1, shape[-1])
+    rows[torch.rand(rows.shape, generator=gen) < 0.3] = float("-inf")  # masked keys, tail lanes included
+    rows[0, :] = float("-inf")  # a fully masked row (decode before any key is visible)
+    if rows.shape[0] > 1:
+        rows[1] *= 300  # scores in the thousands: exp overflows unless the max is subtracted
+    s = s.to(device=device, dtype=dtype)
+    p = impl.row_softmax(s)
+    assert p.shape == s.shape and p.dtype == torch.float32 and p.device == s.device
+    # The kernel computes in fp32 from the (already rounded) input: fp32 tolerances for every dtype.
+    assert_close(p, ref.softmax(to_numpy(s)), torch.float32, "P", seed)

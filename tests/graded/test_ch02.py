@@ -6,14 +6,18 @@ failure message; pin it with ``MINILLM_SEED``).
 """
 import numpy as np
 import pytest
+import torch
 
 from minillm import costs
 from minillm import reference as ref
+from minillm.testing import assert_close, random_tensor, to_numpy
 
 write_ex = pytest.mark.exercise(id="2.1", title="Writing to the cache", points=2)
 decode_ex = pytest.mark.exercise(id="2.2", title="Decode with the cache equals recompute", points=3)
 budget_ex = pytest.mark.exercise(id="2.3", title="Cache size and the largest batch", points=2)
 ring_ex = pytest.mark.exercise(id="2.4", title="The sliding-window ring buffer", points=3)
+cache_write_kernel_ex = pytest.mark.exercise(id="2.5", title="The cache-write kernel in Triton", points=2, kind="triton")
+decode_kernel_ex = pytest.mark.exercise(id="2.6", title="The decode-attention kernel in Triton", points=3, kind="triton")
 
 
 def poisoned_cache(rng, kv_heads, capacity, head_dim, filled):
@@ -210,3 +214,70 @@ def test_ring_equals_windowed_attention(impl, window, heads, kv_heads, seed):
         np.testing.assert_array_equal(v_vis, v[:, held], err_msg=f"values after position {t}, window {window}")
         out, _ = ref.attention(q[:, :, t:t + 1], k_vis[None], v_vis[None], causal=True, window=window)
         np.testing.assert_allclose(out[0, :, 0], want[0, :, t], atol=1e-12, err_msg=f"position {t}, seed {seed}")
+
+
+# --- 2.5 and 2.6: Triton kernels over a batched cache -------------------------------------------
+
+def batched_cache(batch, kv_heads, max_len, head_dim, dtype, device, gen, token_major=False):
+    """A random cache ``[batch, kv_heads, max_len, head_dim]``; ``token_major``: stored as
+    ``[batch, max_len, kv_heads, head_dim]`` and viewed with heads second (other strides)."""
+    if token_major:
+        return random_tensor((batch, max_len, kv_heads, head_dim), dtype, device, gen).transpose(1, 2)
+    return random_tensor((batch, kv_heads, max_len, head_dim), dtype, device, gen)
+
+
+@cache_write_kernel_ex
+@pytest.mark.parametrize("batch,kv_heads,max_len,head_dim,token_major", [
+    (1, 1, 1, 16, False),
+    (3, 2, 9, 24, False),   # head_dim not a power of two: the padding lanes must not spill
+    (4, 3, 17, 32, True),   # token-major cache: the strides, not the shape, say where a slot is
+])
+def test_cache_write_kernel(impl, batch, kv_heads, max_len, head_dim, token_major, dtype, device, gen, seed):
+    k_cache = batched_cache(batch, kv_heads, max_len, head_dim, dtype, device, gen, token_major)
+    v_cache = batched_cache(batch, kv_heads, max_len, head_dim, dtype, device, gen, token_major)
+    k_new = random_tensor((batch, kv_heads, head_dim), dtype, device, gen)
+    v_new = random_tensor((batch, kv_heads, head_dim), dtype, device, gen)
+    pos = torch.randint(0, max_len, (batch,), generator=gen, dtype=torch.int32)
+    if batch > 1:
+        pos[1] = -1  # a padding row: nothing may be written for it
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for b in range(batch):
+        if pos[b] >= 0:
+            want_k[b, :, pos[b]] = k_new[b]
+            want_v[b, :, pos[b]] = v_new[b]
+    impl.cache_write(k_cache, v_cache, k_new, v_new, pos.to(device))
+    for name, got, want in (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)):
+        bad = (got != want).nonzero()
+        assert len(bad) == 0, (f"{name}: {len(bad)} elements differ after the write, first at {tuple(bad[0].tolist())} "
+                               f"(pos = {pos.tolist()}); reproduce with MINILLM_SEED={seed}")
+
+
+@decode_kernel_ex
+@pytest.mark.parametrize("batch,q_heads,kv_heads,max_len,head_dim", [
+    (1, 1, 1, 1, 16),
+    (3, 4, 4, 37, 32),   # MHA
+    (2, 6, 2, 50, 24),   # GQA, 3 query heads per KV head; head_dim not a power of two
+    (2, 7, 1, 20, 16),   # MQA: every query head reads KV head 0
+])
+def test_decode_kernel(impl, batch, q_heads, kv_heads, max_len, head_dim, dtype, device, gen, seed):
+    q = random_tensor((batch, q_heads, head_dim), dtype, device, gen)
+    k_cache = batched_cache(batch, kv_heads, max_len, head_dim, dtype, device, gen)
+    v_cache = batched_cache(batch, kv_heads, max_len, head_dim, dtype, device, gen)
+    seq_lens = torch.randint(1, max_len + 1, (batch,), generator=gen, dtype=torch.int32)
+    seq_lens[-1] = max_len  # one sequence fills its cache
+    if batch > 2:
+        seq_lens[0] = 0     # an empty sequence: output 0
+    for b in range(batch):  # slots past a sequence's end hold garbage: NaN, which must not leak in
+        k_cache[b, :, int(seq_lens[b]):] = float("nan")
+        v_cache[b, :, int(seq_lens[b]):] = float("nan")
+    scale = None if seed % 2 else 0.3
+    out = impl.decode_attention(q, k_cache, v_cache, seq_lens.to(device), scale=scale)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    want = np.zeros((batch, q_heads, head_dim))
+    for b in range(batch):
+        n = int(seq_lens[b])
+        if n:
+            o, _ = ref.attention(to_numpy(q[b, :, None])[None], to_numpy(k_cache[b, :, :n])[None],
+                                 to_numpy(v_cache[b, :, :n])[None], scale=scale)
+            want[b] = o[0, :, 0]
+    assert_close(out, want, dtype, f"out (seq_lens {seq_lens.tolist()}, scale {scale})", seed)

@@ -8,14 +8,18 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from minillm import reference as ref
 from minillm.reference.ch03_online_softmax import partial_attention, softmax_stats
 from minillm.reference.ch03_online_softmax import tile_step as reference_tile_step
+from minillm.testing import assert_close, random_tensor, to_numpy
 
 update_ex = pytest.mark.exercise(id="3.1", title="The online softmax update", points=2)
 merge_ex = pytest.mark.exercise(id="3.2", title="Merging partial attention outputs", points=3)
 tile_ex = pytest.mark.exercise(id="3.3", title="One tile step of FlashAttention-1", points=3)
+stream_kernel_ex = pytest.mark.exercise(id="3.4", title="The streamed softmax kernel in Triton", points=3, kind="triton")
+fa1_kernel_ex = pytest.mark.exercise(id="3.5", title="FlashAttention-1's loops in Triton", points=4, kind="triton")
 
 
 def random_scores(rng, shape, scale=5.0, masked=0.2):
@@ -128,7 +132,7 @@ def test_tile_step_from_the_initial_state(impl, seed):
     o, l, m = impl.tile_step(q, k, v, np.zeros((5, 8)), np.zeros(5), np.full(5, -np.inf), 0.4)
     want, want_lse = ref.attention(q[None, None], k[None, None], v[None, None], scale=0.4)
     np.testing.assert_allclose(o, want[0, 0], atol=1e-13, err_msg=f"seed {seed}")
-    np.testing.assert_allclose(m + np.log(l), want_lse[0, 0], rtol=1e-13, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(m + np.log(l), want_lse[0, 0], rtol=1e-13, atol=1e-13, err_msg=f"seed {seed}")
 
 
 @tile_ex
@@ -143,7 +147,9 @@ def test_tile_step_matches_the_reference(impl, trial, seed):
     o, l, m = impl.tile_step(q, k, v, o_i, l_i, m_i, scale, visible)
     want_o, want_l, want_m = reference_tile_step(q, k, v, o_i, l_i, m_i, scale, visible)
     msg = f"Br={br} Bc={bc} scale={scale:.3g} seed={seed + trial}"
-    np.testing.assert_array_equal(m, want_m, err_msg=msg)
+    # Not exact: `scale * q_i @ k_j.T` and `scale * (q_i @ k_j.T)` round differently (~1e-14);
+    # a wrong max (old m ignored, masked scores counted, no scale) is off by far more.
+    np.testing.assert_allclose(m, want_m, rtol=1e-12, atol=1e-11, err_msg="m: " + msg)   # -inf compares equal
     np.testing.assert_allclose(l, want_l, rtol=1e-12, err_msg=msg)
     np.testing.assert_allclose(o, want_o, atol=1e-12, err_msg=msg)
 
@@ -172,4 +178,51 @@ def test_fa1_loops_with_your_tile_step(impl, q_heads, kv_heads, q_len, kv_len, c
     want, want_lse = ref.attention(q[None], k[None], v[None], causal=causal)
     np.testing.assert_allclose(o, want[0], atol=1e-12, err_msg=f"seed {seed}")
     with np.errstate(divide="ignore"):
-        np.testing.assert_allclose(m + np.log(l), want_lse[0], rtol=1e-12, err_msg=f"seed {seed}")
+        np.testing.assert_allclose(m + np.log(l), want_lse[0], rtol=1e-12, atol=1e-12, err_msg=f"seed {seed}")
+
+
+# --- 3.4 -------------------------------------------------------------------------------------
+
+@stream_kernel_ex
+@pytest.mark.parametrize("rows,n_cols,block_n", [(1, 1, 16), (3, 16, 16), (5, 50, 16), (4, 129, 32)])
+def test_streamed_softmax_kernel(impl, rows, n_cols, block_n, dtype, device, gen, seed):
+    x = random_tensor((rows, n_cols), torch.float64, "cpu", gen, scale=5.0)
+    x[torch.rand(x.shape, generator=gen) < 0.2] = float("-inf")
+    x[0] = float("-inf")                          # every element masked: zeros and lse = -inf
+    if rows > 1:
+        x[1] = torch.linspace(-2000, 2000, n_cols, dtype=torch.float64)  # the max rises in every block
+    if rows > 2:
+        x[2, :min(n_cols, block_n + 3)] = float("-inf")  # the first block(s) see nothing
+    if rows > 3:
+        x[3] *= 200                               # scores in the thousands
+    x = x.to(device=device, dtype=dtype)
+    y, lse = impl.online_softmax(x, block_n=block_n)
+    assert y.shape == x.shape and lse.shape == x.shape[:-1] and y.dtype == lse.dtype == torch.float32
+    m, l = softmax_stats(to_numpy(x))
+    with np.errstate(divide="ignore"):
+        want_lse = m + np.log(l)
+    msg = f"(n_cols {n_cols}, block_n {block_n})"
+    assert_close(y, ref.softmax(to_numpy(x)), torch.float32, f"y {msg}", seed)
+    assert_close(lse, want_lse, torch.float32, f"lse {msg}", seed)
+
+
+# --- 3.5 -------------------------------------------------------------------------------------
+
+@fa1_kernel_ex
+@pytest.mark.parametrize("batch,q_heads,kv_heads,q_len,kv_len,head_dim,causal", [
+    (1, 1, 1, 1, 1, 16, False),
+    (1, 2, 2, 37, 37, 32, True),   # several blocks each way, ragged tails
+    (2, 4, 2, 20, 45, 16, True),   # GQA; fewer queries than keys (bottom-right causal)
+    (1, 2, 1, 40, 23, 16, True),   # more queries than keys: the first 17 rows see no key at all
+    (1, 3, 3, 9, 50, 16, False),
+])
+def test_fa1_kernel(impl, batch, q_heads, kv_heads, q_len, kv_len, head_dim, causal, dtype, device, gen, seed):
+    q = random_tensor((batch, q_heads, q_len, head_dim), dtype, device, gen)
+    k = random_tensor((batch, kv_heads, kv_len, head_dim), dtype, device, gen, scale=2.0)  # peaked softmax rows
+    v = random_tensor((batch, kv_heads, kv_len, head_dim), dtype, device, gen)
+    out, lse = impl.fa1_attention(q, k, v, causal=causal)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:-1]
+    want_out, want_lse = ref.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal)
+    msg = f"(q_len {q_len}, kv_len {kv_len}, causal {causal}, heads {q_heads}/{kv_heads})"
+    assert_close(out, want_out, dtype, f"out {msg}", seed)
+    assert_close(lse, want_lse, dtype, f"lse {msg}", seed)

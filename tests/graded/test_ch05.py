@@ -8,17 +8,22 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from minillm.paged import Admission, BlockManager
 from minillm.paged.errors import (
     BlockManagerError, DuplicateSequence, OutOfBlocks, RequestTooLong, UnknownSequence,
 )
+from minillm.paged.layout import write_slots
 from minillm.reference import ch05_paged_attention as ref
+from minillm.testing import assert_close, kernel_dtypes, to_numpy
 
 tables_ex = pytest.mark.exercise(id="5.1", title="Block tables: allocate, append, free, admission", points=3)
 gather_ex = pytest.mark.exercise(id="5.2", title="The paged gather in NumPy", points=2)
 address_ex = pytest.mark.exercise(id="5.3", title="The kernel's address computation", points=3)
 decode_ex = pytest.mark.exercise(id="5.4", title="Paged decode attention, block by block", points=2)
+kernel_ex = pytest.mark.exercise(id="5.5", title="The paged tile load of the decode kernel", points=3, kind="triton")
+write_ex = pytest.mark.exercise(id="5.6", title="The paged KV write kernel", points=2, kind="triton")
 
 
 def shuffled_pool(rng, seq_len, block_size, kv_heads, head_dim, spare=3, padding=2):
@@ -350,7 +355,7 @@ def test_paged_decode_matches_the_reference(impl, trial, seed):
     msg = f"q_heads={q_heads} kv_heads={kv_heads} block_size={bs} seq_len={n}, seed {seed + trial}"
     assert not np.isnan(out).any(), f"NaN: a slot past the length was read ({msg})"
     np.testing.assert_allclose(out, want_out[0], rtol=1e-10, atol=1e-12, err_msg=msg)
-    np.testing.assert_allclose(lse, want_lse[0], rtol=1e-12, err_msg=msg)
+    np.testing.assert_allclose(lse, want_lse[0], rtol=1e-12, atol=1e-12, err_msg=msg)
 
 
 @decode_ex
@@ -361,7 +366,131 @@ def test_paged_decode_scale_and_empty_sequence(impl, seed):
     out, lse = impl.paged_decode_one(q, k_cache, v_cache, table, 9, scale=0.7)
     want_out, want_lse = ref.paged_decode_attention(q[None], k_cache, v_cache, table[None], [9], scale=0.7)
     np.testing.assert_allclose(out, want_out[0], rtol=1e-10, atol=1e-12, err_msg=f"scale=0.7, seed {seed}")
-    np.testing.assert_allclose(lse, want_lse[0], rtol=1e-12, err_msg=f"scale=0.7, seed {seed}")
+    np.testing.assert_allclose(lse, want_lse[0], rtol=1e-12, atol=1e-12, err_msg=f"scale=0.7, seed {seed}")
     out, lse = impl.paged_decode_one(q, k_cache, v_cache, table, 0)
     assert np.shape(out) == (4, 8) and not np.any(out), "seq_len 0: out = 0"
     assert np.all(np.asarray(lse) == -np.inf), "seq_len 0: lse = -inf"
+
+
+# --- 5.5 and 5.6: the Triton kernels -------------------------------------------------------------
+
+def pick_dtype(device, seed):
+    """One of the dtypes kernels are tested in on ``device`` (fp32/fp16 on the CPU), by seed."""
+    dtypes = kernel_dtypes(device)
+    return dtypes[seed % len(dtypes)]
+
+
+def paged_batch(rng, seq_lens, block_size, kv_heads, head_dim, dtype, device, spare=3, padding=2):
+    """A pool holding ``len(seq_lens)`` sequences in shuffled blocks, every slot without a token
+    NaN; block tables int32 ``[batch, max_blocks + padding]`` padded with -1."""
+    need = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(need) + spare
+    order = rng.permutation(num_blocks)
+    k_cache = np.full((num_blocks, block_size, kv_heads, head_dim), np.nan)
+    v_cache = np.full_like(k_cache, np.nan)
+    tables = np.full((len(seq_lens), max(need, default=0) + padding), -1, dtype=np.int32)
+    used = 0
+    for b, n in enumerate(seq_lens):
+        blocks = order[used:used + need[b]]
+        used += need[b]
+        tables[b, :need[b]] = blocks
+        for p in range(n):
+            k_cache[blocks[p // block_size], p % block_size] = rng.standard_normal((kv_heads, head_dim))
+            v_cache[blocks[p // block_size], p % block_size] = rng.standard_normal((kv_heads, head_dim))
+    # One more NaN block in front of the pool, which is a view past it: a row read through a
+    # -1 entry then lands there (NaN, caught) instead of before the tensor (a crash).
+    as_t = lambda a: torch.from_numpy(np.concatenate([np.full_like(a[:1], np.nan), a])).to(  # noqa: E731
+        device=device, dtype=dtype)[1:]
+    return (as_t(k_cache), as_t(v_cache), torch.from_numpy(tables).to(device),
+            torch.tensor(seq_lens, dtype=torch.int32, device=device))
+
+
+@kernel_ex
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,seq_lens", [
+    (4, 4, 16, 16, [37, 16]),               # MHA, tiles inside one block
+    (8, 2, 32, 7, [50, 1, 23]),             # GQA 4:1, tiles straddle blocks of 7
+    (6, 2, 16, 1, [19, 33]),                # GQA 3:1, one token per block
+    (8, 1, 16, 3, [0, 40, 17]),             # MQA, an empty sequence
+    (4, 2, 64, 17, [70]),                   # a block size just past the tile
+])
+def test_paged_decode_kernel(impl, q_heads, kv_heads, head_dim, block_size, seq_lens, device, seed):
+    rng = np.random.default_rng(seed)
+    dtype = pick_dtype(device, seed)
+    k_cache, v_cache, tables, lens = paged_batch(rng, seq_lens, block_size, kv_heads, head_dim, dtype, device)
+    q = torch.from_numpy(rng.standard_normal((len(seq_lens), q_heads, head_dim))).to(device=device, dtype=dtype)
+    out, lse = impl.paged_decode(q, k_cache, v_cache, tables, lens)
+    want_out, want_lse = ref.paged_decode_attention(to_numpy(q), to_numpy(k_cache), to_numpy(v_cache),
+                                                    tables.cpu().numpy(), seq_lens)
+    what = f"q_heads={q_heads} kv_heads={kv_heads} block_size={block_size} seq_lens={seq_lens}"
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (len(seq_lens), q_heads)
+    assert not torch.isnan(out).any(), f"NaN in the output: a slot past a sequence's length was read ({what})"
+    assert_close(out, want_out, dtype, f"out ({what})", seed)
+    assert_close(lse, want_lse, dtype, f"lse ({what})", seed)
+
+
+@kernel_ex
+def test_paged_decode_kernel_scale_and_large_scores(impl, device, seed):
+    """Scores in the hundreds (the online softmax must subtract its running max) and a scale."""
+    rng = np.random.default_rng(seed)
+    dtype = torch.float32
+    k_cache, v_cache, tables, lens = paged_batch(rng, [45, 29], 5, 2, 16, dtype, device)
+    q = torch.from_numpy(20 * rng.standard_normal((2, 4, 16))).to(device=device, dtype=dtype)
+    out, lse = impl.paged_decode(q, k_cache, v_cache, tables, lens, scale=0.9)
+    want_out, want_lse = ref.paged_decode_attention(to_numpy(q), to_numpy(k_cache), to_numpy(v_cache),
+                                                    tables.cpu().numpy(), [45, 29], scale=0.9)
+    assert_close(out, want_out, dtype, "out (scale=0.9, large scores)", seed)
+    assert_close(lse, want_lse, dtype, "lse (scale=0.9, large scores)", seed, rtol=1e-5)
+
+
+@write_ex
+@pytest.mark.parametrize("num_blocks,block_size,kv_heads,head_dim,num_tokens,pad", [
+    (6, 16, 2, 16, 9, 0),
+    (9, 3, 3, 32, 14, 3),                   # 3 KV heads (padded to 4 in the kernel), -1 slots
+    (5, 1, 1, 16, 5, 1),
+    (7, 7, 4, 64, 20, 2),
+])
+def test_write_kv_kernel(impl, num_blocks, block_size, kv_heads, head_dim, num_tokens, pad, device, seed):
+    """Random distinct slots (some -1: padding, nothing written); every other slot must keep
+    its old contents. The pool is a view that starts one block into a larger tensor, so a
+    write through slot -1 lands in that block (and is caught) instead of before the tensor."""
+    rng = np.random.default_rng(seed)
+    dtype = pick_dtype(device, seed)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    big_k = torch.from_numpy(rng.standard_normal((num_blocks + 1, *shape[1:]))).to(device=device, dtype=dtype)
+    big_v = torch.from_numpy(rng.standard_normal((num_blocks + 1, *shape[1:]))).to(device=device, dtype=dtype)
+    k_cache, v_cache = big_k[1:], big_v[1:]
+    want_k, want_v, before = to_numpy(k_cache), to_numpy(v_cache), to_numpy(big_k[0])
+    slots = rng.permutation(num_blocks * block_size)[:num_tokens]
+    slots[rng.permutation(num_tokens)[:pad]] = -1
+    k_new = torch.from_numpy(rng.standard_normal((num_tokens, kv_heads, head_dim))).to(device=device, dtype=dtype)
+    v_new = torch.from_numpy(rng.standard_normal((num_tokens, kv_heads, head_dim))).to(device=device, dtype=dtype)
+    impl.write_kv(k_cache, v_cache, k_new, v_new, torch.from_numpy(slots).to(device))
+    write_slots(want_k, slots, to_numpy(k_new))
+    write_slots(want_v, slots, to_numpy(v_new))
+    what = f"slots {slots.tolist()}, pool {shape}"
+    assert np.array_equal(to_numpy(big_k[0]), before), f"a -1 slot (padding) was written ({what})"
+    assert_close(k_cache, want_k, dtype, f"k_cache ({what})", seed, atol=0, rtol=0)
+    assert_close(v_cache, want_v, dtype, f"v_cache ({what})", seed, atol=0, rtol=0)
+
+
+@write_ex
+def test_write_kv_kernel_follows_the_strides(impl, device, seed):
+    """A pool whose blocks are padded (block stride > block_size · row): a slot is block
+    ``slot // block_size`` and offset ``slot % block_size``, not row ``slot`` of a flat view."""
+    rng = np.random.default_rng(seed)
+    dtype = pick_dtype(device, seed)
+    num_blocks, block_size, kv_heads, head_dim = 5, 6, 2, 16
+    big_k = torch.from_numpy(rng.standard_normal((num_blocks, block_size + 2, kv_heads, head_dim))).to(device, dtype)
+    big_v = torch.from_numpy(rng.standard_normal((num_blocks, block_size + 2, kv_heads, head_dim))).to(device, dtype)
+    k_cache, v_cache = big_k[:, 1:block_size + 1], big_v[:, 1:block_size + 1]      # strided views
+    want_k, want_v = to_numpy(big_k), to_numpy(big_v)
+    slots = rng.permutation(num_blocks * block_size)[:11]
+    k_new = torch.from_numpy(rng.standard_normal((11, kv_heads, head_dim))).to(device=device, dtype=dtype)
+    v_new = torch.from_numpy(rng.standard_normal((11, kv_heads, head_dim))).to(device=device, dtype=dtype)
+    impl.write_kv(k_cache, v_cache, k_new, v_new, torch.from_numpy(slots).to(device))
+    inner_k, inner_v = want_k[:, 1:block_size + 1].copy(), want_v[:, 1:block_size + 1].copy()
+    write_slots(inner_k, slots, to_numpy(k_new))
+    write_slots(inner_v, slots, to_numpy(v_new))
+    want_k[:, 1:block_size + 1], want_v[:, 1:block_size + 1] = inner_k, inner_v
+    assert_close(big_k, want_k, dtype, f"the padded pool of K (slots {slots.tolist()})", seed, atol=0, rtol=0)
+    assert_close(big_v, want_v, dtype, f"the padded pool of V (slots {slots.tolist()})", seed, atol=0, rtol=0)

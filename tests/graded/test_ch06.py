@@ -5,6 +5,7 @@ of its tests pass. Inputs are random with a fresh seed each run (the seed is in 
 failure message; pin it with ``MINILLM_SEED``).
 """
 import bisect
+import math
 
 import numpy as np
 import pytest
@@ -15,10 +16,16 @@ from minillm.decoding import BeamSearchParams, FinishedHypotheses, beam_search
 from minillm.decoding.beams import Hypothesis
 from minillm.model import LlamaForCausalLM, ModelConfig
 from minillm.paged import BlockManager, chain_hash
+from minillm.paged.layout import copy_blocks as reference_copy_blocks
+from minillm.paged.layout import gather_slots
+from minillm.testing import kernel_dtypes, to_numpy
 
 cow_ex = pytest.mark.exercise(id="6.1", title="Fork and copy-on-write bookkeeping", points=3)
 beam_ex = pytest.mark.exercise(id="6.2", title="One beam-search step", points=3)
 hash_ex = pytest.mark.exercise(id="6.3", title="The prefix hash chain", points=2)
+copy_ex = pytest.mark.exercise(id="6.4", title="The copy-on-write block copy kernel", points=2, kind="triton")
+gather_ex = pytest.mark.exercise(id="6.5", title="Reading sequences out of the pool: a gather kernel", points=2,
+                                 kind="triton")
 
 
 # --- 6.1 -------------------------------------------------------------------------------------
@@ -101,7 +108,7 @@ def test_random_operations_match_the_block_manager(impl, trial, seed):
 def reference_step(logprobs, sum_logprobs, k, eos, length_penalty, new_len, at_max_length=False):
     """`minillm.decoding.beams`' own candidate selection (checked against transformers)."""
     params = BeamSearchParams(k, eos_token_ids=tuple(eos))
-    cands = beams_module._top_candidates(torch.from_numpy(sum_logprobs), torch.from_numpy(logprobs),
+    cands = beams_module.top_candidates(torch.from_numpy(sum_logprobs), torch.from_numpy(logprobs),
                                          params.num_candidates)
     ends = [at_max_length or t in eos for t in cands.tokens]
     scorer = FinishedHypotheses(k, length_penalty)
@@ -229,7 +236,7 @@ def search_with(step, model, prompt, params):
                                                params.length_penalty, i + 1, at_max)
         for parent, token, score in done:
             finished.add_scored(beams[int(parent)] + (int(token),), score)
-        if at_max or beams_module._search_is_over(finished, torch.tensor(np.float32(new_sums[0])), i + 1, params):
+        if at_max or beams_module.search_is_over(finished, torch.tensor(np.float32(new_sums[0])), i + 1, params):
             break
         beams = [beams[int(p)] + (int(t),) for p, t in zip(parents, tokens)]
         sums = np.asarray(new_sums, np.float32)
@@ -338,3 +345,112 @@ def test_a_fully_cached_prompt_still_computes_its_last_token(impl):
     assert impl.cached_prefix_tokens(tokens + [99], cache, 4) == 12
     assert impl.cached_prefix_tokens(tokens[:9], cache, 4) == 8
     assert impl.cached_prefix_tokens([5] + tokens[1:], cache, 4) == 0, "the first block differs: no hit at all"
+
+
+# --- 6.4 and 6.5: the Triton kernels -------------------------------------------------------------
+
+def pick_dtype(device, seed):
+    dtypes = kernel_dtypes(device)
+    return dtypes[seed % len(dtypes)]
+
+
+@copy_ex
+@pytest.mark.parametrize("layers,num_blocks,block_size,kv_heads,head_dim,n_pairs", [
+    (2, 10, 4, 2, 16, 3),        # 128 elements per block: less than one chunk
+    (1, 8, 17, 3, 12, 2),        # 612: three chunks of 256, the last one ragged
+    (3, 12, 1, 1, 8, 5),         # block size 1
+    (2, 9, 16, 2, 16, 4),        # 512: exactly two chunks
+])
+def test_copy_blocks_kernel(impl, layers, num_blocks, block_size, kv_heads, head_dim, n_pairs, device, seed):
+    """Random pairs (a source may be copied twice: two forks of one parent); the whole pool is
+    compared exactly, so every plane (K and V of every layer) must be copied and every other
+    block left alone. The pool lies inside a larger buffer, with a margin of 1024 elements on
+    either side: a copy that strays past the pool lands there and is caught."""
+    rng = np.random.default_rng(seed)
+    dtype = pick_dtype(device, seed)
+    shape, margin = (2, layers, num_blocks, block_size, kv_heads, head_dim), 1024
+    buf = torch.from_numpy(rng.standard_normal(math.prod(shape) + 2 * margin)).to(device=device, dtype=dtype)
+    pool = buf[margin:-margin].view(shape)
+    blocks = rng.permutation(num_blocks)
+    pairs = [(int(s), int(d)) for s, d in zip(rng.choice(blocks[n_pairs:], n_pairs), blocks[:n_pairs])]
+    want_buf = to_numpy(buf)
+    want = want_buf[margin:-margin].reshape(shape)
+    reference_copy_blocks([np.moveaxis(want, 2, 0)], pairs)
+    impl.copy_blocks(pool, pairs)
+    got_buf = to_numpy(buf)
+    got = got_buf[margin:-margin].reshape(shape)
+    what = f"pairs {pairs}, pool {list(shape)} {dtype}, seed {seed}"
+    for plane in np.ndindex(2, layers):
+        for src, dst in pairs:
+            assert np.array_equal(got[plane][dst], want[plane][dst]), \
+                f"block {dst} of (K/V {plane[0]}, layer {plane[1]}) is not a copy of block {src}: {what}"
+    assert np.array_equal(got, want), f"a block that is not a destination changed: {what}"
+    assert np.array_equal(got_buf, want_buf), f"memory outside the pool was written: {what}"
+
+
+@copy_ex
+def test_copy_blocks_kernel_after_forks(impl, device, seed):
+    """The copies a `BlockManager` asks for when four forks of one sequence append a token."""
+    rng = np.random.default_rng(seed)
+    mgr = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=False)
+    mgr.allocate("p", list(range(10)))
+    for child in "abc":
+        mgr.fork("p", child)
+    copies = [c for seq in "pabc" for c in mgr.append_slots([seq], [7]).copies]
+    pool = torch.from_numpy(rng.standard_normal((2, 2, 12, 4, 2, 16))).to(device=device, dtype=torch.float32)
+    want = to_numpy(pool)
+    reference_copy_blocks([np.moveaxis(want, 2, 0)], copies)
+    impl.copy_blocks(pool, copies)
+    assert np.array_equal(to_numpy(pool), want), f"copies {copies}, seed {seed}"
+
+
+def shared_pool(rng, seq_lens, block_size, kv_heads, head_dim, share):
+    """A float64 pool with ``len(seq_lens)`` sequences in shuffled blocks (NaN where no token
+    is), sequence 1 sharing the first ``share`` blocks of sequence 0 (a fork or a cached
+    prefix); block tables padded with -1."""
+    tables, used = [], []
+    free = list(rng.permutation(sum(-(-n // block_size) for n in seq_lens) + 3))
+    for b, n in enumerate(seq_lens):
+        need = -(-n // block_size)
+        own = tables[0][:share] if b == 1 and share else []
+        tables.append(own + [int(free.pop()) for _ in range(need - len(own))])
+    num_blocks = max(max(t, default=0) for t in tables) + 2
+    cache = np.full((num_blocks, block_size, kv_heads, head_dim), np.nan)
+    for b, n in enumerate(seq_lens):
+        for p in range(n):
+            blk, off = tables[b][p // block_size], p % block_size
+            if np.isnan(cache[blk, off]).all():
+                cache[blk, off] = rng.standard_normal((kv_heads, head_dim))
+    width = max(len(t) for t in tables) + 2
+    padded = np.full((len(seq_lens), width), -1, dtype=np.int32)
+    for b, t in enumerate(tables):
+        padded[b, :len(t)] = t
+    return cache, padded
+
+
+@gather_ex
+@pytest.mark.parametrize("seq_lens,block_size,kv_heads,head_dim,share", [
+    ([37, 16], 16, 2, 16, 0),
+    ([23, 30, 0, 5], 7, 3, 8, 2),           # shared blocks, an empty sequence, 24-element rows (padded to 32)
+    ([9, 40], 1, 1, 16, 4),                 # block size 1
+    ([50, 17], 5, 2, 12, 3),
+])
+def test_gather_kernel(impl, seq_lens, block_size, kv_heads, head_dim, share, device, seed):
+    rng = np.random.default_rng(seed)
+    dtype = pick_dtype(device, seed)
+    cache_np, tables = shared_pool(rng, seq_lens, block_size, kv_heads, head_dim, share)
+    # One NaN guard block in front of the pool, which is a view past it.
+    big = torch.from_numpy(np.concatenate([np.full_like(cache_np[:1], np.nan), cache_np])).to(device, dtype)
+    cache = big[1:]
+    lens_arg = seq_lens if seed % 2 else torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    out, cu = impl.gather_sequences(cache, torch.from_numpy(tables).to(device), lens_arg)
+    what = f"seq_lens={seq_lens} block_size={block_size} kv_heads={kv_heads} head_dim={head_dim}, seed {seed}"
+    assert out.shape == (sum(seq_lens), kv_heads, head_dim), what
+    assert cu.tolist() == [0, *np.cumsum(seq_lens).tolist()], what
+    rounded = to_numpy(cache)
+    got = to_numpy(out)
+    assert not np.isnan(got).any(), f"NaN in the output: a row left unwritten or read from an empty slot ({what})"
+    starts = cu.tolist()
+    for b, n in enumerate(seq_lens):
+        want = gather_slots(rounded, tables[b], n)
+        assert np.array_equal(got[starts[b]:starts[b + 1]], want), f"sequence {b} (length {n}): {what}"

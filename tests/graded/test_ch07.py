@@ -43,7 +43,7 @@ def test_merge_matches_the_reference(impl, trial, seed):
     assert not np.isnan(out).any(), "NaN in the output: an empty split's o must not be multiplied in (0 · NaN = NaN)"
     np.testing.assert_allclose(out, want_o, rtol=1e-12, atol=1e-12, err_msg=msg)
     np.testing.assert_array_equal(np.isneginf(l), np.isneginf(want_l), err_msg=msg)
-    np.testing.assert_allclose(l[np.isfinite(want_l)], want_l[np.isfinite(want_l)], rtol=1e-12, err_msg=msg)
+    np.testing.assert_allclose(l[np.isfinite(want_l)], want_l[np.isfinite(want_l)], rtol=1e-12, atol=1e-12, err_msg=msg)
 
 
 @merge_ex
@@ -72,7 +72,7 @@ def test_merge_equals_attention_over_all_keys(impl, seed):
     out, l = impl.merge_splits(o, lse)
     want_o, want_l = ref.merge_partials(*ref.split_partials(q, k, v, [(0, n)]))
     np.testing.assert_allclose(out, want_o, rtol=1e-12, atol=1e-12, err_msg=f"seed={seed}")
-    np.testing.assert_allclose(l, want_l, rtol=1e-12, err_msg=f"seed={seed}")
+    np.testing.assert_allclose(l, want_l, rtol=1e-12, atol=1e-12, err_msg=f"seed={seed}")
 
 
 # --- 7.2 -------------------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def test_split_matches_the_reference(impl, trial, seed):
         msg = f"rows={rows} D={head_dim} block_n={block_n} seq_len={seq_len} split [{start}, {end}) seed={seed + trial}"
         np.testing.assert_allclose(o, want_o, rtol=1e-10, atol=1e-12, err_msg=msg)
         np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_l), err_msg=msg)
-        np.testing.assert_allclose(lse[np.isfinite(want_l)], want_l[np.isfinite(want_l)], rtol=1e-12, err_msg=msg)
+        np.testing.assert_allclose(lse[np.isfinite(want_l)], want_l[np.isfinite(want_l)], rtol=1e-12, atol=1e-12, err_msg=msg)
         tiles = [(a, min(a + block_n, stop)) for a in range(start, stop, block_n)]
         assert k_rec.reads == tiles and v_rec.reads == tiles, \
             f"read each tile of K and V once, in order: expected {tiles}, read K {k_rec.reads}, V {v_rec.reads} ({msg})"
@@ -203,5 +203,5 @@ def test_split_with_huge_scores_and_a_ragged_tile(impl, seed):
     want_o, want_l = reference_split(q, k, v, 16, 35)
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(lse)), "overflow: subtract the running max before exp"
     np.testing.assert_allclose(o, want_o, rtol=1e-10, atol=1e-12, err_msg=f"seed={seed}")
-    np.testing.assert_allclose(lse, want_l, rtol=1e-12, err_msg=f"seed={seed}")
+    np.testing.assert_allclose(lse, want_l, rtol=1e-12, atol=1e-12, err_msg=f"seed={seed}")
     assert k_rec.reads == [(16, 32), (32, 35)], f"tiles [16, 32) and [32, 35), read {k_rec.reads}"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from minillm.decoding.sampling import SamplingParams, _top_p_filter, sample_token
+from minillm.decoding.sampling import SamplingParams, top_p_filter, sample_token
 from minillm.engine.detokenizer import Detokenizer
 from minillm.engine.request import Request, RequestStatus, Sequence
 from minillm.engine.scheduler import Scheduler
@@ -275,7 +275,7 @@ def test_filter_matches_the_book(impl, trial, seed):
         before = logits.clone()
         got = impl.top_p_filter(logits, top_p)
         assert torch.equal(logits, before), "top_p_filter must not change its input"
-        want = _top_p_filter(logits, top_p)
+        want = top_p_filter(logits, top_p)
         msg = f"(vocab {vocab}, top_p {top_p:.4f}, seed {seed + trial}, case {case})"
         assert kept(got) == kept(want), f"kept {kept(got)}, the book keeps {kept(want)} {msg}"
         assert torch.equal(got[torch.isfinite(got)], logits[torch.isfinite(want)]), f"kept logits change {msg}"
@@ -306,7 +306,7 @@ def test_ties_go_to_the_smaller_token_id(impl):
     tied = torch.tensor([0.0, 5.0, 1.0, 5.0, 5.0, -2.0])    # three tied leaders, about 1/3 each
     got = kept(impl.top_p_filter(tied, 0.5))
     assert got == [1, 3], f"ties ranked by token id: keep 1 and 3, drop 4; got {got}"
-    assert len(got) == len(kept(_top_p_filter(tied, 0.5))), "as many tokens as the book keeps"
+    assert len(got) == len(kept(top_p_filter(tied, 0.5))), "as many tokens as the book keeps"
 
 
 @top_p_ex
@@ -327,5 +327,5 @@ def test_sampling_matches_sample_token(impl, temperature, seed):
         assert all(isinstance(t, int) for t in got), "return plain ints"
         assert got == want, f"temperature {temperature}, top_p {top_p:.4f}, seed {seed + case}: {got} vs {want}"
         if top_p < 1 and temperature > 0:
-            nucleus = set(kept(_top_p_filter(logits / temperature, top_p)))
+            nucleus = set(kept(top_p_filter(logits / temperature, top_p)))
             assert set(got) <= nucleus, "every draw comes from the nucleus"
