@@ -50,7 +50,7 @@ from minillm.kernels.ch01_naive_attention import (
     row_softmax,
 )
 
-from bench.common import Results, attempt, rel_err, time_ms
+from bench.common import Results, attempt, cuda_device, fraction, rel_err, time_ms
 
 BENCHMARK = "ch01_naive_attention"
 BATCH, HEADS = 1, 16
@@ -132,9 +132,7 @@ def run(results: Results, device) -> None:
 
     Needs ``results.ceilings`` (``copy_TBps``, ``bf16_matmul_TFLOPs``) for the fractions.
     """
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise RuntimeError("the Chapter 1 benchmark needs a CUDA device")
+    device = cuda_device(device, "the Chapter 1 benchmark")
     sweep(results, device, HEAD_DIMS, CAUSAL, SEQ_LENS)
 
 
@@ -161,10 +159,6 @@ def sweep(results: Results, device, head_dims=HEAD_DIMS, causals=CAUSAL, seq_len
                       flush=True)
                 if both_oom:
                     break  # larger N can only need more memory
-
-
-def _frac(value, ceiling):
-    return value / ceiling if value is not None and ceiling else None
 
 
 def _run_point(results: Results, device, gen, n: int, head_dim: int, causal: bool,
@@ -201,13 +195,13 @@ def _run_point(results: Results, device, gen, n: int, head_dim: int, causal: boo
         note = notes.get(name)
         add(params, "time_ms", ours_ms, name, peer_ms, note=note)
         add(params, "TFLOPs", ours_tflops, name, flops / (peer_ms * 1e-3) / 1e12 if peer_ms else None,
-            fraction_of_ceiling=_frac(ours_tflops, mm_tflops), note=note)
+            fraction_of_ceiling=fraction(ours_tflops, mm_tflops), note=note)
         add(params, "peak_memory_bytes", ours["peak_bytes"] if ours else None, name,
             res["peak_bytes"] if res else None, note=note)
 
     if ours is not None:
         bw = total_bytes(traffic) / (ours_ms * 1e-3) / 1e12
-        add(params, "bandwidth_TBps", bw, fraction_of_ceiling=_frac(bw, copy_tbps),
+        add(params, "bandwidth_TBps", bw, fraction_of_ceiling=fraction(bw, copy_tbps),
             note="counted bytes of the three passes (naive_attention_traffic) / time of the whole call")
         ref_name = "sdpa_math" if math_res is not None else "sdpa_flash"
         ref = peers[ref_name][0]
@@ -224,7 +218,7 @@ def _run_point(results: Results, device, gen, n: int, head_dim: int, causal: boo
             ms = pass_ms[name] if pass_ms else None
             bw = counts[name] / (ms * 1e-3) / 1e12 if ms else None
             add(pparams, "pass_time_ms", ms, note=pass_status)
-            add(pparams, "pass_bandwidth_TBps", bw, fraction_of_ceiling=_frac(bw, copy_tbps), note=pass_status)
+            add(pparams, "pass_bandwidth_TBps", bw, fraction_of_ceiling=fraction(bw, copy_tbps), note=pass_status)
     del q, k, v
     gc.collect()
     torch.cuda.empty_cache()

@@ -49,12 +49,13 @@ import time
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from minillm.costs import decode_attention_bytes, kv_cache_bytes
 from minillm.kernels.ch02_kv_cache import decode_attention, write_kv
 
-from bench.common import Results, TimeBudget, attempt, free_memory, graph_time_ms, rel_err, time_ms
+from bench.common import (
+    Results, attempt, cuda_device, dtype_name, fraction, free_memory, graph_time_ms, rel_err, sweep_start, time_sdpa,
+)
 
 BENCHMARK = "ch02_decode_attention"
 Q_HEADS, HEAD_DIM = 32, 128
@@ -76,33 +77,9 @@ def budget_s() -> float:
     return float(os.environ.get("MINILLM_CH02_BUDGET_S", "120"))
 
 
-def _frac(value, ceiling):
-    return value / ceiling if value is not None and ceiling else None
-
-
 # ----------------------------------------------------------------------------------------
-# Peers
+# Peers (`time_sdpa`: bench.common)
 # ----------------------------------------------------------------------------------------
-def time_sdpa(q, k, v, backend, timer: Callable) -> tuple[float, torch.Tensor]:
-    """``(median ms, out [B, H, D])`` of SDPA with a length-1 query over the whole cache.
-    ``backend`` is an ``SDPBackend`` to pin, or None for PyTorch's own choice. The backend
-    context is entered once around the timing, so its (CPU) cost is not timed."""
-    from torch.nn.attention import sdpa_kernel
-
-    q4 = q[:, :, None]  # [B, H, 1, D]
-    gqa = q.shape[1] != k.shape[1]
-
-    def call():
-        return F.scaled_dot_product_attention(q4, k, v, enable_gqa=gqa)
-
-    if backend is None:
-        out = call()
-        return timer(call), out[:, :, 0]
-    with sdpa_kernel(backend):
-        out = call()
-        return timer(call), out[:, :, 0]
-
-
 def pinned_peer(q, k, v, timer: Callable) -> tuple[str, tuple[float, torch.Tensor] | None, str | None]:
     """The flash backend, or the memory-efficient one if flash refuses these inputs.
     Returns ``(peer name, (ms, out) or None, note)``."""
@@ -123,9 +100,7 @@ def run(results: Results, device) -> None:
     """Run the Chapter 2 sweep on ``device`` (CUDA) and add its rows to ``results``.
 
     Needs ``results.ceilings["copy_TBps"]`` for the bandwidth fractions."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise RuntimeError("the Chapter 2 benchmark needs a CUDA device")
+    device = cuda_device(device, "the Chapter 2 benchmark")
     sweep(results, device)
 
 
@@ -135,11 +110,8 @@ def sweep(results: Results, device, q_heads: int = Q_HEADS, kv_heads_list=KV_HEA
     """The loops of `run`: first the (cheap) write points, then the decode points, until the
     time budget is spent. ``timer(fn) -> ms`` defaults to `bench.common.time_ms` (CUDA only);
     the CPU tests pass a stand-in to check the bookkeeping under the interpreter."""
-    timer = timer or (lambda fn: time_ms(fn, warmup=WARMUP_MS, rep=REP_MS))
+    timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, budget_s(), timer, WARMUP_MS, REP_MS)
     copy_tbps = (results.ceilings or {}).get("copy_TBps")
-    gen = torch.Generator(device=device)
-    gen.manual_seed(0)
-    out_of_time = TimeBudget(results, BENCHMARK, budget_s()).spent
 
     for kv_heads in kv_heads_list:
         for batch in batches:
@@ -161,14 +133,10 @@ def sweep(results: Results, device, q_heads: int = Q_HEADS, kv_heads_list=KV_HEA
                       f"{time.perf_counter() - t0:.1f} s", flush=True)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _run_decode_point(results: Results, device, gen, batch: int, q_heads: int, kv_heads: int, context: int,
                       head_dim: int, dtype: torch.dtype, copy_tbps, timer) -> None:
     params = {"batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "context": context,
-              "head_dim": head_dim, "dtype": _dtype_name(dtype)}
+              "head_dim": head_dim, "dtype": dtype_name(dtype)}
     add = lambda *a, **kw: results.add(BENCHMARK, params, *a, **kw)  # noqa: E731
 
     def make():
@@ -201,7 +169,7 @@ def _run_decode_point(results: Results, device, gen, batch: int, q_heads: int, k
     add("time_ms", ours_ms, "sdpa_default", default[0] if default else None, note=default_status)
     add("time_ms", ours_ms, pinned_name, pinned[0] if pinned else None, note=pinned_note)
     add("bandwidth_TBps", tbps(ours_ms), pinned_name, tbps(pinned[0]) if pinned else None,
-        fraction_of_ceiling=_frac(tbps(ours_ms), copy_tbps),
+        fraction_of_ceiling=fraction(tbps(ours_ms), copy_tbps),
         note="decode_attention_bytes (K, V over the context; q, out, lse) / time")
     ref_name, ref = ("sdpa_default", default) if default else (pinned_name, pinned)
     if ref is not None:
@@ -214,7 +182,7 @@ def _run_write_point(results: Results, device, gen, batch: int, kv_heads: int, h
                      max_len: int, timer) -> None:
     """One decode step's cache write: one new token per sequence, at a random slot of each."""
     params = {"batch": batch, "kv_heads": kv_heads, "max_len": max_len, "head_dim": head_dim,
-              "dtype": _dtype_name(dtype)}
+              "dtype": dtype_name(dtype)}
     k_cache = torch.randn(batch, kv_heads, max_len, head_dim, device=device, dtype=dtype, generator=gen)
     v_cache = torch.randn(batch, kv_heads, max_len, head_dim, device=device, dtype=dtype, generator=gen)
     k_new = torch.randn(batch, kv_heads, 1, head_dim, device=device, dtype=dtype, generator=gen)

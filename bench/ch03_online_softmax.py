@@ -61,7 +61,9 @@ from minillm.kernels.ch03_online_softmax import MAX_ONE_TILE, online_softmax
 from minillm.kernels.ch03_online_softmax import FA1_BLOCK_N as ATTN_BLOCK_N
 from minillm.kernels.ch03_online_softmax import tiled_attention
 
-from bench.common import Results, TimeBudget, attempt, free_memory, rel_err, time_ms
+from bench.common import (
+    Results, attempt, cuda_device, dtype_name, fraction, free_memory, rel_err, sweep_start, time_ms,
+)
 
 BENCHMARK = "ch03_online_softmax"
 ROWS = 4096
@@ -87,16 +89,8 @@ def budget_s() -> float:
     return float(os.environ.get("MINILLM_CH03_BUDGET_S", "120"))
 
 
-def _frac(value, ceiling):
-    return value / ceiling if value is not None and ceiling else None
-
-
 def _tbps(n_bytes: int, ms: float | None) -> float | None:
     return n_bytes / (ms * 1e-3) / 1e12 if ms else None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # ----------------------------------------------------------------------------------------
@@ -106,9 +100,7 @@ def run(results: Results, device) -> None:
     """Run the Chapter 3 sweep on ``device`` (CUDA) and add its rows to ``results``.
 
     Needs ``results.ceilings`` (``copy_TBps``, ``bf16_matmul_TFLOPs``) for the fractions."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise RuntimeError("the Chapter 3 benchmark needs a CUDA device")
+    device = cuda_device(device, "the Chapter 3 benchmark")
     sweep(results, device)
 
 
@@ -119,12 +111,9 @@ def sweep(results: Results, device, rows: int = ROWS, cols_list=COLS, softmax_dt
     budget is spent. ``block_n`` is passed to `online_softmax` (None: its default).
     ``timer(fn) -> ms`` defaults to `bench.common.time_ms` (CUDA only); the CPU tests pass a
     stand-in to check the bookkeeping under the interpreter."""
-    timer = timer or (lambda fn: time_ms(fn, warmup=WARMUP_MS, rep=REP_MS))
+    timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, budget_s(), timer, WARMUP_MS, REP_MS)
     ceil = results.ceilings or {}
     copy_tbps, mm_tflops = ceil.get("copy_TBps"), ceil.get("bf16_matmul_TFLOPs")
-    gen = torch.Generator(device=device)
-    gen.manual_seed(0)
-    out_of_time = TimeBudget(results, BENCHMARK, budget_s()).spent
 
     for dtype in softmax_dtypes:
         for cols in cols_list:
@@ -135,7 +124,7 @@ def sweep(results: Results, device, rows: int = ROWS, cols_list=COLS, softmax_dt
             t0 = time.perf_counter()
             _run_softmax_point(results, device, gen, rows, cols, dtype, block_n, copy_tbps, timer)
             free_memory()  # the point's tensors went with its frame
-            print(f"  [{BENCHMARK}] softmax {_dtype_name(dtype)} {rows}x{cols}: {time.perf_counter() - t0:.1f} s",
+            print(f"  [{BENCHMARK}] softmax {dtype_name(dtype)} {rows}x{cols}: {time.perf_counter() - t0:.1f} s",
                   flush=True)
 
     for batch, heads, seq_len, head_dim, causal in attn_points:
@@ -153,7 +142,7 @@ def _run_softmax_point(results: Results, device, gen, rows: int, cols: int, dtyp
                        block_n: int | None, copy_tbps, timer) -> None:
     traffic = online_softmax_traffic(rows, cols, dtype.itemsize, block_n=block_n)
     one_tile = cols <= (MAX_ONE_TILE if block_n is None else block_n)
-    params = {"rows": rows, "cols": cols, "dtype": _dtype_name(dtype), "path": "registers" if one_tile else "streamed"}
+    params = {"rows": rows, "cols": cols, "dtype": dtype_name(dtype), "path": "registers" if one_tile else "streamed"}
     add = lambda *a, **kw: results.add(BENCHMARK, params, *a, **kw)  # noqa: E731
 
     x = (4 * torch.randn(rows, cols, device=device, dtype=torch.float32, generator=gen)).to(dtype)
@@ -172,11 +161,11 @@ def _run_softmax_point(results: Results, device, gen, rows: int, cols: int, dtyp
     counted = traffic["read"] + traffic["write"]
     minimal = traffic["minimal"] - rows * 4  # torch writes no lse: compare on the softmax alone
     add("time_ms", ours_ms, "torch_softmax", peer_ms, note=status)
-    add("bandwidth_TBps", _tbps(counted, ours_ms), fraction_of_ceiling=_frac(_tbps(counted, ours_ms), copy_tbps),
+    add("bandwidth_TBps", _tbps(counted, ours_ms), fraction_of_ceiling=fraction(_tbps(counted, ours_ms), copy_tbps),
         note=("1 read + 1 write" if one_tile else "2 reads + 1 write") + " of the row, + fp32 lse; counted / time")
     eff = _tbps(minimal, ours_ms)
     add("effective_bandwidth_TBps", eff, "torch_softmax", _tbps(minimal, peer_ms),
-        fraction_of_ceiling=_frac(eff, copy_tbps), note="minimal bytes (read once, write once) / time")
+        fraction_of_ceiling=fraction(eff, copy_tbps), note="minimal bytes (read once, write once) / time")
     add("rel_err", rel_err(y, torch.softmax(x.float(), dim=-1)), "torch_softmax_fp32", None)
 
 
@@ -185,7 +174,7 @@ def _run_attention_point(results: Results, device, gen, batch: int, heads: int, 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     params = {"batch": batch, "heads": heads, "seq_len": seq_len, "head_dim": head_dim, "causal": causal,
-              "dtype": _dtype_name(dtype)}
+              "dtype": dtype_name(dtype)}
     add = lambda *a, **kw: results.add(BENCHMARK, params, *a, **kw)  # noqa: E731
 
     def make():
@@ -224,13 +213,13 @@ def _run_attention_point(results: Results, device, gen, batch: int, heads: int, 
     for name, (res, st) in peers.items():
         peer_ms = res[0] if res else None
         add("time_ms", ours_ms, name, peer_ms, note=st)
-        add("TFLOPs", tflops(ours_ms), name, tflops(peer_ms), fraction_of_ceiling=_frac(tflops(ours_ms), mm_tflops),
+        add("TFLOPs", tflops(ours_ms), name, tflops(peer_ms), fraction_of_ceiling=fraction(tflops(ours_ms), mm_tflops),
             note=st)
     fa1_bytes = total_bytes(tiled_attention_traffic(batch, heads, seq_len, seq_len, head_dim, dtype.itemsize,
                                                     block_n=ATTN_BLOCK_N))
     naive_bytes = total_bytes(naive_attention_traffic(batch, heads, heads, seq_len, seq_len, head_dim, dtype.itemsize))
     bw = _tbps(fa1_bytes, ours_ms)
-    add("bandwidth_TBps", bw, fraction_of_ceiling=_frac(bw, copy_tbps),
+    add("bandwidth_TBps", bw, fraction_of_ceiling=fraction(bw, copy_tbps),
         note=f"tiled_attention_traffic (BLOCK_N={ATTN_BLOCK_N}) / time")
     add("hbm_bytes", fa1_bytes, "naive_ch01", naive_bytes, note="counted, not measured")
     ref_name = "sdpa_math" if peers["sdpa_math"][0] is not None else "sdpa_flash"

@@ -33,7 +33,7 @@ import triton
 
 from minillm.costs import nominal_attention_flops
 from minillm.kernels.ch04_flash_attention import (
-    ABLATIONS, FWD_TILES, FWD_TILES_TMA, Packing, _forward, flash_attention, use_tma,
+    ABLATIONS, FWD_TILES, FWD_TILES_TMA, Packing, flash_attention, launch_forward, use_tma,
 )
 from minillm.kernels.ch03_online_softmax import tiled_attention
 
@@ -77,7 +77,7 @@ def _ablations(results: Results, device, gen, batch: int, causal: bool) -> None:
     note = f"tile {bm}x{bn}, {warps} warps, {stages} stages, {'TMA' if tma else 'pointer'} path"
 
     def forward(ablation=None):
-        return lambda: _forward(q, k, v, packing, causal, scale, None, config=config, tma=tma, ablation=ablation)
+        return lambda: launch_forward(q, k, v, packing, causal, scale, None, config=config, tma=tma, ablation=ablation)
 
     ours_out = forward()()[0]
     ours_ms = time_ms(forward())

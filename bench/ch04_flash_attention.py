@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from minillm.costs import nominal_attention_flops
 from minillm.kernels.ch04_flash_attention import Packing, flash_attention, use_tma
 
-from bench.common import Results, TimeBudget, attempt, free_memory, rel_err, time_ms
+from bench.common import Results, attempt, cuda_device, dtype_name, free_memory, rel_err, sweep_start, time_ms
 
 BENCHMARK = "ch04_flash_attention"
 TOKENS = 16384
@@ -118,9 +118,7 @@ def run(results: Results, device) -> None:
     """Run the Chapter 4 sweep on ``device`` (CUDA) and add its rows to ``results``.
 
     Needs ``results.ceilings["bf16_matmul_TFLOPs"]`` for the fractions."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise RuntimeError("the Chapter 4 benchmark needs a CUDA device")
+    device = cuda_device(device, "the Chapter 4 benchmark")
     sweep(results, device)
 
 
@@ -130,11 +128,8 @@ def sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, toke
     """The loops of `run`, most important points first, until the time budget is spent.
     ``timer(fn) -> ms`` defaults to `bench.common.time_ms` (CUDA only); the CPU tests pass
     a stand-in to check the bookkeeping under the interpreter."""
-    timer = timer or (lambda fn: time_ms(fn, warmup=WARMUP_MS, rep=REP_MS))
+    timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, budget_s(), timer, WARMUP_MS, REP_MS)
     mm_tflops = (results.ceilings or {}).get("bf16_matmul_TFLOPs")
-    gen = torch.Generator(device=device)
-    gen.manual_seed(0)
-    out_of_time = TimeBudget(results, BENCHMARK, budget_s()).spent
 
     for dtype in dtypes:
         for head_dim in head_dims:
@@ -147,18 +142,14 @@ def sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, toke
                         _run_point(results, device, gen, max(1, tokens // n), hidden // head_dim, n, head_dim,
                                    causal, dtype, pass_, mm_tflops, timer)
                         free_memory()  # the point's tensors are gone with its frame
-                        print(f"  [{BENCHMARK}] {_dtype_name(dtype)} D={head_dim} causal={causal} {pass_} N={n}: "
+                        print(f"  [{BENCHMARK}] {dtype_name(dtype)} D={head_dim} causal={causal} {pass_} N={n}: "
                               f"{time.perf_counter() - t0:.1f} s", flush=True)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _run_point(results: Results, device, gen, batch: int, heads: int, n: int, head_dim: int, causal: bool,
                dtype: torch.dtype, pass_: str, mm_tflops, timer) -> None:
     params = {"batch": batch, "heads": heads, "seq_len": n, "head_dim": head_dim, "causal": causal,
-              "dtype": _dtype_name(dtype), "pass": pass_}
+              "dtype": dtype_name(dtype), "pass": pass_}
     add = lambda *a, **kw: results.add(BENCHMARK, params, *a, **kw)  # noqa: E731
 
     def make():

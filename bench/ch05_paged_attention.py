@@ -60,16 +60,18 @@ import time
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from minillm.costs import attention_head_flops, kv_cache_bytes, paged_decode_attention_bytes
 from minillm.kernels.ch04_flash_attention import flash_attention_varlen
 from minillm.kernels.ch05_paged_attention import (
-    blocks_per_tile, _paged_decode, contiguous_as_paged, decode_block_n, paged_decode_attention,
+    blocks_per_tile, contiguous_as_paged, decode_block_n, paged_decode_attention,
     paged_prefill_attention,
 )
 
-from bench.common import Results, TimeBudget, attempt, free_memory, rel_err, time_ms
+from bench.common import (
+    Results, attempt, cuda_device, decode_error, dtype_name, fraction, free_memory, rel_err, shuffled_tables,
+    sweep_start, time_ms,
+)
 
 BENCHMARK = "ch05_paged_attention"
 Q_HEADS, HEAD_DIM = 32, 128
@@ -98,21 +100,6 @@ def budget_s() -> float:
     return float(os.environ.get("MINILLM_CH05_BUDGET_S", "300"))
 
 
-def shuffled_tables(batch: int, blocks_per_seq: int, device, gen) -> torch.Tensor:
-    """int32 ``[batch, blocks_per_seq]``: a random permutation of all ``batch·blocks_per_seq``
-    blocks of the pool (worst-case locality)."""
-    perm = torch.randperm(batch * blocks_per_seq, device=device, generator=gen)
-    return perm.to(torch.int32).view(batch, blocks_per_seq)
-
-
-def _frac(value, ceiling):
-    return value / ceiling if value is not None and ceiling else None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 # ----------------------------------------------------------------------------------------
 # The sweep
 # ----------------------------------------------------------------------------------------
@@ -120,9 +107,7 @@ def run(results: Results, device) -> None:
     """Run the Chapter 5 sweep on ``device`` (CUDA) and add its rows to ``results``.
 
     Needs ``results.ceilings`` (copy_TBps, bf16_matmul_TFLOPs) for the fractions."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise RuntimeError("the Chapter 5 benchmark needs a CUDA device")
+    device = cuda_device(device, "the Chapter 5 benchmark")
     sweep(results, device)
 
 
@@ -138,11 +123,8 @@ def sweep(results: Results, device, q_heads: int = Q_HEADS, kv_heads_list=KV_HEA
         for bs in block_sizes:
             if context % bs:
                 raise ValueError(f"context {context} is not a multiple of block size {bs}")
-    timer = timer or (lambda fn: time_ms(fn, warmup=WARMUP_MS, rep=REP_MS))
+    timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, budget_s(), timer, WARMUP_MS, REP_MS)
     ceilings = results.ceilings or {}
-    gen = torch.Generator(device=device)
-    gen.manual_seed(0)
-    out_of_time = TimeBudget(results, BENCHMARK, budget_s()).spent
 
     for kv_heads in kv_heads_list:
         for batch in batches:
@@ -175,7 +157,7 @@ def _run_decode_point(results: Results, device, gen, batch: int, q_heads: int, k
                       head_dim: int, block_sizes, dtype: torch.dtype, copy_tbps, timer) -> None:
     """One (kv_heads, batch, context): the contiguous peer once, then every block size."""
     base = {"kind": "decode", "batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "context": context,
-            "head_dim": head_dim, "dtype": _dtype_name(dtype)}
+            "head_dim": head_dim, "dtype": dtype_name(dtype)}
     n_tokens = batch * context
 
     def make():
@@ -219,10 +201,10 @@ def _run_decode_point(results: Results, device, gen, batch: int, q_heads: int, k
         tables = shuffled_tables(batch, context // bs, device, gen)
 
         def paged_call(path=None):
-            return _paged_decode(q, k_pool, v_pool, tables, lens, out=out, lse=lse, tile_in_block=path)
+            return paged_decode_attention(q, k_pool, v_pool, tables, lens, out=out, lse=lse, tile_in_block=path)
 
         paged_call()
-        err = _decode_error(q, k_pool, v_pool, tables, context, out)
+        err = decode_error(q, k_pool, v_pool, tables, context, out)
         paged_ms = timer(paged_call)
         note = "same kernel on the contiguous view of the same bytes; blocks randomly permuted"
         add("time_ms", paged_ms, "contiguous", contig_ms, note=note)
@@ -233,26 +215,15 @@ def _run_decode_point(results: Results, device, gen, batch: int, q_heads: int, k
                     else f"BLOCK_N={block_n} is {n_per_tile} whole blocks: {n_per_tile} table entries per tile")
             add("time_ms", paged_ms, "general_path", general_ms, note=f"{what} vs one per position")
         add("bandwidth_TBps", tbps(paged_ms, bs), "contiguous", contig_tbps,
-            fraction_of_ceiling=_frac(tbps(paged_ms, bs), copy_tbps),
+            fraction_of_ceiling=fraction(tbps(paged_ms, bs), copy_tbps),
             note="paged_decode_attention_bytes (K, V over the context; q, out, lse; table) / time")
         add("rel_err", err, "sdpa_fp32 (sequence 0)", None)
-
-
-def _decode_error(q, k_pool, v_pool, tables, context: int, out) -> float:
-    """rel_err of sequence 0's paged output against SDPA in fp32 on its gathered K/V."""
-    block_size = k_pool.shape[1]
-    rows = (tables[0].long()[:, None] * block_size + torch.arange(block_size, device=q.device)).reshape(-1)[:context]
-    k0 = k_pool.reshape(-1, *k_pool.shape[2:])[rows].transpose(0, 1)[None].float()  # [1, Hkv, L, D]
-    v0 = v_pool.reshape(-1, *v_pool.shape[2:])[rows].transpose(0, 1)[None].float()
-    q0 = q[:1, :, None].float()                                                       # [1, Hq, 1, D]
-    ref = F.scaled_dot_product_attention(q0, k0, v0, enable_gqa=q.shape[1] != k0.shape[1])[:, :, 0]
-    return rel_err(out[:1], ref)
 
 
 def _run_prefill_point(results: Results, device, gen, batch: int, cached: int, new: int, q_heads: int,
                        kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, mm_tflops, timer) -> None:
     params = {"kind": "prefill", "batch": batch, "cached": cached, "new": new, "q_heads": q_heads,
-              "kv_heads": kv_heads, "head_dim": head_dim, "dtype": _dtype_name(dtype), "block_size": block_size,
+              "kv_heads": kv_heads, "head_dim": head_dim, "dtype": dtype_name(dtype), "block_size": block_size,
               "blocks": "shuffled"}
     add = lambda *a, **kw: results.add(BENCHMARK, params, *a, **kw)  # noqa: E731
     kv_len = cached + new
@@ -295,7 +266,7 @@ def _run_prefill_point(results: Results, device, gen, batch: int, cached: int, n
     note = "; ".join(x for x in ("varlen: contiguous packed K/V, autotuned (TMA on Hopper)", status) if x)
     add("time_ms", ours_ms, "flash_attention_varlen", peer_ms, note=note)
     add("TFLOPs", tflops(ours_ms), "flash_attention_varlen", tflops(peer_ms),
-        fraction_of_ceiling=_frac(tflops(ours_ms), mm_tflops), note="4·D·H·(visible causal pairs) / time")
+        fraction_of_ceiling=fraction(tflops(ours_ms), mm_tflops), note="4·D·H·(visible causal pairs) / time")
     add("rel_err", rel_err(ours_out, peer_out), "flash_attention_varlen", None)
 
 

@@ -41,7 +41,7 @@ blocks = "shuffled", num_splits = the S that ``ours`` used; split_sweep rows add
                       default merge (`FUSED_MERGE`: in stage 1's last program, one launch),
                       one row per peer (sdpa_flash, sdpa_cudnn, ch05_unsplit): ratio =
                       peer/ours; and one row with peer ``two_launch``: the same call with the
-                      merge in a second launch (stage 2, `_reduce_splits`), ratio > 1: the
+                      merge in a second launch (stage 2, `reduce_splits`), ratio > 1: the
                       one-launch merge is faster (equal calls with one split: no merge).
                       long_context: peer ch05_unsplit. split_sweep: ours = the time with
                       ``num_splits`` splits, peer ``num_splits_1`` (the same kernel unsplit)
@@ -52,7 +52,7 @@ blocks = "shuffled", num_splits = the S that ``ours`` used; split_sweep rows add
 ``rel_err``           ‖ours − ref‖ / ‖ref‖ (fp32): peer ``sdpa_fp32 (sequence 0)`` (SDPA in
                       fp32 on sequence 0's gathered K/V), and peer ``sdpa`` (the whole batch
                       against the first SDPA backend that ran)
-``reduce_time_ms``    stage 2 alone (`_reduce_splits` on the partials stage 1 left in the
+``reduce_time_ms``    stage 2 alone (`reduce_splits` on the partials stage 1 left in the
                       workspace); 0 with one split (no stage 2)
 ``reduce_share``      reduce_time_ms / time of the whole two-launch call (what the second
                       launch costs; the one-launch merge removes it)
@@ -80,14 +80,15 @@ import torch
 
 from minillm.costs import kv_cache_bytes, paged_decode_attention_bytes
 from minillm.kernels.ch07_flash_decoding import (
-    VLLM_PARTITION, _flash_decode, _reduce_splits, _split_attention, fa2_num_splits, num_sms, num_splits_heuristic,
-    partition_splits, split_counters, split_workspace,
+    VLLM_PARTITION, fa2_num_splits, flash_decode_attention, num_sms, num_splits_heuristic, partition_splits,
+    reduce_splits, split_attention, split_counters, split_workspace,
 )
 from minillm.kernels.ch05_paged_attention import decode_block_n, paged_decode_attention
 
-from bench.ch02_decode_attention import time_sdpa
-from bench.ch05_paged_attention import _decode_error, shuffled_tables
-from bench.common import Results, TimeBudget, attempt, free_memory, graph_time_ms, rel_err, time_ms
+from bench.common import (
+    Results, attempt, contiguous_cache, cuda_device, decode_error, dtype_name, fraction, free_memory, graph_time_ms,
+    paged_cache, rel_err, sweep_start, time_ms, time_sdpa,
+)
 
 BENCHMARK = "ch07_flash_decoding"
 Q_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 128, 16
@@ -123,55 +124,10 @@ def budget_s() -> float:
     return float(os.environ.get("MINILLM_CH07_BUDGET_S", "150"))
 
 
-def _frac(value, ceiling):
-    return value / ceiling if value is not None and ceiling else None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 # ----------------------------------------------------------------------------------------
-# Inputs: the same K/V values, contiguous for SDPA or paged for ours
+# Inputs: the same K/V values, contiguous for SDPA or paged for ours (`contiguous_cache`,
+# `paged_cache`: bench.common)
 # ----------------------------------------------------------------------------------------
-def _sequence_kv(b: int, seed: int, context: int, kv_heads: int, head_dim: int, dtype, device):
-    """Sequence ``b``'s keys and values ``[context, kv_heads, head_dim]``, drawn from a
-    generator seeded by ``(seed, b)``: the same values every time they are asked for."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed * 100_003 + b)
-    k = torch.randn(context, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
-    v = torch.randn(context, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
-    return k, v
-
-
-def contiguous_cache(seed: int, batch: int, kv_heads: int, context: int, head_dim: int, dtype, device):
-    """``(k, v)`` ``[batch, kv_heads, context, head_dim]`` (SDPA's layout), one sequence at a time."""
-    k = torch.empty(batch, kv_heads, context, head_dim, device=device, dtype=dtype)
-    v = torch.empty_like(k)
-    for b in range(batch):
-        kb, vb = _sequence_kv(b, seed, context, kv_heads, head_dim, dtype, device)
-        k[b].copy_(kb.transpose(0, 1))
-        v[b].copy_(vb.transpose(0, 1))
-    return k, v
-
-
-def paged_cache(seed: int, batch: int, kv_heads: int, context: int, head_dim: int, block_size: int, dtype, device,
-                tables_gen):
-    """``(k_pool, v_pool, tables)``: the same tokens as `contiguous_cache` in a pool of
-    ``batch · context / block_size`` blocks, each sequence's blocks a random permutation."""
-    blocks = context // block_size
-    tables = shuffled_tables(batch, blocks, device, tables_gen)
-    k_pool = torch.empty(batch * blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype)
-    v_pool = torch.empty_like(k_pool)
-    pos = torch.arange(context, device=device)
-    for b in range(batch):
-        kb, vb = _sequence_kv(b, seed, context, kv_heads, head_dim, dtype, device)
-        slots = tables[b].long()[pos // block_size] * block_size + pos % block_size
-        k_pool.view(-1, kv_heads, head_dim)[slots] = kb
-        v_pool.view(-1, kv_heads, head_dim)[slots] = vb
-    return k_pool, v_pool, tables
-
-
 def fa2_choice(batch: int, kv_heads: int, context: int, sms: int, block_n: int) -> int:
     """The split count FlashAttention-2 would pick for this decode step: GQA packs a group's
     query heads into one program (``batch · kv_heads`` programs), key blocks of ``block_n``,
@@ -221,9 +177,7 @@ def run(results: Results, device) -> None:
     """Run the Chapter 7 sweep on ``device`` (CUDA) and add its rows to ``results``.
 
     Needs ``results.ceilings["copy_TBps"]`` for the bandwidth fractions."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise RuntimeError("the Chapter 7 benchmark needs a CUDA device")
+    device = cuda_device(device, "the Chapter 7 benchmark")
     sweep(results, device)
 
 
@@ -236,11 +190,8 @@ def sweep(results: Results, device, q_heads: int = Q_HEADS, kv_heads_list=KV_HEA
     (smallest cache first), until the time budget is spent. ``timer(fn) -> ms`` defaults to
     `bench.common.time_ms` (CUDA only); the CPU tests pass a stand-in that calls ``fn`` once,
     to check the bookkeeping under the interpreter. Contexts must be multiples of the block size."""
-    timer = timer or (lambda fn: time_ms(fn, warmup=WARMUP_MS, rep=REP_MS))
+    timer, tables_gen, out_of_time = sweep_start(results, BENCHMARK, device, budget_s(), timer, WARMUP_MS, REP_MS)
     copy_tbps = (results.ceilings or {}).get("copy_TBps")
-    tables_gen = torch.Generator(device=device)
-    tables_gen.manual_seed(0)
-    out_of_time = TimeBudget(results, BENCHMARK, budget_s()).spent
     setup = dict(q_heads=q_heads, head_dim=head_dim, block_size=block_size, dtype=dtype, copy_tbps=copy_tbps,
                  timer=timer, tables_gen=tables_gen)
 
@@ -268,7 +219,7 @@ def sweep(results: Results, device, q_heads: int = Q_HEADS, kv_heads_list=KV_HEA
 def _params(kind: str, batch: int, q_heads: int, kv_heads: int, context: int, head_dim: int, block_size: int,
             dtype, **extra) -> dict:
     return {"kind": kind, "batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "context": context,
-            "head_dim": head_dim, "dtype": _dtype_name(dtype), "block_size": block_size, "blocks": "shuffled",
+            "head_dim": head_dim, "dtype": dtype_name(dtype), "block_size": block_size, "blocks": "shuffled",
             **extra}
 
 
@@ -323,8 +274,8 @@ def _run_decode_point(results: Results, device, batch: int, kv_heads: int, conte
                  if splits > 1 else None)
 
     def ours(phi=None, fallbacks=None, fused_merge=None):  # None: the default merge (FUSED_MERGE)
-        return _flash_decode(q, k_pool, v_pool, tables, lens, out=out, lse=lse, num_splits=splits, phi=phi,
-                             workspace=workspace, fallbacks=fallbacks, fused_merge=fused_merge)
+        return flash_decode_attention(q, k_pool, v_pool, tables, lens, out=out, lse=lse, num_splits=splits, phi=phi,
+                                      workspace=workspace, fallbacks=fallbacks, fused_merge=fused_merge)
 
     def two_launch():
         return ours(fused_merge=False)
@@ -333,7 +284,7 @@ def _run_decode_point(results: Results, device, batch: int, kv_heads: int, conte
         return paged_decode_attention(q, k_pool, v_pool, tables, lens, out=out, lse=lse)
 
     ours()
-    err_seq0 = _decode_error(q, k_pool, v_pool, tables, context, out)
+    err_seq0 = decode_error(q, k_pool, v_pool, tables, context, out)
     err_sdpa = rel_err(out, sdpa_out[1]) if sdpa_out else None
     ours_ms = timer(ours)
     two_launch()
@@ -342,7 +293,7 @@ def _run_decode_point(results: Results, device, batch: int, kv_heads: int, conte
     ch05_ms = timer(ch05)
     if splits > 1:  # stage 2 alone, on the partials the last call left in the workspace
         ours()
-        reduce_ms = timer(lambda: _reduce_splits(workspace[0], workspace[1], out, lse))
+        reduce_ms = timer(lambda: reduce_splits(workspace[0], workspace[1], out, lse))
     else:
         reduce_ms = 0.0
     if use_graphs:
@@ -350,10 +301,10 @@ def _run_decode_point(results: Results, device, batch: int, kv_heads: int, conte
         graph_ms["two_launch"] = graph_time_ms(two_launch, GRAPH_REPEATS, timer)
         graph_ms["ch05_unsplit"] = graph_time_ms(ch05, GRAPH_REPEATS, timer)
         if splits > 1:
-            graph_ms["reduce"] = graph_time_ms(lambda: _reduce_splits(workspace[0], workspace[1], out, lse),
+            graph_ms["reduce"] = graph_time_ms(lambda: reduce_splits(workspace[0], workspace[1], out, lse),
                                                GRAPH_REPEATS, timer)
             graph_ms["stage1"] = graph_time_ms(
-                lambda: _split_attention(q, k_pool, v_pool, tables, lens, workspace[0], workspace[1]),
+                lambda: split_attention(q, k_pool, v_pool, tables, lens, workspace[0], workspace[1]),
                 GRAPH_REPEATS, timer)
     flags = torch.zeros(batch, kv_heads, splits, dtype=torch.int32, device=device)
     ours(PHI, flags)
@@ -366,8 +317,8 @@ def _run_decode_point(results: Results, device, batch: int, kv_heads: int, conte
     for peer in PEERS:
         note = "; ".join(x for x in (f"ours: {splits} split(s), default heuristic", notes[peer]) if x)
         add("time_ms", ours_ms, peer, peer_ms[peer], note=note)
-        add("bandwidth_TBps", tbps(ours_ms), peer, tbps(peer_ms[peer]), fraction_of_ceiling=_frac(tbps(ours_ms),
-                                                                                                  copy_tbps),
+        add("bandwidth_TBps", tbps(ours_ms), peer, tbps(peer_ms[peer]),
+            fraction_of_ceiling=fraction(tbps(ours_ms), copy_tbps),
             note="paged_decode_attention_bytes (K, V, q, out, lse, table) / time; workspace not counted")
     merge_note = (f"ours: stage 2 merged in stage 1's last program (one launch); peer: stage 2 as a second launch"
                   if splits > 1 else "one split: no merge, both are the same call")
@@ -409,7 +360,7 @@ def _run_long_point(results: Results, device, batch: int, kv_heads: int, context
     q, k_pool, v_pool, tables, lens = inputs
 
     def ours():
-        return _flash_decode(q, k_pool, v_pool, tables, lens, num_splits=splits)[0]
+        return flash_decode_attention(q, k_pool, v_pool, tables, lens, num_splits=splits)[0]
 
     def ch05():
         return paged_decode_attention(q, k_pool, v_pool, tables, lens)[0]
@@ -421,7 +372,7 @@ def _run_long_point(results: Results, device, batch: int, kv_heads: int, context
     add = lambda *a, **kw: results.add(BENCHMARK, params, *a, **kw)  # noqa: E731
     add("time_ms", ours_ms, "ch05_unsplit", ch05_ms, note=f"goal: ratio >= 5; {splits} splits")
     add("bandwidth_TBps", tbps(ours_ms), "ch05_unsplit", tbps(ch05_ms),
-        fraction_of_ceiling=_frac(tbps(ours_ms), copy_tbps))
+        fraction_of_ceiling=fraction(tbps(ours_ms), copy_tbps))
     add("rel_err", err, "ch05_unsplit", None)
 
 
@@ -450,8 +401,8 @@ def _run_split_sweep(results: Results, device, batch: int, kv_heads: int, contex
     def time_of(splits: int) -> tuple[float, float | None]:
         if splits not in times:
             ws = split_workspace(batch, q_heads, splits, head_dim, device) if splits > 1 else None
-            fn = lambda: _flash_decode(q, k_pool, v_pool, tables, lens, out=out, lse=lse,  # noqa: E731
-                                       num_splits=splits, workspace=ws)
+            fn = lambda: flash_decode_attention(q, k_pool, v_pool, tables, lens, out=out, lse=lse,  # noqa: E731
+                                                num_splits=splits, workspace=ws)
             fn()
             times[splits] = (timer(fn), graph_time_ms(fn, GRAPH_REPEATS, timer) if use_graphs else None)
         return times[splits]
@@ -463,7 +414,7 @@ def _run_split_sweep(results: Results, device, batch: int, kv_heads: int, contex
         params = {**base, "rule": rule, "num_splits": splits}
         results.add(BENCHMARK, params, "time_ms", ms, "num_splits_1", unsplit)
         results.add(BENCHMARK, params, "bandwidth_TBps", tbps(ms), "num_splits_1", tbps(unsplit),
-                    fraction_of_ceiling=_frac(tbps(ms), copy_tbps))
+                    fraction_of_ceiling=fraction(tbps(ms), copy_tbps))
         if use_graphs:
             results.add(BENCHMARK, params, "graph_time_ms", graph, "num_splits_1", unsplit_graph,
                         note=f"per call, replaying a CUDA graph of {GRAPH_REPEATS} calls")

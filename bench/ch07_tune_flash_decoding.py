@@ -14,9 +14,7 @@ import torch
 from minillm.costs import paged_decode_attention_bytes
 from minillm.kernels import ch07_flash_decoding as fd
 
-from bench.common import graph_time_ms
-from bench.ch07_flash_decoding import paged_cache
-from bench.common import time_ms
+from bench.common import graph_time_ms, paged_cache, time_ms
 
 DEV = torch.device("cuda")
 HQ, D, BS, DT = 32, 128, 16, torch.bfloat16
@@ -55,8 +53,8 @@ def caller(inp, splits, block_n=None, phi=None, config=None, fused=None):
     lse = torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)
     ws = ((*fd.split_workspace(q.shape[0], HQ, splits, D, DEV), fd.split_counters(q.shape[0], HQ, DEV))
           if splits > 1 else None)
-    return lambda: fd._flash_decode(q, k, v, tables, lens, out=out, lse=lse, num_splits=splits, block_n=block_n,
-                                    phi=phi, config=config, workspace=ws, fused_merge=fused)
+    return lambda: fd.flash_decode_attention(q, k, v, tables, lens, out=out, lse=lse, num_splits=splits,
+                                             block_n=block_n, phi=phi, config=config, workspace=ws, fused_merge=fused)
 
 
 def frac(batch, hkv, ctx, ms):
@@ -82,8 +80,8 @@ def overhead():
     out = torch.empty(1, HQ, D, device=DEV, dtype=DT)
     lse = torch.empty(1, HQ, device=DEV, dtype=torch.float32)
     dims = fd._plan(q, k, v, tables, lens, None, None, None)[0]
-    parts["stage-1 launch"] = lambda: fd._split_attention(q, k, v, tables, lens, ws[0], ws[1], dims=dims)
-    parts["stage-2 launch"] = lambda: fd._reduce_splits(ws[0], ws[1], out, lse)
+    parts["stage-1 launch"] = lambda: fd.split_attention(q, k, v, tables, lens, ws[0], ws[1], dims=dims)
+    parts["stage-2 launch"] = lambda: fd.reduce_splits(ws[0], ws[1], out, lse)
     for name, fn in parts.items():
         print(f"  {name:22} {host_us(fn, 2000):6.1f} us")
 
@@ -125,8 +123,8 @@ def config():
     for bn, w, st in configs:
         for phi, lanes in ((None, True), (0.0, True), (0.0, False)):
             try:
-                kern = fd._split_attention(q, k, v, tables, lens, ws[0], ws[1], phi=phi, block_n=bn,
-                                           config=dict(num_warps=w, num_stages=st, ASYNC_LANES=lanes))
+                kern = fd.split_attention(q, k, v, tables, lens, ws[0], ws[1], phi=phi, block_n=bn,
+                                          config=dict(num_warps=w, num_stages=st, ASYNC_LANES=lanes))
                 print(f"  bn={bn:3} w={w} st={st} {'exact' if phi is None else 'async lanes' if lanes else 'async rows'}: "
                       f"regs {kern.n_regs} spills {kern.n_spills} smem {kern.metadata.shared}")
             except Exception as e:  # noqa: BLE001
@@ -204,7 +202,7 @@ def fused():
             out = torch.empty(q.shape, device=DEV, dtype=DT)
             lse = torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)
             caller(inp, s, fused=False)()
-            red = timer(lambda: fd._reduce_splits(ws[0], ws[1], out, lse))
+            red = timer(lambda: fd.reduce_splits(ws[0], ws[1], out, lse))
         (fe, fg, fc), (te, tg, tc) = row["fused"], row["two"]
         print(f"  B={b:2} Hkv={hkv:2} L={ctx:5} S={s:3}: eager fused {fe:.4f} two {te:.4f} ({te / fe:.3f}) | "
               f"graph fused {fg:.4f} two {tg:.4f} ({tg / fg:.3f}) | host us fused {fc:5.1f} two {tc:5.1f} | "
@@ -219,7 +217,7 @@ def fused():
     cnt = fd.split_counters(1, HQ, DEV)
     for phi in (None, 0.0):
         for merge in (None, (out, lse, cnt)):
-            kern = fd._split_attention(q, k, v, tables, lens, ws[0], ws[1], phi=phi, merge_into=merge)
+            kern = fd.split_attention(q, k, v, tables, lens, ws[0], ws[1], phi=phi, merge_into=merge)
             print(f"  stage 1 {'exact' if phi is None else 'async'} {'fused' if merge else 'plain'}: regs "
                   f"{kern.n_regs} spills {kern.n_spills} smem {kern.metadata.shared}")
 

@@ -81,8 +81,10 @@ from minillm.kernels.ch08_flat_gemm import (
 from minillm.costs import gemm_bytes, gemm_flops
 from minillm.engine.gemm_table import load_table, save_table, table_path
 
-from bench.ch02_decode_attention import _dtype_name, _frac
-from bench.common import GRAPH_REPEATS, Results, TimeBudget, free_memory, graph_time_ms, rel_err, time_ms
+from bench.common import (
+    GRAPH_REPEATS, Results, cuda_device, dtype_name, fraction, free_memory, graph_time_ms, rel_err, sweep_start,
+    time_ms,
+)
 
 BENCHMARK = "ch08_flat_gemm"
 #: Batch sizes of the fp16 sweep.
@@ -133,9 +135,7 @@ def default_shapes() -> list[tuple[str, int, int]]:
 def run(results: Results, device) -> None:
     """Run the Chapter 8 sweep on ``device`` (CUDA), add its rows to ``results`` and save the
     dispatch table. Needs ``results.ceilings`` (copy_TBps, bf16_matmul_TFLOPs) for the fractions."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise RuntimeError("the Chapter 8 benchmark needs a CUDA device")
+    device = cuda_device(device, "the Chapter 8 benchmark")
     sweep(results, device)
 
 
@@ -148,14 +148,11 @@ def sweep(results: Results, device, shapes=None, ms=MS, gemv_max_m: int = GEMV_M
     CPU tests pass a stand-in. Saves and returns the dispatch table (``table_dir``: where;
     default `minillm.engine.gemm_table.table_path`'s). Only shapes whose whole sweep ran enter the table."""
     if timer is None:
-        timer = lambda fn: time_ms(fn, warmup=WARMUP_MS, rep=REP_MS)  # noqa: E731
         graph_timer = lambda fns: graph_time_ms(fns, GRAPH_REPEATS)  # noqa: E731
     else:  # a stand-in (the CPU tests): one call of the first copy
         graph_timer = lambda fns: timer(fns[0])  # noqa: E731
+    timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, budget_s(), timer, WARMUP_MS, REP_MS)
     ceilings = results.ceilings or {}
-    gen = torch.Generator(device=device)
-    gen.manual_seed(0)
-    out_of_time = TimeBudget(results, BENCHMARK, budget_s()).spent
     shapes = default_shapes() if shapes is None else list(shapes)
     path = table_path(results.device, table_dir)
     table = load_table(path) if path.is_file() else DispatchTable()  # keep the shapes it has
@@ -233,7 +230,7 @@ def _kernels_point(name: str, weights: list[torch.Tensor], m: int, with_gemv: bo
     x = torch.randn(m, k, device=device, generator=gen).to(dtype)
     outs = [torch.empty(m, n, device=device, dtype=dtype) for _ in weights]
     ref = F.linear(x.float(), weight.float())
-    base = {"shape": name, "n": n, "k": k, "m": m, "dtype": _dtype_name(dtype)}
+    base = {"shape": name, "n": n, "k": k, "m": m, "dtype": dtype_name(dtype)}
     flops, nbytes = gemm_flops(m, n, k), gemm_bytes(m, n, k, dtype.itemsize)
     graph_note = f"per call, replaying a CUDA graph of {GRAPH_REPEATS} calls over {len(weights)} weight copies"
 
@@ -245,13 +242,13 @@ def _kernels_point(name: str, weights: list[torch.Tensor], m: int, with_gemv: bo
         add("time_ms", ms, peer, c_ms)
         add("graph_time_ms", gms, peer, c_gms, note=graph_note)
         add("bandwidth_TBps", nbytes / (ms * 1e-3) / 1e12, peer, _rate(nbytes, c_ms, peer),
-            fraction_of_ceiling=_frac(nbytes / (ms * 1e-3) / 1e12, ceilings.get("copy_TBps")),
+            fraction_of_ceiling=fraction(nbytes / (ms * 1e-3) / 1e12, ceilings.get("copy_TBps")),
             note="(N·K + M·K + M·N)·elem_bytes / time")
         add("graph_bandwidth_TBps", nbytes / (gms * 1e-3) / 1e12, peer, _rate(nbytes, c_gms, peer),
-            fraction_of_ceiling=_frac(nbytes / (gms * 1e-3) / 1e12, ceilings.get("copy_TBps")),
+            fraction_of_ceiling=fraction(nbytes / (gms * 1e-3) / 1e12, ceilings.get("copy_TBps")),
             note="(N·K + M·K + M·N)·elem_bytes / graph time")
         add("TFLOPs", flops / (ms * 1e-3) / 1e12, peer, _rate(flops, c_ms, peer),
-            fraction_of_ceiling=_frac(flops / (ms * 1e-3) / 1e12, ceilings.get("bf16_matmul_TFLOPs")))
+            fraction_of_ceiling=fraction(flops / (ms * 1e-3) / 1e12, ceilings.get("bf16_matmul_TFLOPs")))
         add("rel_err", rel_err(out, ref), "F.linear fp32", None)
 
     eager: dict[str, float] = {}
@@ -285,7 +282,7 @@ def _dispatch_point(name: str, weights: list[torch.Tensor], m: int, table: Dispa
     n, k = weight.shape
     x = torch.randn(m, k, device=device, generator=gen).to(weight.dtype)
     chosen = choose_kernel(m, n, k, table)
-    params = {"shape": name, "n": n, "k": k, "m": m, "dtype": _dtype_name(weight.dtype), "kernel": "dispatch",
+    params = {"shape": name, "n": n, "k": k, "m": m, "dtype": dtype_name(weight.dtype), "kernel": "dispatch",
               "chosen": chosen}
     linear(x, weight, table=table)
     ms = timer(lambda: linear(x, weight, table=table))
@@ -296,10 +293,10 @@ def _dispatch_point(name: str, weights: list[torch.Tensor], m: int, table: Dispa
     results.add(BENCHMARK, params, "graph_time_ms", gms, "best_of_three", best_ms,
                 note=f"chose {chosen}; fastest in the sweep (graph times): {best_kind}")
     results.add(BENCHMARK, params, "bandwidth_TBps", nbytes / (ms * 1e-3) / 1e12,
-                fraction_of_ceiling=_frac(nbytes / (ms * 1e-3) / 1e12, ceilings.get("copy_TBps")))
+                fraction_of_ceiling=fraction(nbytes / (ms * 1e-3) / 1e12, ceilings.get("copy_TBps")))
     results.add(BENCHMARK, params, "graph_bandwidth_TBps", nbytes / (gms * 1e-3) / 1e12, "best_of_three",
                 nbytes / (best_ms * 1e-3) / 1e12,
-                fraction_of_ceiling=_frac(nbytes / (gms * 1e-3) / 1e12, ceilings.get("copy_TBps")))
+                fraction_of_ceiling=fraction(nbytes / (gms * 1e-3) / 1e12, ceilings.get("copy_TBps")))
 
 
 def _rate(amount: float, ms: float | None, peer: str | None) -> float | None:

@@ -23,7 +23,9 @@ from minillm.costs import gemm_flops
 from minillm.results import gpu_slug, markdown_table, format_value
 
 __all__ = ["measure_ceilings", "time_ms", "cpu_time_ms", "Results", "metric_direction", "gpu_slug",
-           "environment", "is_oom", "DEFAULT_OUT", "rel_err", "TimeBudget"]
+           "environment", "is_oom", "DEFAULT_OUT", "rel_err", "TimeBudget", "fraction", "dtype_name", "time_sdpa",
+           "shuffled_tables", "decode_error", "sequence_kv", "contiguous_cache", "paged_cache", "cuda_device",
+           "sweep_start"]
 
 #: Where ``Results.save`` writes by default (relative to the repository root).
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -450,3 +452,137 @@ class TimeBudget:
             print(f"  [{self.benchmark}] time budget of {self.seconds:.0f} s spent: stopping early", flush=True)
             self.results.set_status(self.benchmark, f"partial: time budget {self.seconds:.0f} s spent")
         return True
+
+
+# ----------------------------------------------------------------------------------------
+# Small helpers of the attention benchmarks (torch is imported inside each function)
+# ----------------------------------------------------------------------------------------
+def cuda_device(device, what: str):
+    """``torch.device(device)``, which must be a CUDA device; else ``RuntimeError("<what>
+    needs a CUDA device")`` (``what``: e.g. ``"the Chapter 2 benchmark"``)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise RuntimeError(f"{what} needs a CUDA device")
+    return device
+
+
+def sweep_start(results: "Results", benchmark: str, device, seconds: float,
+                timer: Callable[[Callable[[], Any]], float] | None, warmup_ms: int, rep_ms: int):
+    """What a sweep sets up first: ``(timer, gen, out_of_time)``. ``timer(fn) -> ms`` is the
+    given one, or `time_ms` with ``warmup_ms``/``rep_ms`` of warm-up and repetitions (in ms of
+    GPU time); ``gen``: a torch generator on ``device`` seeded with 0 (the inputs); and
+    ``out_of_time()``: `TimeBudget.spent` of a budget of ``seconds`` for ``benchmark``."""
+    import torch
+
+    timer = timer or (lambda fn: time_ms(fn, warmup=warmup_ms, rep=rep_ms))
+    gen = torch.Generator(device=device)
+    gen.manual_seed(0)
+    return timer, gen, TimeBudget(results, benchmark, seconds).spent
+
+
+def fraction(value: float | None, ceiling: float | None) -> float | None:
+    """``value / ceiling``, both in the same unit (e.g. TB/s over the measured copy TB/s), as
+    a dimensionless fraction; None when the value is missing or the ceiling is missing or 0."""
+    return value / ceiling if value is not None and ceiling else None
+
+
+def dtype_name(dtype) -> str:
+    """A torch dtype as the results name it: ``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def time_sdpa(q, k, v, backend, timer: Callable):
+    """``(median ms, out [B, H, D])`` of SDPA with a length-1 query (``q: [B, H, D]``) over
+    the whole cache (``k, v: [B, H_kv, L, D]``; GQA when the head counts differ).
+    ``backend`` is an ``SDPBackend`` to pin, or None for PyTorch's own choice; ``timer``
+    times a callable in ms (e.g. `time_ms`). The backend context is entered once around the
+    timing, so its (CPU) cost is not timed."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    q4 = q[:, :, None]  # [B, H, 1, D]
+    gqa = q.shape[1] != k.shape[1]
+
+    def call():
+        return F.scaled_dot_product_attention(q4, k, v, enable_gqa=gqa)
+
+    if backend is None:
+        out = call()
+        return timer(call), out[:, :, 0]
+    with sdpa_kernel(backend):
+        out = call()
+        return timer(call), out[:, :, 0]
+
+
+def shuffled_tables(batch: int, blocks_per_seq: int, device, gen):
+    """Block tables, int32 ``[batch, blocks_per_seq]``: a random permutation (drawn from the
+    torch generator ``gen``) of all ``batch·blocks_per_seq`` block ids of the pool (the worst
+    case for locality)."""
+    import torch
+
+    perm = torch.randperm(batch * blocks_per_seq, device=device, generator=gen)
+    return perm.to(torch.int32).view(batch, blocks_per_seq)
+
+
+def decode_error(q, k_pool, v_pool, tables, context: int, out) -> float:
+    """`rel_err` (dimensionless) of sequence 0's paged decode output ``out[:1]`` against SDPA
+    in fp32 on its K/V gathered from the pool (``k_pool, v_pool: [num_blocks, block_size,
+    kv_heads, head_dim]``) through ``tables[0]``, over ``context`` tokens."""
+    import torch
+    import torch.nn.functional as F
+
+    block_size = k_pool.shape[1]
+    rows = (tables[0].long()[:, None] * block_size + torch.arange(block_size, device=q.device)).reshape(-1)[:context]
+    k0 = k_pool.reshape(-1, *k_pool.shape[2:])[rows].transpose(0, 1)[None].float()  # [1, Hkv, L, D]
+    v0 = v_pool.reshape(-1, *v_pool.shape[2:])[rows].transpose(0, 1)[None].float()
+    q0 = q[:1, :, None].float()                                                       # [1, Hq, 1, D]
+    ref = F.scaled_dot_product_attention(q0, k0, v0, enable_gqa=q.shape[1] != k0.shape[1])[:, :, 0]
+    return rel_err(out[:1], ref)
+
+
+def sequence_kv(b: int, seed: int, context: int, kv_heads: int, head_dim: int, dtype, device):
+    """Sequence ``b``'s keys and values ``[context, kv_heads, head_dim]`` (``context`` tokens),
+    drawn from a generator seeded by ``(seed, b)``: the same values every time they are asked for."""
+    import torch
+
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed * 100_003 + b)
+    k = torch.randn(context, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(context, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    return k, v
+
+
+def contiguous_cache(seed: int, batch: int, kv_heads: int, context: int, head_dim: int, dtype, device):
+    """``(k, v)`` ``[batch, kv_heads, context, head_dim]`` (SDPA's layout) of `sequence_kv`'s
+    values, filled one sequence at a time."""
+    import torch
+
+    k = torch.empty(batch, kv_heads, context, head_dim, device=device, dtype=dtype)
+    v = torch.empty_like(k)
+    for b in range(batch):
+        kb, vb = sequence_kv(b, seed, context, kv_heads, head_dim, dtype, device)
+        k[b].copy_(kb.transpose(0, 1))
+        v[b].copy_(vb.transpose(0, 1))
+    return k, v
+
+
+def paged_cache(seed: int, batch: int, kv_heads: int, context: int, head_dim: int, block_size: int, dtype, device,
+                tables_gen):
+    """``(k_pool, v_pool, tables)``: the same tokens as `contiguous_cache` in a pool of
+    ``batch · context / block_size`` blocks of ``block_size`` tokens, each sequence's blocks a
+    random permutation (`shuffled_tables` drawn from ``tables_gen``)."""
+    import torch
+
+    blocks = context // block_size
+    tables = shuffled_tables(batch, blocks, device, tables_gen)
+    k_pool = torch.empty(batch * blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype)
+    v_pool = torch.empty_like(k_pool)
+    pos = torch.arange(context, device=device)
+    for b in range(batch):
+        kb, vb = sequence_kv(b, seed, context, kv_heads, head_dim, dtype, device)
+        slots = tables[b].long()[pos // block_size] * block_size + pos % block_size
+        k_pool.view(-1, kv_heads, head_dim)[slots] = kb
+        v_pool.view(-1, kv_heads, head_dim)[slots] = vb
+    return k_pool, v_pool, tables

@@ -125,6 +125,8 @@ def fa1_kernel(Q, K, V, O, L, M, q_heads, kv_heads, q_len, kv_len, scale,
     position ``kv_len - q_len + i``) in the future, fold the tile into the state as in
     Exercise 3.3 and store the state back. Masked lanes (rows past ``q_len``, keys past
     ``kv_len``) are never loaded or stored. A row may see no key at all in a block, or at all.
+    End each outer iteration with ``tl.debug_barrier()``: on a GPU the next one reads what
+    this one stored, possibly from other threads of the program.
     ``HEAD_DIM`` is a power of two >= 16, and so are the blocks.
     """
     bh = tl.program_id(0)

@@ -22,10 +22,11 @@ import math
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 
-from minillm.kernels.base import interpreting  # (also: no GPU -> the interpreter)
+# First, before Triton: without a GPU, this selects Triton's interpreter.
+from minillm.kernels.base import interpreting  # noqa: F401, I001
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from minillm.paged import Admission
 from minillm.paged.errors import DuplicateSequence, OutOfBlocks, RequestTooLong, UnknownSequence
 

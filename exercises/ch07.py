@@ -1,7 +1,9 @@
 """Chapter 7 exercises: flash-decoding. Grade your work with ``make grade CH=7``.
 
-Replace each ``raise NotImplementedError(...)`` with your implementation, in plain Python and
-NumPy. The tests compare your code with the float64 references in
+Replace each ``raise NotImplementedError(...)`` with your implementation: in plain Python and
+NumPy for Exercises 7.1-7.3; Exercises 7.4 and 7.5 are the two Triton kernels of
+flash-decoding, whose launchers are written for you (write the kernel's body, then delete the
+launcher's ``raise``). The tests compare your code with the float64 references in
 `minillm.reference.ch07_flash_decoding` and with the split heuristics of
 `minillm.kernels.ch07_flash_decoding`, on fresh random inputs.
 
@@ -14,9 +16,17 @@ logarithms are natural.
 """
 from __future__ import annotations
 
-import numpy as np
+import math
 
-__all__ = ["merge_splits", "fa2_num_splits", "split_partial"]
+import numpy as np
+import torch
+
+# First, before Triton: without a GPU, this selects Triton's interpreter.
+from minillm.kernels.base import interpreting  # noqa: F401, I001
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+__all__ = ["merge_splits", "fa2_num_splits", "split_partial", "flash_decode_split", "merge_partials"]
 
 
 def merge_splits(o: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -85,3 +95,97 @@ def split_partial(q: np.ndarray, k, v, seq_len: int, start: int, end: int, block
     empty split gives ``o = 0`` and ``lse = -inf``.
     """
     raise NotImplementedError("Exercise 7.3 (split_partial): not started. Read its docstring; hints: python -m minillm.grade 7 --hint 7.3")
+
+
+# == Exercise 7.4: the split kernel (stage 1) ====================================================
+
+@triton.jit
+def _split_kernel(Q, K, V, SeqLens, O_part, LSE_part,
+                  q_heads, group, num_splits, stride_kb, stride_kh, scale,
+                  HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Exercise 7.4 — program ``(b, kv_h, s)``: the partial result of split ``s`` of sequence
+    ``b``, for the ``group`` query heads that read KV head ``kv_h`` (heads ``kv_h·group …``).
+
+    - ``Q: [batch, q_heads, HEAD_DIM]`` contiguous (the new token's queries);
+    - ``K, V: [batch, kv_heads, max_len, HEAD_DIM]`` (Chapter 2's cache; the same strides):
+      key ``p`` of KV head ``h`` of sequence ``b`` starts at ``b·stride_kb + h·stride_kh +
+      p·HEAD_DIM``; ``SeqLens: [batch]`` int32 (positions ``>= seq_len`` hold no token);
+    - ``O_part: [batch, q_heads, num_splits, HEAD_DIM]`` and ``LSE_part: [batch, q_heads,
+      num_splits]``, float32, contiguous: write row ``(b, head, s)`` of each.
+
+    The split's keys, as in `minillm.reference.ch07_flash_decoding.split_bounds`: the
+    sequence's ``tiles = ⌈seq_len / BLOCK_N⌉`` tiles are dealt ``⌈tiles / num_splits⌉`` per
+    split, so split ``s`` covers ``[lo, hi)`` with ``lo = s · span``, ``span = ⌈tiles /
+    num_splits⌉ · BLOCK_N`` and ``hi = min(lo + span, seq_len)`` (empty when ``lo >=
+    seq_len``). Walk it in tiles of ``BLOCK_N`` with the online softmax (Chapter 3; the
+    Chapter 5 decode kernel's loop) and store ``o = acc / l`` and ``lse = m + log l`` (natural
+    log): an empty split stores ``o = 0`` and ``lse = -inf``, never NaN. Scores are
+    ``scale · q·k``. ``GROUP_PAD >= 16`` rows (``tl.dot``'s minimum): mask the padding rows.
+    ``IEEE``: fp32 inputs, pass ``input_precision="ieee"`` to ``tl.dot``.
+    """
+    pass
+
+
+def flash_decode_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, num_splits: int,
+                       block_n: int = 16, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 7.4 — stage 1 of flash-decoding (the launcher; the exercise is the kernel above).
+
+    ``q: [batch, q_heads, head_dim]``, ``k, v: [batch, kv_heads, max_len, head_dim]`` (fp32,
+    fp16 or bf16; ``head_dim`` a power of two >= 16; ``q_heads % kv_heads == 0``),
+    ``seq_lens: [batch]`` int32. Returns ``(o_part [batch, q_heads, num_splits, head_dim],
+    lse_part [batch, q_heads, num_splits])`` float32, as
+    `minillm.reference.ch07_flash_decoding.split_partials` with ``split_bounds(seq_len,
+    num_splits, block_n)``. One program per (sequence, KV head, split).
+    """
+    raise NotImplementedError("Exercise 7.4 (_split_kernel): not started. Read its docstring; hints: python -m minillm.grade 7 --hint 7.4")
+    batch, q_heads, head_dim = q.shape
+    _, kv_heads, max_len, _ = k.shape
+    q, k, v, seq_lens = q.contiguous(), k.contiguous(), v.contiguous(), seq_lens.contiguous()
+    o_part = torch.empty(batch, q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(batch, q_heads, num_splits, device=q.device, dtype=torch.float32)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    group = q_heads // kv_heads
+    _split_kernel[(batch, kv_heads, num_splits)](
+        q, k, v, seq_lens, o_part, lse_part, q_heads, group, num_splits, k.stride(0), k.stride(1), scale,
+        HEAD_DIM=head_dim, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32)
+    return o_part, lse_part
+
+
+# == Exercise 7.5: the merge kernel (stage 2) =====================================================
+
+@triton.jit
+def _merge_kernel(O_part, LSE_part, Out, LSE, num_splits, HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr):
+    """Exercise 7.5 — program ``r`` merges the partial results of row ``r`` (one (sequence,
+    head) pair): Exercise 7.1's formula, for one row, in Triton.
+
+    - ``O_part: [rows, num_splits, HEAD_DIM]`` and ``LSE_part: [rows, num_splits]`` float32,
+      contiguous; an empty split has ``lse = -inf`` and an ``o`` that may be anything (NaN);
+    - ``Out: [rows, HEAD_DIM]`` (its own dtype: cast when storing) and ``LSE: [rows]`` float32.
+
+    ``S_PAD`` is ``num_splits`` rounded up to a power of two: the padding splits must weigh
+    nothing. With ``M = max_s lse_s`` (0 instead where every split is empty), ``w_s = e^{lse_s
+    - M}``: ``out = Σ w_s o_s / Σ w_s`` (``out = 0`` when the sum is 0) and ``lse = M + log Σ
+    w_s``.
+    """
+    pass
+
+
+def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.dtype = torch.float32
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 7.5 — stage 2 of flash-decoding (the launcher; the exercise is the kernel above).
+
+    ``o_part: [..., num_splits, head_dim]`` float32 (``head_dim`` a power of two), ``lse_part:
+    [..., num_splits]`` float32. Returns ``(out [..., head_dim] in out_dtype, lse [...]
+    float32)``, as `minillm.reference.ch07_flash_decoding.merge_partials`. One program per row.
+    """
+    raise NotImplementedError("Exercise 7.5 (_merge_kernel): not started. Read its docstring; hints: python -m minillm.grade 7 --hint 7.5")
+    *lead, num_splits, head_dim = o_part.shape
+    o_part, lse_part = o_part.contiguous(), lse_part.contiguous()
+    out = torch.empty(*lead, head_dim, device=o_part.device, dtype=out_dtype)
+    lse = torch.empty(*lead, device=o_part.device, dtype=torch.float32)
+    rows = math.prod(lead)
+    if rows:
+        _merge_kernel[(rows,)](o_part, lse_part, out, lse, num_splits, HEAD_DIM=head_dim,
+                               S_PAD=triton.next_power_of_2(num_splits))
+    return out, lse

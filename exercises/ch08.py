@@ -1,7 +1,9 @@
 """Chapter 8 exercises: the decode-time linear layer. Grade your work with ``make grade CH=8``.
 
-Replace each ``raise NotImplementedError(...)`` with your implementation, in plain Python and
-NumPy. The tests compare your code with the float64 references in
+Replace each ``raise NotImplementedError(...)`` with your implementation: in plain Python and
+NumPy for Exercises 8.1-8.3; Exercises 8.4 and 8.5 are the Triton kernels of 8.1 and 8.3,
+whose launchers are written for you (write the kernel's body, then delete the launcher's
+``raise``). The tests compare your code with the float64 references in
 `minillm.reference.ch08_flat_gemm` and with `minillm.kernels.ch08_flat_gemm.find_inflection_points`, on
 fresh random inputs whose sizes are rarely multiples of the tiles (ragged last tiles).
 
@@ -12,9 +14,17 @@ sums in fp32 registers whatever the input dtype; here that means accumulating in
 """
 from __future__ import annotations
 
-import numpy as np
+import math
 
-__all__ = ["gemv_tiles", "find_inflection_points", "flat_gemm_tile"]
+import numpy as np
+import torch
+
+# First, before Triton: without a GPU, this selects Triton's interpreter.
+from minillm.kernels.base import interpreting  # noqa: F401, I001
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+__all__ = ["gemv_tiles", "find_inflection_points", "flat_gemm_tile", "gemv", "flat_gemm"]
 
 
 def gemv_tiles(x: np.ndarray, w, block_n: int, block_k: int) -> np.ndarray:
@@ -87,3 +97,77 @@ def flat_gemm_tile(x: np.ndarray, w: np.ndarray, pid_m: int, pid_n: int, out: np
     padding is computed and thrown away, and nothing else of ``out`` may change.
     """
     raise NotImplementedError("Exercise 8.3 (flat_gemm_tile): not started. Read its docstring; hints: python -m minillm.grade 8 --hint 8.3")
+
+
+# == Exercise 8.4: the GEMV kernel ================================================================
+
+@triton.jit
+def _gemv_kernel(X, W, Y, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Exercise 8.4 — Exercise 8.1 as a Triton kernel: program ``pid`` computes output
+    features ``pid·BLOCK_N … pid·BLOCK_N + BLOCK_N - 1`` for every row of ``x``.
+
+    - ``X: [M, K]``, ``W: [N, K]`` contiguous (fp32, fp16 or bf16); ``Y: [M, N]`` float32,
+      contiguous;
+    - ``BLOCK_M`` is ``M`` rounded up to a power of two (``M`` is a decode batch: small);
+      ``BLOCK_N``, ``BLOCK_K`` are powers of two; ``N`` and ``K`` need not be multiples of
+      them (mask the ragged tiles; the padding must add nothing).
+
+    Walk K in tiles of ``BLOCK_K``: load the ``[BLOCK_N, BLOCK_K]`` tile of ``W`` (each weight
+    once) and the ``[BLOCK_M, BLOCK_K]`` tile of ``X``, and add their products summed along K
+    into a float32 accumulator ``[BLOCK_M, BLOCK_N]``, elementwise with broadcasting (a
+    ``[BLOCK_M, 1, BLOCK_K]`` times a ``[1, BLOCK_N, BLOCK_K]``, then ``tl.sum`` over the last
+    axis): no ``tl.dot``, which needs 16 rows. Compute in float32 (``.to(tl.float32)``).
+    """
+    pass
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 32) -> torch.Tensor:
+    """Exercise 8.4 — ``y = x @ w.T`` for a small ``M`` (the launcher; the exercise is the
+    kernel above). ``x: [M, K]`` (``M <= 16``), ``w: [N, K]``; returns ``y: [M, N]`` float32.
+    One program per block of ``block_n`` output features."""
+    raise NotImplementedError("Exercise 8.4 (_gemv_kernel): not started. Read its docstring; hints: python -m minillm.grade 8 --hint 8.4")
+    (M, K), N = x.shape, w.shape[0]
+    x, w = x.contiguous(), w.contiguous()
+    y = torch.full((M, N), float("nan"), device=x.device, dtype=torch.float32)
+    _gemv_kernel[(triton.cdiv(N, block_n),)](x, w, y, M, N, K, BLOCK_M=triton.next_power_of_2(M),
+                                             BLOCK_N=block_n, BLOCK_K=block_k)
+    return y
+
+
+# == Exercise 8.5: the flat GEMM with split-K =====================================================
+
+@triton.jit
+def _flat_gemm_kernel(X, W, Y, M, N, K, k_span,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """Exercise 8.5 — Exercise 8.3 as a Triton kernel: program ``(pid_m, pid_n, pid_k)``
+    computes the ``[BLOCK_M, BLOCK_N]`` output tile ``(pid_m, pid_n)`` over its slice of K,
+    ``[pid_k · k_span, min((pid_k + 1) · k_span, K))`` (``k_span`` is a whole number of
+    ``BLOCK_K`` tiles; the last slices may be short or empty), and **adds** it into ``Y``.
+
+    - ``X: [M, K]``, ``W: [N, K]`` contiguous; ``Y: [M, N]`` float32, zero on entry;
+    - ``BLOCK_M = 16`` (``tl.dot``'s minimum): rows of ``X`` past ``M`` are padding, loaded as
+      zeros and never stored; ``N`` and ``K`` are not multiples of the tiles either;
+    - ``IEEE``: fp32 inputs, pass ``input_precision="ieee"`` to ``tl.dot``.
+
+    Each K step is a tensor-core product ``x_tile @ w_tileᵀ`` accumulated in a float32
+    ``[BLOCK_M, BLOCK_N]`` register tile (``tl.dot(a, b, acc)``). Several programs (one per
+    slice) add to the same outputs at once, so the final add must be atomic
+    (``tl.atomic_add``): a plain store keeps only one slice's sum.
+    """
+    pass
+
+
+def flat_gemm(x: torch.Tensor, w: torch.Tensor, split_k: int = 1, block_n: int = 32, block_k: int = 32
+              ) -> torch.Tensor:
+    """Exercise 8.5 — ``y = x @ w.T`` with split-K (the launcher; the exercise is the kernel
+    above). ``x: [M, K]``, ``w: [N, K]`` (fp32, fp16 or bf16); returns ``y: [M, N]`` float32.
+    One program per (tile of 16 rows, tile of ``block_n`` features, slice of K)."""
+    raise NotImplementedError("Exercise 8.5 (_flat_gemm_kernel): not started. Read its docstring; hints: python -m minillm.grade 8 --hint 8.5")
+    (M, K), N = x.shape, w.shape[0]
+    x, w = x.contiguous(), w.contiguous()
+    y = torch.zeros(M, N, device=x.device, dtype=torch.float32)        # the slices add into it
+    k_span = triton.cdiv(triton.cdiv(K, block_k), split_k) * block_k     # whole K tiles per slice
+    grid = (triton.cdiv(M, 16), triton.cdiv(N, block_n), split_k)
+    _flat_gemm_kernel[grid](x, w, y, M, N, K, k_span, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+                            IEEE=x.dtype == torch.float32)
+    return y

@@ -170,6 +170,17 @@ CACHE_SIZE = 4096
 _LAYOUTS: dict[tuple, tuple] = {}
 
 
+def launch_cache() -> dict[tuple, tuple]:
+    """A snapshot (a new dict) of `launch`'s cache: ``key -> (binary, constexpr values)``, one
+    entry per specialization launched through the fast path (empty under the interpreter)."""
+    return dict(_BINARIES)
+
+
+def clear_launch_cache() -> None:
+    """Empty `launch`'s cache (the next launch of each specialization takes Triton's path)."""
+    _BINARIES.clear()
+
+
 def _hooks_active() -> bool:
     """Whether Triton has a launch hook to call (None in 3.6; an empty HookChain in 3.9+)."""
     knobs = getattr(triton, "knobs", None)

@@ -18,13 +18,12 @@ any strides are accepted (no copies). GQA/MQA: query head ``h`` reads KV head
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-import minillm.kernels.base  # noqa: F401  (the interpreter switch, before any @triton.jit)
+# (importing base also sets the interpreter switch, before any @triton.jit)
+from minillm.kernels.base import block_d, dot_precision, scale_and_window
 
 
 # ----------------------------------------------------------------------------------------
@@ -37,7 +36,7 @@ def _scores_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_sb, stride_sh, stride_sm, stride_sn,
     q_heads, q_len, kv_len, head_dim, group_size, scale, window,
-    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program computes one [BLOCK_M, BLOCK_N] tile of S for one (batch, head)."""
@@ -55,10 +54,9 @@ def _scores_kernel(
                 mask=in_m[:, None] & in_d[None, :], other=0.0)
     k = tl.load(K + b * stride_kb + kv_h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                 mask=in_n[:, None] & in_d[None, :], other=0.0)
-    if IEEE:  # fp32 inputs: exact fp32 products (the interpreter and the tests need this)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:     # fp16/bf16 inputs: tensor cores, fp32 accumulation
-        s = tl.dot(q, tl.trans(k))
+    # fp32 inputs: exact fp32 products ("ieee": the interpreter and the tests need them);
+    # fp16/bf16 inputs: tensor cores, fp32 accumulation.
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     s = s * scale
 
     # Mask in the same pass so that softmax only ever sees -inf for hidden keys.
@@ -85,7 +83,7 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, causal: bool = False, sca
     batch, q_heads, q_len, head_dim = q.shape
     _, kv_heads, kv_len, _ = k.shape
     _check_gqa(q_heads, kv_heads)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    scale, window = scale_and_window(head_dim, scale, window)
     if out is None:
         out = torch.empty(batch, q_heads, q_len, kv_len, device=q.device, dtype=torch.float32)
     BLOCK_M, BLOCK_N = 64, 64
@@ -93,8 +91,8 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, causal: bool = False, sca
     _scores_kernel[grid](
         q, k, out, *q.stride(), *k.stride(), *out.stride(),
         q_heads, q_len, kv_len, head_dim, q_heads // kv_heads, scale, window or 0,
-        CAUSAL=causal, USE_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=_block_d(head_dim),
+        CAUSAL=causal, USE_WINDOW=window is not None, DOT_PRECISION=dot_precision(q.dtype),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=block_d(head_dim),
         num_warps=4, num_stages=2,
     )
     return out
@@ -165,7 +163,7 @@ def _pv_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     q_heads, q_len, kv_len, head_dim, group_size,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program computes a [BLOCK_M, head_dim] tile of O, looping over kv_len."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -184,10 +182,7 @@ def _pv_kernel(
         in_n = offs_n < kv_len
         p = tl.load(p_ptrs + offs_n[None, :] * stride_pn, mask=in_m[:, None] & in_n[None, :], other=0.0)
         v = tl.load(v_ptrs + offs_n[:, None] * stride_vn, mask=in_n[:, None] & in_d[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(p, v, input_precision="ieee")
-        else:
-            acc += tl.dot(p, v)
+        acc += tl.dot(p, v, input_precision=DOT_PRECISION)
 
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
              acc.to(O.dtype.element_ty), mask=in_m[:, None] & in_d[None, :])
@@ -206,7 +201,7 @@ def probs_times_values(p: torch.Tensor, v: torch.Tensor, out: torch.Tensor | Non
     _pv_kernel[grid](
         p, v, out, *p.stride(), *v.stride(), *out.stride(),
         q_heads, q_len, kv_len, head_dim, q_heads // kv_heads,
-        IEEE=v.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=_block_d(head_dim),
+        DOT_PRECISION=dot_precision(v.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=block_d(head_dim),
         num_warps=4, num_stages=3,
     )
     return out
@@ -227,11 +222,6 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     probs, lse = row_softmax(scores, out_dtype=v.dtype)
     del scores  # free S before allocating O: only S or P need be alive with the output
     return probs_times_values(probs, v), lse
-
-
-def _block_d(head_dim: int) -> int:
-    # tl.dot needs every dim >= 16; non-power-of-two head dims are padded and masked.
-    return max(16, triton.next_power_of_2(head_dim))
 
 
 def _row_stride(t: torch.Tensor) -> int:

@@ -27,13 +27,13 @@ Shapes are documented per function; any strides are accepted (no copies are made
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-import minillm.kernels.base  # noqa: F401  (the interpreter switch, before any @triton.jit)
+from minillm.kernels.base import (  # (and the interpreter switch, before any @triton.jit)
+    LN2_C, LOG2E, block_d, dot_precision, online_softmax_update, scale_and_window,
+)
 
 
 # ----------------------------------------------------------------------------------------
@@ -138,8 +138,8 @@ def _decode_attention_kernel(
     stride_sl,
     stride_ob, stride_oh, stride_od,
     stride_lb, stride_lh,
-    group_size, head_dim, max_len, scale,
-    IEEE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    group_size, head_dim, max_len, qk_scale,
+    DOT_PRECISION: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Program ``(b, kv_h)``: the ``group_size`` query heads of sequence ``b`` that read KV
     head ``kv_h``, over the first ``seq_lens[b]`` slots of the cache.
@@ -164,11 +164,12 @@ def _decode_attention_kernel(
     k_base = K + b * stride_kb + kv_h * stride_kh + offs_d[None, :] * stride_kd
     v_base = V + b * stride_vb + kv_h * stride_vh + offs_d[None, :] * stride_vd
 
-    # Online softmax (Chapter 3 derives it): the cache is read once, tile by tile, keeping
-    # per query row the running max `m`, the running sum `l` of exp(s - m), and `acc`, the
-    # sum of exp(s - m)·v *not yet divided by l*. When a tile raises the max from m to
-    # m_new, everything accumulated so far was scaled by exp(-m) and must now be scaled by
-    # exp(-m_new): multiply it by alpha = exp(m - m_new). Dividing by l happens once, at the end.
+    # Online softmax (Chapter 3 derives it; `online_softmax_update` does it): the cache is
+    # read once, tile by tile, keeping per query row the running max `m`, the running sum `l`
+    # of 2^(x - m), and `acc`, the sum of 2^(x - m)·v *not yet divided by l*. The scores `x`
+    # are in log2 units (qk_scale = scale · log2 e: base-2 exponentials are the GPU's cheap
+    # ones). When a tile raises the max, everything accumulated so far is rescaled by
+    # alpha = 2^(m_old - m_new). Dividing by l happens once, at the end.
     m = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((GROUP_PAD,), dtype=tl.float32)
     acc = tl.zeros((GROUP_PAD, BLOCK_D), dtype=tl.float32)
@@ -178,30 +179,19 @@ def _decode_attention_kernel(
         in_n = offs_n < seq_len
         rows = offs_n.to(tl.int64)[:, None]  # int64: slot x row stride can pass 2^31 in strided layouts
         k = tl.load(k_base + rows * stride_kn, mask=in_n[:, None] & in_d[None, :], other=0.0)
-        if IEEE:  # fp32 inputs: exact fp32 products (the interpreter and the tests need this)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:     # fp16/bf16: tensor cores, fp32 accumulation
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(in_n[None, :], s * scale, float("-inf"))  # [GROUP_PAD, BLOCK_N], fp32
-
-        # Every tile holds at least one valid slot (start < seq_len), so m_new is finite and
-        # exp(m - m_new) is exp(-inf) = 0 on the first tile: no inf - inf.
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        # fp32 inputs: exact fp32 products ("ieee"); fp16/bf16: tensor cores, fp32 accumulation.
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = tl.where(in_n[None, :], s * qk_scale, float("-inf"))  # [GROUP_PAD, BLOCK_N], fp32, log2 units
+        p, alpha, l, m = online_softmax_update(m, l, s, qk_scale, True)
 
         v = tl.load(v_base + rows * stride_vn, mask=in_n[:, None] & in_d[None, :], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:     # P is rounded to the cache dtype for the tensor-core dot, as in FlashAttention
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        # P is rounded to the cache dtype for the tensor-core dot, as in FlashAttention (a no-op in fp32).
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
 
     # seq_len = 0: the loop never ran, l = 0 and m = -inf -> output 0 and lse = -inf,
     # which is what the reference gives for a row with no visible key.
     out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-    lse = m + tl.log(l)
+    lse = (m + tl.math.log2(l)) * LN2_C  # back to natural log
     tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
              out.to(O.dtype.element_ty), mask=in_g[:, None] & in_d[None, :])
     tl.store(LSE + b * stride_lb + heads * stride_lh, lse, mask=in_g)
@@ -219,7 +209,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     - ``seq_lens: [batch]`` integers (int32): sequence ``b`` attends to slots
       ``0 … seq_lens[b] - 1`` (the new token's own K/V must already be written there).
       Length 0 gives a zero output and ``lse = -inf``; lengths are clamped to ``[0, max_len]``;
-    - ``scale`` defaults to ``1/sqrt(head_dim)``.
+    - ``scale`` defaults to ``1/sqrt(head_dim)`` and must be positive.
 
     Returns ``(out, lse)``: ``out: [batch, q_heads, head_dim]`` in q's dtype and
     ``lse: [batch, q_heads]`` float32, the natural-log log-sum-exp of each score row (as
@@ -244,7 +234,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"{tuple(seq_lens.shape)} {seq_lens.dtype}")
     if not 1 <= head_dim <= 256:
         raise ValueError(f"head_dim={head_dim}: 1..256 supported (one query block lives in registers)")
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    scale, _ = scale_and_window(head_dim, scale, None)
     if out is None:
         out = torch.empty(batch, q_heads, head_dim, device=q.device, dtype=q.dtype)
     if lse is None:
@@ -253,7 +243,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out, lse
 
     group = q_heads // kv_heads
-    BLOCK_D = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dim >= 16
+    BLOCK_D = block_d(head_dim)  # tl.dot needs every dim >= 16
     GROUP_PAD = max(16, triton.next_power_of_2(group))
     # Tiles of 32 KB (128 x 128 in bf16): with num_stages=3 the loads of the next tiles are
     # in flight (in shared memory) while one is used, and a single program needs that much
@@ -265,8 +255,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, seq_lens, out, lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), seq_lens.stride(0),
         *out.stride(), *lse.stride(),
-        group, head_dim, max_len, scale,
-        IEEE=q.dtype == torch.float32, GROUP_PAD=GROUP_PAD, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        group, head_dim, max_len, scale * LOG2E,
+        DOT_PRECISION=dot_precision(q.dtype), GROUP_PAD=GROUP_PAD, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         num_warps=8, num_stages=3,
     )
     return out, lse

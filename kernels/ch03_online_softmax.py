@@ -25,13 +25,13 @@ The second half of the module is attention in FlashAttention-1's loop order
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.base import LN2_C, LOG2E, block_d, online_softmax_update  # (and the interpreter switch)
+from minillm.kernels.base import (  # (and the interpreter switch)
+    LN2_C, LOG2E, block_d, dot_precision, online_softmax_update, scale_and_window,
+)
 
 #: Rows up to this many elements are kept in registers (one read); longer rows are streamed.
 MAX_ONE_TILE = 8192
@@ -198,7 +198,7 @@ def _fa1_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     q_heads, q_len, kv_len, head_dim, group_size, qk_scale, window,
-    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Program ``b·q_heads + h``: the whole attention of query head ``h`` of sequence ``b``.
@@ -248,10 +248,8 @@ def _fa1_kernel(
             l = tl.load(Lacc + stat_base + offs_m, mask=in_state, other=0.0)
             m = tl.load(Macc + stat_base + offs_m, mask=in_state, other=float("-inf"))
 
-            if IEEE:  # fp32 inputs: exact fp32 products (the interpreter and the tests need this)
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:     # fp16/bf16: tensor cores, fp32 accumulation
-                s = tl.dot(q, tl.trans(k))
+            # fp32 inputs: exact fp32 products ("ieee"); fp16/bf16: tensor cores, fp32 accumulation.
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             s = s * qk_scale
             visible = in_n[None, :]
             q_pos = offs_m[:, None] + (kv_len - q_len)
@@ -267,10 +265,8 @@ def _fa1_kernel(
             # exp(S - m̃)·exp(m̃ - m_new): the same numbers, one exp fewer per score): the new
             # max, p = 2^(s - m_new), alpha = 2^(m - m_new) (rescale of the old state), l_new.
             p, alpha, l_new, m_new = online_softmax_update(m, l, s, qk_scale, True)
-            if IEEE:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:     # P is rounded to the input dtype for the tensor-core dot, as in FlashAttention
-                pv = tl.dot(p.to(v.dtype), v)
+            # P is rounded to the input dtype for the tensor-core dot, as in FlashAttention (fp32: a no-op).
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             # FA1 keeps O normalised: undo the old 1/ℓ, add the tile, divide by the new ℓ.
             o = (o * (l * alpha)[:, None] + pv) / tl.where(l_new == 0.0, 1.0, l_new)[:, None]
 
@@ -318,9 +314,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     for name, blk in (("block_m", block_m), ("block_n", block_n)):
         if blk < 16 or blk & (blk - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {blk}")
-    if window is not None and window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    scale, window = scale_and_window(head_dim, scale, window)
     if out is None:
         out = torch.empty(batch, q_heads, q_len, head_dim, device=q.device, dtype=q.dtype)
     if lse is None:
@@ -350,7 +344,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         q, k, v, out, lse, o_acc, l_acc, m_acc,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
         q_heads, q_len, kv_len, head_dim, q_heads // kv_heads, scale * LOG2E, window or 0,
-        CAUSAL=causal, USE_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
+        CAUSAL=causal, USE_WINDOW=window is not None, DOT_PRECISION=dot_precision(q.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd,
         num_warps=4 if bd <= 64 else 8, num_stages=1,
     )

@@ -415,7 +415,7 @@ def head_dim_class(block_d_: int) -> int:
 FWD_CONFIGS = tile_configs(FWD_TILES, FWD_TILES_TMA)
 
 
-def _prune_fwd(configs, named_args, **kwargs):
+def prune_fwd_configs(configs, named_args, **kwargs):
     """Autotune only this head dim's (and load path's) candidates, and no 128-row tiles for
     queries of at most 64 rows (they would be mostly empty). Never returns an empty list."""
     allowed = (FWD_TILES_TMA if kwargs["TMA"] else FWD_TILES)[head_dim_class(kwargs["BLOCK_D"])]
@@ -427,7 +427,7 @@ def _prune_fwd(configs, named_args, **kwargs):
 _fwd_kernel_tuned = triton.autotune(
     configs=FWD_CONFIGS,
     key=["BLOCK_D", "CAUSAL", "USE_WINDOW", "TMA", "q_bucket", "kv_bucket"],  # (+ the dtypes, always)
-    prune_configs_by={"early_config_prune": _prune_fwd},
+    prune_configs_by={"early_config_prune": prune_fwd_configs},
 )(_fwd_kernel)
 
 
@@ -527,11 +527,12 @@ def _ensure_allocator() -> None:
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
-def _forward(q, k, v, packing: Packing, causal: bool, scale: float, window: int | None,
-             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-             config: triton.Config | None = None, tma: bool | None = None,
-             ablation: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel (inputs already checked). ``config`` forces a tile config
+def launch_forward(q, k, v, packing: Packing, causal: bool, scale: float, window: int | None,
+                   out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                   config: triton.Config | None = None, tma: bool | None = None,
+                   ablation: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel (inputs already checked; `flash_attention` and
+    `flash_attention_varlen` check them, then call this). ``config`` forces a tile config
     (tests); otherwise the interpreter uses `INTERPRET_FWD_CONFIG` and a GPU autotunes.
     ``tma`` forces the TMA path on or off (tests; the interpreter runs both); by default
     `use_tma` decides. ``ablation``: one of `ABLATIONS`, with a ``config`` (measurements only)."""
@@ -583,7 +584,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         packing = _packing_of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        out, lse = _forward(q, k, v, packing, causal, scale, window)
+        out, lse = launch_forward(q, k, v, packing, causal, scale, window)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.packing_lens = (packing.n_seqs, packing.q_len, packing.kv_len)
         ctx.causal, ctx.scale, ctx.window = causal, scale, window
@@ -594,7 +595,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         packing = Packing(*ctx.packing_lens, cu_q, cu_k)
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, packing, ctx.causal, ctx.scale, ctx.window)
+        dq, dk, dv = launch_backward(dout, q, k, v, out, lse, packing, ctx.causal, ctx.scale, ctx.window)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -647,7 +648,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             raise ValueError("out=/lse= cannot be used when q, k or v requires grad")
         o, l = FlashAttentionFunction.apply(q, k, v, causal, scale, window, None, None, None, None)
     else:
-        o, l = _forward(q, k, v, Packing(q.shape[0], q.shape[2], k.shape[2]), causal, scale, window, out, lse)
+        o, l = launch_forward(q, k, v, Packing(q.shape[0], q.shape[2], k.shape[2]), causal, scale, window, out, lse)
     return (o, l) if return_lse else o
 
 
@@ -680,7 +681,7 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                             max_seqlen_q, max_seqlen_k)
     else:
         packing = Packing(cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), cu_seqlens_q, cu_seqlens_k)
-        o, l = _forward(q, k, v, packing, causal, scale, window, out, lse)
+        o, l = launch_forward(q, k, v, packing, causal, scale, window, out, lse)
     return (o, l) if return_lse else o
 
 
@@ -1064,7 +1065,7 @@ INTERPRET_DQ_CONFIG = triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4,
 PREPROCESS_BLOCK_M = 64
 
 
-def _pruner(table, tma_table=None):
+def config_pruner(table, tma_table=None):
     """Autotune only this head dim's candidates from ``table`` (``tma_table`` on the TMA path)."""
     def prune(configs, named_args, **kwargs):
         allowed = (tma_table if tma_table and kwargs.get("TMA") else table)[head_dim_class(kwargs["BLOCK_D"])]
@@ -1074,22 +1075,22 @@ def _pruner(table, tma_table=None):
 
 _AUTOTUNE_KEY = ["BLOCK_D", "CAUSAL", "USE_WINDOW", "q_bucket", "kv_bucket"]
 _bwd_dkdv_kernel_tuned = triton.autotune(
-    configs=DKDV_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _pruner(DKDV_TILES)},
+    configs=DKDV_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": config_pruner(DKDV_TILES)},
 )(_bwd_dkdv_kernel)
 _bwd_dq_kernel_tuned = triton.autotune(
     configs=DQ_CONFIGS, key=_AUTOTUNE_KEY + ["TMA"],
-    prune_configs_by={"early_config_prune": _pruner(DQ_TILES, DQ_TILES_TMA)},
+    prune_configs_by={"early_config_prune": config_pruner(DQ_TILES, DQ_TILES_TMA)},
 )(_bwd_dq_kernel)
 
 
 # ----------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------
-def _backward(dout, q, k, v, out, lse, packing: Packing, causal: bool, scale: float, window: int | None,
-              dq=None, dk=None, dv=None, dkdv_config: triton.Config | None = None,
-              dq_config: triton.Config | None = None, tma: bool | None = None):
+def launch_backward(dout, q, k, v, out, lse, packing: Packing, causal: bool, scale: float, window: int | None,
+                    dq=None, dk=None, dv=None, dkdv_config: triton.Config | None = None,
+                    dq_config: triton.Config | None = None, tma: bool | None = None):
     """Launch preprocess, dK/dV and dQ (inputs already checked). Configs and ``tma`` as in
-    `_forward` (TMA is used by the dQ kernel; the dK/dV kernel, whose loop also walks the
+    `launch_forward` (TMA is used by the dQ kernel; the dK/dV kernel, whose loop also walks the
     query heads of a GQA group, reads through pointers)."""
     q_heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[-1]
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype) if dq is None else dq
@@ -1163,7 +1164,7 @@ def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)} must be q's shape {tuple(q.shape)} "
                          f"and lse {tuple(lse.shape)} must be {tuple(q.shape[:3])}")
     packing = Packing(q.shape[0], q.shape[2], k.shape[2])
-    return _backward(dout, q, k, v, out, lse, packing, causal, scale, window, dq, dk, dv)
+    return launch_backward(dout, q, k, v, out, lse, packing, causal, scale, window, dq, dk, dv)
 
 
 def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
@@ -1178,4 +1179,4 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
         raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)} must be q's shape {tuple(q.shape)} "
                          f"and lse {tuple(lse.shape)} must be {(q.shape[1], q.shape[0])}")
     packing = Packing(cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), cu_seqlens_q, cu_seqlens_k)
-    return _backward(dout, q, k, v, out, lse, packing, causal, scale, window, dq, dk, dv)
+    return launch_backward(dout, q, k, v, out, lse, packing, causal, scale, window, dq, dk, dv)

@@ -406,8 +406,9 @@ def blocks_per_tile(block_size: int, block_n: int, forced: bool | None) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
-                           out: torch.Tensor | None = None,
-                           lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           out: torch.Tensor | None = None, lse: torch.Tensor | None = None, *,
+                           block_n: int | None = None,
+                           tile_in_block: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one new query token per sequence over its paged K/V cache.
 
     - ``q: [batch, q_heads, head_dim]``, the query of each sequence's newest token;
@@ -425,15 +426,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Returns ``(out, lse)``: ``out: [batch, q_heads, head_dim]`` in q's dtype and ``lse:
     [batch, q_heads]`` float32 (natural log). ``out``/``lse`` may be given preallocated (any
     strides). One program per (sequence, KV head), as in Chapter 2's `decode_attention`.
+
+    Knobs for tests and measurements (``None``, the default, picks as a caller wants): the
+    tile size ``block_n`` (keys per tile, default `decode_block_n`) and the tile path
+    ``tile_in_block`` (True = one table entry per tile, False = the general path).
     """
-    return _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse)
-
-
-def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=None, lse=None,
-                  block_n: int | None = None, tile_in_block: bool | None = None):
-    """`paged_decode_attention` with the tile size (``block_n``) and the tile path
-    (``tile_in_block``: True = one table entry per tile, False = the general path) forced,
-    for tests and measurements; ``None`` picks as the public function does."""
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, q_heads, head_dim], got {tuple(q.shape)}")
     batch = q.shape[0]
@@ -624,8 +621,9 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int) -> tupl
 def paged_prefill_attention(q: torch.Tensor, cu_seqlens_q: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             max_seqlen_q: int, causal: bool = True, scale: float | None = None,
-                            out: torch.Tensor | None = None,
-                            lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, *,
+                            config: tuple[int, int, int, int] | None = None,
+                            tile_in_block: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """New tokens of each sequence attending to its cached (paged) prefix and to themselves.
 
     - ``q: [total_q, q_heads, head_dim]``: the new tokens of every sequence back to back
@@ -647,16 +645,11 @@ def paged_prefill_attention(q: torch.Tensor, cu_seqlens_q: torch.Tensor, k_cache
     Returns ``(out, lse)``: ``out: [total_q, q_heads, head_dim]`` in q's dtype and ``lse:
     [q_heads, total_q]`` float32 (natural log; head-major, like `flash_attention_varlen`; a
     row that sees no key gets out 0 and lse -inf). Forward only (inference).
+
+    Knobs for tests and measurements (``None``, the default, picks as a caller wants): the
+    tiles ``config = (BLOCK_M, BLOCK_N, warps, stages)`` and the tile path ``tile_in_block``
+    (as in `paged_decode_attention`).
     """
-    return _paged_prefill(q, cu_seqlens_q, k_cache, v_cache, block_tables, seq_lens, max_seqlen_q, causal,
-                          scale, out, lse)
-
-
-def _paged_prefill(q, cu_seqlens_q, k_cache, v_cache, block_tables, seq_lens, max_seqlen_q, causal=True,
-                   scale=None, out=None, lse=None, config: tuple[int, int, int, int] | None = None,
-                   tile_in_block: bool | None = None):
-    """`paged_prefill_attention` with the tiles (``config = (BLOCK_M, BLOCK_N, warps, stages)``)
-    and the tile path forced, for tests and measurements; ``None`` picks as the public one."""
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 1 or cu_seqlens_q.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens_q must be a 1-d int32 tensor [batch + 1], got {tuple(cu_seqlens_q.shape)} "
                          f"{cu_seqlens_q.dtype}")

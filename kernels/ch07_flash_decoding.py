@@ -418,7 +418,7 @@ def _merge_if_last(O_b, LSE_b, Out_b, OutLse_b, counter, h0, group_size, num_spl
 #: need 207-211 registers, two programs per SM, and async ran at 1.00-1.10x the exact speed.
 #: Stages: 2 and 3 tie at small points; 2 lost 5-10 % at some (batch 8 x 8, S = 8), so 3.
 SPLIT_WARPS, SPLIT_STAGES = 4, 3
-#: Stage 1's launch options (``config`` of `_flash_decode` overrides them, for measurements):
+#: Stage 1's launch options (``config`` of `flash_decode_attention` overrides them, for measurements):
 #: warps, pipeline stages, ``ASYNC_LANES`` (the asynchronized softmax's running sum and max
 #: as ``[group, BLOCK_N]`` lane tiles instead of per-tile row reductions) and ``FALLBACK``
 #: (compile the in-kernel exact fallback; False is for measuring its cost only: a split
@@ -426,7 +426,7 @@ SPLIT_WARPS, SPLIT_STAGES = 4, 3
 _STAGE1_DEFAULTS = dict(num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES, ASYNC_LANES=False, FALLBACK=True)
 
 #: Merge the splits inside stage 1 (its last program per (sequence, KV head); one launch) by
-#: default, instead of in a second launch (`_reduce_splits`): `_merge_if_last`.
+#: default, instead of in a second launch (`reduce_splits`): `_merge_if_last`.
 FUSED_MERGE = True
 
 #: Splits merged per step by stage 2 (``[BLOCK_S, head_dim]`` fp32 tiles; 16 x 128 is 8 KB).
@@ -559,6 +559,19 @@ _WORKSPACES: dict[tuple, tuple[torch.Tensor, ...] | torch.Tensor] = {}
 WORKSPACE_CACHE_SIZE = 64
 
 
+def workspace_cache() -> dict[tuple, tuple[torch.Tensor, ...] | torch.Tensor]:
+    """A snapshot (a new dict, the same tensors) of the workspaces kept for reuse: ``(device,
+    batch, q_heads, S, head_dim) -> (o_part, lse_part, counters)`` and ``("counters", device,
+    batch, q_heads) -> counters``. A CUDA-graph runner holds on to them (their addresses are
+    baked into its graphs); tests inspect them."""
+    return dict(_WORKSPACES)
+
+
+def clear_workspace_cache() -> None:
+    """Forget every kept workspace (the next call of each shape allocates afresh)."""
+    _WORKSPACES.clear()
+
+
 def split_counters(batch: int, q_heads: int, device) -> torch.Tensor:
     """The arrival counters of the one-launch merge (``FUSED_MERGE``): int32 ``[batch,
     q_heads]``, zero (entry ``[b, kv_h]`` counts the finished splits of sequence ``b``, KV
@@ -591,7 +604,7 @@ def _cached_workspace(batch: int, q_heads: int, num_splits: int, head_dim: int, 
     ordered on one stream, which is how a decode loop runs: the next call's stage 1 cannot
     overwrite the partials before this call's merge has read them. Callers that run decode
     steps of the same shape concurrently on several streams must pass their own workspaces
-    (``workspace`` of `_flash_decode`)."""
+    (``workspace`` of `flash_decode_attention`)."""
     return _reused((device, batch, q_heads, num_splits, head_dim), device,
                    lambda: (*split_workspace(batch, q_heads, num_splits, head_dim, device),
                             _cached_counters(batch, q_heads, device)))
@@ -605,8 +618,11 @@ def _cached_counters(batch: int, q_heads: int, device) -> torch.Tensor:
 def flash_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None, *,
                            num_splits: int | None = None, max_seq_len: int | None = None, phi: float | None = None,
-                           out: torch.Tensor | None = None,
-                           lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                           block_n: int | None = None, tile_in_block: bool | None = None,
+                           workspace: tuple[torch.Tensor, ...] | None = None,
+                           fallbacks: torch.Tensor | None = None, config: dict | None = None,
+                           fused_merge: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one new query per sequence over its paged K/V cache, each sequence split
     over ``num_splits`` programs per KV head (flash-decoding).
 
@@ -635,18 +651,8 @@ def flash_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Returns ``(out, lse)``: ``out: [batch, q_heads, head_dim]`` in q's dtype and ``lse:
     [batch, q_heads]`` float32 (natural log; length 0 gives ``out = 0``, ``lse = -inf``).
     ``out``/``lse`` may be given preallocated (any strides).
-    """
-    return _flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse, num_splits=num_splits,
-                         max_seq_len=max_seq_len, phi=phi)
 
-
-def _flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=None, lse=None, *,
-                  num_splits: int | None = None, max_seq_len: int | None = None, phi: float | None = None,
-                  block_n: int | None = None, tile_in_block: bool | None = None,
-                  workspace: tuple[torch.Tensor, ...] | None = None,
-                  fallbacks: torch.Tensor | None = None, config: dict | None = None,
-                  fused_merge: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`flash_decode_attention` with the knobs of tests and measurements:
+    Knobs for tests and measurements (``None``, the default, picks as a caller wants):
 
     - ``block_n``: keys per tile (default `decode_block_n`); ``tile_in_block``: the tile path
       of `tile_rows` (True = one table entry per tile, False = the general path, None = the
@@ -655,11 +661,13 @@ def _flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=N
       ``num_splits``, optionally with a third member, the int32 arrival counters
       (`split_counters`; else cached ones); without it a cached workspace
       (`_cached_workspace`) when ``num_splits > 1``. After the call it holds the partials,
-      which tests compare and the benchmark merges again with `_reduce_splits`;
+      which tests compare and the benchmark merges again with `reduce_splits`;
     - ``fused_merge``: merge the splits in stage 1's last program (one launch; True) or in
-      the separate stage-2 launch (`_reduce_splits`; False); None = `FUSED_MERGE`;
+      the separate stage-2 launch (`reduce_splits`; False); None = `FUSED_MERGE`;
     - ``fallbacks``: int32 ``[batch, kv_heads, num_splits]``, written with 1 where a program
-      of the asynchronized softmax fell back to the exact loop, else 0 (needs ``phi``).
+      of the asynchronized softmax fell back to the exact loop, else 0 (needs ``phi``);
+    - ``config``: overrides of stage 1's launch options (`_STAGE1_DEFAULTS`: warps, stages,
+      ``ASYNC_LANES``, ``FALLBACK``).
     """
     dims, num_splits, block_n = _plan(q, k_cache, v_cache, block_tables, seq_lens, num_splits, max_seq_len, block_n)
     batch, (q_heads, head_dim) = q.shape[0], q.shape[1:]
@@ -667,8 +675,8 @@ def _flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=N
     if batch * q_heads == 0:
         return out, lse
     if num_splits == 1:  # nothing to merge: stage 1 writes the final output (split stride 0)
-        _split_attention(q, k_cache, v_cache, block_tables, seq_lens, out[:, :, None], lse[:, :, None], scale,
-                         phi, block_n, tile_in_block, fallbacks, dims, config)
+        split_attention(q, k_cache, v_cache, block_tables, seq_lens, out[:, :, None], lse[:, :, None], scale,
+                        phi, block_n, tile_in_block, fallbacks, dims, config)
         return out, lse
     if workspace is None:
         workspace = _cached_workspace(batch, q_heads, num_splits, head_dim, q.device)
@@ -677,12 +685,12 @@ def _flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=N
         raise ValueError(f"workspace {tuple(o_part.shape)} was made for another number of splits than {num_splits}")
     if FUSED_MERGE if fused_merge is None else fused_merge:
         counters = workspace[2] if len(workspace) > 2 else _cached_counters(batch, q_heads, q.device)
-        _split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale, phi, block_n,
-                         tile_in_block, fallbacks, dims, config, merge_into=(out, lse, counters))
+        split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale, phi, block_n,
+                        tile_in_block, fallbacks, dims, config, merge_into=(out, lse, counters))
     else:
-        _split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale, phi, block_n,
-                         tile_in_block, fallbacks, dims, config)
-        _reduce_splits(o_part, lse_part, out, lse)
+        split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale, phi, block_n,
+                        tile_in_block, fallbacks, dims, config)
+        reduce_splits(o_part, lse_part, out, lse)
     return out, lse
 
 
@@ -705,8 +713,8 @@ def _plan(q, k_cache, v_cache, block_tables, seq_lens, num_splits, max_seq_len, 
     return dims, int(num_splits), block_n
 
 
-def _split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale=None, phi=None,
-                     block_n=None, tile_in_block=None, fallbacks=None, dims=None, config=None, merge_into=None):
+def split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale=None, phi=None,
+                    block_n=None, tile_in_block=None, fallbacks=None, dims=None, config=None, merge_into=None):
     """Stage 1: write the partials of ``S = o_part.shape[2]`` splits per sequence, and with
     ``merge_into = (out, lse, counters)`` also merge them in the same launch (``FUSED_MERGE``:
     the last program of each (sequence, KV head) writes ``out``/``lse`` of its query heads;
@@ -782,7 +790,7 @@ def _stage1_meta(head_dim: int, dtype: torch.dtype, group: int, block_size: int,
     )
 
 
-def _reduce_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+def reduce_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Stage 2 alone: merge ``o_part: [batch, q_heads, S, head_dim]``, ``lse_part: [batch,
     q_heads, S]`` (fp32; an empty split has lse -inf) into ``out: [batch, q_heads, head_dim]``
     (any float dtype) and ``lse: [batch, q_heads]`` fp32 (natural log). Any strides."""

@@ -444,6 +444,13 @@ class _Plan:
 _PLANS: dict[tuple, _Plan] = {}
 
 
+def plan_cache() -> dict[tuple, _Plan]:
+    """A snapshot (a new dict, the same plans) of the kept plans: ``(kind, config, M, N, K,
+    dtype, device, has_bias, x strides, W strides) -> plan`` with the plan's ``kernel``,
+    ``grid``, ``k_per_split``, ``meta`` and split-K workspace (``partials``, ``counters``)."""
+    return dict(_PLANS)
+
+
 def _make_plan(kind: str, x: torch.Tensor, weight: torch.Tensor, has_bias: bool, cfg: TileConfig) -> _Plan:
     M, K = x.shape
     N = weight.shape[0]

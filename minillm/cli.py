@@ -8,7 +8,10 @@
 ``PATH`` is a local Hugging Face-format folder (``config.json`` + ``*.safetensors`` +
 ``tokenizer.json``); it defaults to ``$MINILLM_MODEL``, else to the bundled Shakespeare model
 (``minillm/checkpoints/shakespeare``, trained by ``minillm train``). ``serve`` and ``generate``
-run the engine (`minillm.engine`); its knobs are the same flags on both.
+run the engine (`minillm.engine`); its knobs are the same flags on both (and on ``bench``), built
+from `EngineConfig`'s fields and defaults (`ENGINE_FLAGS`). ``python -m minillm`` is the same
+command. A checkpoint folder minillm cannot use (`minillm.model.CheckpointError`) ends it with
+one line, ``minillm <command>: <file>: <problem>``, and exit status 2.
 """
 from __future__ import annotations
 
@@ -76,8 +79,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, defaults: dict | None 
         if name in exclude:
             continue
         kwargs = {**kwargs, **({"help": helps[name]} if helps and name in helps else {})}
-        if "action" not in kwargs:  # the first option names the value (not the field)
-            kwargs.setdefault("metavar", options[0].lstrip("-").upper().replace("-", "_"))
+        if len(options) > 1 and "action" not in kwargs and "choices" not in kwargs:
+            kwargs.setdefault("metavar", options[0].lstrip("-").upper().replace("-", "_"))  # not the field's name
         parser.add_argument(*options, dest=name, default=values[name], **kwargs)
 
 

@@ -89,13 +89,18 @@ class Exercise:
 class _Collector:
     """A pytest plugin that groups test outcomes by their ``@pytest.mark.exercise`` marker."""
 
-    def __init__(self, chapter: int) -> None:
+    def __init__(self, chapter: int, only: set[str] | None = None) -> None:
         self.chapter = chapter
+        self.only = only
         self.exercises: dict[str, Exercise] = {}
         self.errors: list[str] = []                 # test files that failed to import
         self._by_nodeid: dict[str, Exercise] = {}
 
-    def pytest_collection_modifyitems(self, items):
+    def pytest_collection_modifyitems(self, config, items):
+        if self.only is not None:               # --only: deselect the other exercises' tests
+            keep = [i for i in items if (m := i.get_closest_marker("exercise")) and m.kwargs["id"] in self.only]
+            config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+            items[:] = keep
         for item in items:
             marker = item.get_closest_marker("exercise")
             if marker is None:
@@ -140,7 +145,8 @@ def _describe(excinfo, report, nodeid: str, chapter: int) -> Outcome:
                                  textwrap.indent(excinfo.exconly().strip(), "  ")]
     else:
         status = ERROR
-        lines = [f"{test}: {excinfo.typename} raised"]
+        during = " while setting up the test (importing your module?)" if report.when == "setup" else " raised"
+        lines = [f"{test}: {excinfo.typename}{during}"]
         if not excinfo.errisinstance(SyntaxError):          # its own text has file, line, caret
             entry = _last_in(excinfo, "exercises") or _last_in(excinfo, None)
             lines.append(f"  {_where(entry)}")
@@ -178,19 +184,21 @@ def _where(entry) -> str:
 
 
 def grade(chapter: int, impl: str = "exercises", verbose: bool = False,
-          exercises_dir: str | Path | None = None) -> dict[str, Exercise]:
+          exercises_dir: str | Path | None = None, only: set[str] | None = None) -> dict[str, Exercise]:
     """Run chapter ``chapter``'s graded tests on ``impl``; return the exercises by id.
 
-    ``exercises_dir``: grade ``exercises_dir/chNN.py`` instead of ``exercises/chNN.py``.
+    ``exercises_dir``: grade ``exercises_dir/chNN.py`` instead of ``exercises/chNN.py``;
+    ``only``: grade just these exercise ids.
     """
-    return _run(chapter, impl, verbose, exercises_dir).exercises
+    return _run(chapter, impl, verbose, exercises_dir, only).exercises
 
 
-def _run(chapter: int, impl: str, verbose: bool, exercises_dir: str | Path | None) -> _Collector:
+def _run(chapter: int, impl: str, verbose: bool, exercises_dir: str | Path | None,
+         only: set[str] | None = None) -> _Collector:
     path = REPO / "tests" / "graded" / f"test_ch{chapter:02d}.py"
     if not path.exists():
         raise SystemExit(f"no graded tests for chapter {chapter} ({path} does not exist)")
-    collector = _Collector(chapter)
+    collector = _Collector(chapter, only)
     args = [str(path), f"--impl={impl}", "-p", "no:cacheprovider", f"--rootdir={REPO}",
             "-c", str(REPO / "pyproject.toml")]
     # Quiet by default: the report is the table. --verbose shows pytest as usual.
@@ -230,11 +238,14 @@ def print_table(exercises: dict[str, Exercise], impl: str, chapter: int, verbose
     for r in rows:
         print(fmt.format(*r).rstrip())
     shown = [ex for ex in ordered if ex.status in (FAILED, ERROR) or (verbose and ex.status == NOT_STARTED)]
+    printed: dict[str, str] = {}                # message -> the exercise it was shown under
     for ex in shown:
         bad = len({f.test for f in ex.failures})
         counts = f" ({bad} of {ex.tests} tests)" if ex.failures else ""
         print(f"\n{ex.id} {ex.title} — {RESULT[ex.status]}{counts}")
-        print(textwrap.indent(ex.message, "  "))
+        same = printed.get(ex.message.split("\n", 1)[-1])   # e.g. one SyntaxError fails every exercise
+        print(f"  the same error as {same}, above" if same else textwrap.indent(ex.message, "  "))
+        printed.setdefault(ex.message.split("\n", 1)[-1], ex.id)
     todo = [ex.id for ex in ordered if ex.status == NOT_STARTED]
     if todo:
         print(f"\nNot started: {', '.join(todo)}. Each stub's docstring says what to write; "
@@ -262,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="grade DIR/chNN.py (a copy of exercises/) instead of exercises/chNN.py")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show pytest's output and tracebacks, and every exercise's message")
+    parser.add_argument("--only", metavar="ID[,ID...]",
+                        help="grade only these exercises, e.g. --only 3.2 (the others are not run)")
     parser.add_argument("--json", action="store_true", help="print a machine-readable JSON report")
     parser.add_argument("--hint", metavar="ID",
                         help="show the next hint of exercise ID (e.g. 3.1); run again for the next level")
@@ -273,18 +286,22 @@ def main(argv: list[str] | None = None) -> int:
         return hints.main(args.chapter, args.hint, args.level)
     if args.exercises is not None and not Path(args.exercises).is_dir():
         parser.error(f"--exercises {args.exercises}: not a directory")
+    only = None
+    if args.only is not None:
+        only = {i if "." in i else f"{args.chapter}.{i}" for i in args.only.replace(" ", "").split(",") if i}
     if args.json:
         # Keep stdout pure JSON: pytest's own output (--verbose) goes to stderr.
         with contextlib.redirect_stdout(sys.stderr):
-            collector = _run(args.chapter, args.impl, args.verbose, args.exercises)
+            collector = _run(args.chapter, args.impl, args.verbose, args.exercises, only)
         result = report(collector.exercises, args.impl, args.chapter, collector.errors)
         print(json.dumps(result, indent=2, ensure_ascii=False))
         return 0 if result["passed"] else 1
-    collector = _run(args.chapter, args.impl, args.verbose, args.exercises)
+    collector = _run(args.chapter, args.impl, args.verbose, args.exercises, only)
     for error in collector.errors:
         print(f"\nThe graded tests of chapter {args.chapter} could not be loaded:\n{error}")
     if not collector.exercises:
-        print(f"no graded tests were collected for chapter {args.chapter}")
+        which = f" for {', '.join(sorted(only))}" if only else ""
+        print(f"no graded tests were collected for chapter {args.chapter}{which}")
         return 1
     print_table(collector.exercises, args.impl, args.chapter, args.verbose, args.exercises)
     return 0 if all(ex.ok for ex in collector.exercises.values()) else 1

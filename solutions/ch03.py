@@ -131,6 +131,9 @@ def fa1_kernel(Q, K, V, O, L, M, q_heads, kv_heads, q_len, kv_len, scale,
             tl.store(O + rows[:, None] * HEAD_DIM + d[None, :], o, mask=in_m[:, None])
             tl.store(L + rows, l_new, mask=in_m)
             tl.store(M + rows, m_new, mask=in_m)
+        # The next outer iteration reads what this one stored, possibly from other threads of
+        # the program (a load's layout need not match the store's): make the stores visible.
+        tl.debug_barrier()
 
 
 def fa1_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,

@@ -4,6 +4,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
+
+# First, before Triton: without a GPU, this selects Triton's interpreter.
+from minillm.kernels.base import interpreting  # noqa: F401, I001
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 def merge_splits(o: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -63,3 +69,109 @@ def split_partial(q: np.ndarray, k, v, seq_len: int, start: int, end: int, block
     if stop <= start:
         return np.zeros((rows, head_dim)), np.full(rows, -np.inf)
     return acc / l[:, None], m + np.log(l)
+
+
+# == Exercise 7.4: the split kernel (stage 1) ====================================================
+
+@triton.jit
+def _split_kernel(Q, K, V, SeqLens, O_part, LSE_part,
+                  q_heads, group, num_splits, stride_kb, stride_kh, scale,
+                  HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Program ``(b, kv_h, s)``: split ``s`` of sequence ``b`` for the heads of KV head ``kv_h``."""
+    b = tl.program_id(0)
+    kv_h = tl.program_id(1)
+    s = tl.program_id(2)
+    rows = tl.arange(0, GROUP_PAD)
+    in_group = rows < group
+    heads = kv_h * group + tl.minimum(rows, group - 1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + (b * q_heads + heads[:, None]) * HEAD_DIM + offs_d[None, :], mask=in_group[:, None], other=0.0)
+
+    # This split's keys: whole tiles, ceil(tiles / num_splits) of them per split.
+    seq_len = tl.load(SeqLens + b)
+    span = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits) * BLOCK_N
+    lo = s * span
+    hi = tl.minimum(lo + span, seq_len)
+
+    k_head = K + b * stride_kb + kv_h * stride_kh
+    v_head = V + b * stride_kb + kv_h * stride_kh
+    m = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((GROUP_PAD,), dtype=tl.float32)
+    acc = tl.zeros((GROUP_PAD, HEAD_DIM), dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        ok = pos < hi
+        k = tl.load(k_head + pos[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(v_head + pos[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
+        if IEEE:
+            x = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            x = tl.dot(q, tl.trans(k)) * scale
+        x = tl.where(ok[None, :], x, float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(x - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    # The split's partial result: normalised over its own keys. Empty: o = 0, lse = -inf.
+    o = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    part = (b * q_heads + heads) * num_splits + s                      # [GROUP_PAD] rows of the workspace
+    tl.store(O_part + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=in_group[:, None])
+    tl.store(LSE_part + part, m + tl.log(l), mask=in_group)
+
+
+def flash_decode_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, num_splits: int,
+                       block_n: int = 16, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 7.4: one program per (sequence, KV head, split)."""
+    batch, q_heads, head_dim = q.shape
+    _, kv_heads, max_len, _ = k.shape
+    q, k, v, seq_lens = q.contiguous(), k.contiguous(), v.contiguous(), seq_lens.contiguous()
+    o_part = torch.empty(batch, q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(batch, q_heads, num_splits, device=q.device, dtype=torch.float32)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    group = q_heads // kv_heads
+    _split_kernel[(batch, kv_heads, num_splits)](
+        q, k, v, seq_lens, o_part, lse_part, q_heads, group, num_splits, k.stride(0), k.stride(1), scale,
+        HEAD_DIM=head_dim, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32)
+    return o_part, lse_part
+
+
+# == Exercise 7.5: the merge kernel (stage 2) =====================================================
+
+@triton.jit
+def _merge_kernel(O_part, LSE_part, Out, LSE, num_splits, HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr):
+    """Program ``r``: merge the ``num_splits`` partials of row ``r`` (a (sequence, head) pair)."""
+    r = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(LSE_part + r * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)          # every split empty: no -inf - -inf
+    w = tl.exp(lse - m)                                 # [S_PAD], 0 for empty splits
+    o = tl.load(O_part + (r * num_splits + splits[:, None]) * HEAD_DIM + offs_d[None, :],
+                mask=(splits < num_splits)[:, None], other=0.0)
+    o = tl.where(w[:, None] > 0, o, 0.0)                # an empty split's o may be anything (NaN)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + r * HEAD_DIM + offs_d, out.to(Out.dtype.element_ty))
+    tl.store(LSE + r, m + tl.log(total))
+
+
+def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.dtype = torch.float32
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 7.5: one program per (sequence, head)."""
+    *lead, num_splits, head_dim = o_part.shape
+    o_part, lse_part = o_part.contiguous(), lse_part.contiguous()
+    out = torch.empty(*lead, head_dim, device=o_part.device, dtype=out_dtype)
+    lse = torch.empty(*lead, device=o_part.device, dtype=torch.float32)
+    rows = math.prod(lead)
+    if rows:
+        _merge_kernel[(rows,)](o_part, lse_part, out, lse, num_splits, HEAD_DIM=head_dim,
+                               S_PAD=triton.next_power_of_2(num_splits))
+    return out, lse

@@ -4,6 +4,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
+
+# First, before Triton: without a GPU, this selects Triton's interpreter.
+from minillm.kernels.base import interpreting  # noqa: F401, I001
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 def gemv_tiles(x: np.ndarray, w, block_n: int, block_k: int) -> np.ndarray:
@@ -81,3 +87,70 @@ def flat_gemm_tile(x: np.ndarray, w: np.ndarray, pid_m: int, pid_n: int, out: np
         total += partials[s]
     out[m0:m0 + rows, n0:n0 + cols] = total[:rows, :cols]
     return partials
+
+
+# == Exercise 8.4: the GEMV kernel ================================================================
+
+@triton.jit
+def _gemv_kernel(X, W, Y, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``pid``: output features ``pid·BLOCK_N …`` for all ``M`` rows, no tensor cores."""
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = (offs_k < K)[None, :]
+        w = tl.load(W + offs_n[:, None] * K + offs_k[None, :], mask=(offs_n < N)[:, None] & k_ok, other=0.0)
+        x = tl.load(X + offs_m[:, None] * K + offs_k[None, :], mask=(offs_m < M)[:, None] & k_ok, other=0.0)
+        # Every row of x times every row of the tile, summed along K: [BLOCK_M, BLOCK_N].
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    tl.store(Y + offs_m[:, None] * N + offs_n[None, :], acc, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 32) -> torch.Tensor:
+    """Exercise 8.4: one program per block of ``block_n`` output features."""
+    (M, K), N = x.shape, w.shape[0]
+    x, w = x.contiguous(), w.contiguous()
+    y = torch.full((M, N), float("nan"), device=x.device, dtype=torch.float32)
+    _gemv_kernel[(triton.cdiv(N, block_n),)](x, w, y, M, N, K, BLOCK_M=triton.next_power_of_2(M),
+                                             BLOCK_N=block_n, BLOCK_K=block_k)
+    return y
+
+
+# == Exercise 8.5: the flat GEMM with split-K =====================================================
+
+@triton.jit
+def _flat_gemm_kernel(X, W, Y, M, N, K, k_span,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """Program ``(pid_m, pid_n, pid_k)``: the ``[BLOCK_M, BLOCK_N]`` tile over K-slice ``pid_k``,
+    added into ``Y`` atomically (the other slices add theirs)."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    lo = pid_k * k_span
+    hi = tl.minimum(lo + k_span, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = (offs_k < hi)[None, :]
+        x = tl.load(X + offs_m[:, None] * K + offs_k[None, :], mask=(offs_m < M)[:, None] & k_ok, other=0.0)
+        w = tl.load(W + offs_n[:, None] * K + offs_k[None, :], mask=(offs_n < N)[:, None] & k_ok, other=0.0)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    tl.atomic_add(Y + offs_m[:, None] * N + offs_n[None, :], acc, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+def flat_gemm(x: torch.Tensor, w: torch.Tensor, split_k: int = 1, block_n: int = 32, block_k: int = 32
+              ) -> torch.Tensor:
+    """Exercise 8.5: one program per (M tile of 16, N tile, K-slice)."""
+    (M, K), N = x.shape, w.shape[0]
+    x, w = x.contiguous(), w.contiguous()
+    y = torch.zeros(M, N, device=x.device, dtype=torch.float32)        # the slices add into it
+    k_span = triton.cdiv(triton.cdiv(K, block_k), split_k) * block_k     # whole K tiles per slice
+    grid = (triton.cdiv(M, 16), triton.cdiv(N, block_n), split_k)
+    _flat_gemm_kernel[grid](x, w, y, M, N, K, k_span, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+                            IEEE=x.dtype == torch.float32)
+    return y

@@ -33,12 +33,12 @@ import torch
 
 from minillm.costs import nominal_attention_flops
 from minillm.kernels.ch04_flash_attention import (
-    ABLATIONS, FWD_CONFIGS, INTERPRET_FWD_CONFIG, Packing, _forward, flash_attention, flash_attention_varlen,
+    ABLATIONS, FWD_CONFIGS, INTERPRET_FWD_CONFIG, Packing, flash_attention, flash_attention_varlen, launch_forward,
     seq_bucket,
 )
 from minillm.kernels.ch04_flash_attention import (
-    DKDV_CONFIGS, DQ_CONFIGS, INTERPRET_DKDV_CONFIG, INTERPRET_DQ_CONFIG, _backward, flash_attention_backward,
-    flash_attention_varlen_backward,
+    DKDV_CONFIGS, DQ_CONFIGS, INTERPRET_DKDV_CONFIG, INTERPRET_DQ_CONFIG, flash_attention_backward,
+    flash_attention_varlen_backward, launch_backward,
 )
 from minillm.reference import attention, attention_mask
 from minillm.testing import assert_close, poisoned, random_tensor, skip_fp32_on_gpu, to_numpy, tolerance
@@ -230,7 +230,8 @@ def test_forward_tile_shapes(bm, bn, device, gen, seed):
                                           (100, 100, True, 70)]:
         q, k, v = make_qkv(1, 2, 1, q_len, kv_len, 32, dtype, device, gen)
         out, lse = poisoned(q.shape, dtype, device), poisoned(q.shape[:3], torch.float32, device)
-        _forward(q, k, v, Packing(1, q_len, kv_len), causal, 32 ** -0.5, window, out, lse, config=_config(bm, bn))
+        launch_forward(q, k, v, Packing(1, q_len, kv_len), causal, 32 ** -0.5, window, out, lse,
+                       config=_config(bm, bn))
         ref_out, ref_lse = attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal, window=window)
         what = f"(q {q_len}, kv {kv_len}, causal {causal}, window {window}, tiles {bm}x{bn})"
         assert_close(out, ref_out, dtype, f"out {what}", seed)
@@ -254,7 +255,7 @@ def test_blocks_outside_the_mask_are_never_read(bm, bn, device, gen, seed):
     k_nan, v_nan = k.clone(), v.clone()
     k_nan[:, :, x:] = float("nan")
     v_nan[:, :, x:] = float("nan")
-    out, _ = _forward(q, k_nan, v_nan, Packing(1, n, n), True, 0.25, None, config=cfg)
+    out, _ = launch_forward(q, k_nan, v_nan, Packing(1, n, n), True, 0.25, None, config=cfg)
     ref_out, _ = attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True, scale=0.25)
     clean = x // bm * bm  # rows of blocks that end at or before key X
     assert_close(out[:, :, :clean], ref_out[:, :, :clean], dtype, "out (rows before the NaN keys)", seed)
@@ -263,7 +264,7 @@ def test_blocks_outside_the_mask_are_never_read(bm, bn, device, gen, seed):
     k_nan, v_nan = k.clone(), v.clone()
     k_nan[:, :, :x] = float("nan")
     v_nan[:, :, :x] = float("nan")
-    out, _ = _forward(q, k_nan, v_nan, Packing(1, n, n), True, 0.25, w, config=cfg)
+    out, _ = launch_forward(q, k_nan, v_nan, Packing(1, n, n), True, 0.25, w, config=cfg)
     ref_out, _ = attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True, scale=0.25, window=w)
     first_clean = -(-(x + w - 1) // bm) * bm  # first row block whose window starts at or after X
     assert first_clean < n
@@ -324,9 +325,9 @@ def test_load_paths_write_only_their_rows(tma, dtype, device, gen, seed):
     dout = random_tensor(q.shape, dtype, device, gen)
     packing = Packing(1, 45, 70)
     buf = poisoned((1, q_heads, 45 + 6, head_dim), dtype, device)
-    out, lse = _forward(q, k, v, packing, True, head_dim ** -0.5, None, out=buf[:, :, 3:48], tma=tma)
+    out, lse = launch_forward(q, k, v, packing, True, head_dim ** -0.5, None, out=buf[:, :, 3:48], tma=tma)
     dq_buf = poisoned((1, q_heads, 45 + 6, head_dim), dtype, device)
-    _backward(dout, q, k, v, out, lse, packing, True, head_dim ** -0.5, None, dq=dq_buf[:, :, 3:48], tma=tma)
+    launch_backward(dout, q, k, v, out, lse, packing, True, head_dim ** -0.5, None, dq=dq_buf[:, :, 3:48], tma=tma)
     ref_out, rdq, _, _ = reference_grads(q, k, v, dout, causal=True)
     assert_close(out, to_numpy(ref_out), dtype, "out", seed)
     assert_grad_close(dq_buf[:, :, 3:48], rdq, dtype, "dq", seed)
@@ -341,7 +342,7 @@ def test_load_paths_write_only_their_rows(tma, dtype, device, gen, seed):
     total = qv.shape[0]
     packing = Packing(2, 37, 41, cu_q, cu_k)
     buf = poisoned((total + 9, q_heads, head_dim), dtype, device)
-    out, lse = _forward(qv, kv_, vv, packing, True, head_dim ** -0.5, None, out=buf[:total], tma=tma)
+    out, lse = launch_forward(qv, kv_, vv, packing, True, head_dim ** -0.5, None, out=buf[:total], tma=tma)
     assert torch.isnan(buf[total:]).all(), "out: rows past the last sequence were written"
     for bi in range(2):
         ref_out, _ = attention(to_numpy(per_sequence(qv, cu_q, bi)), to_numpy(per_sequence(kv_, cu_k, bi)),
@@ -483,10 +484,10 @@ def test_backward_tile_shapes(dkdv_tile, dq_tile, device, gen, seed):
         q, k, v = make_qkv(1, 2, 1, q_len, kv_len, 16, dtype, device, gen)
         dout = random_tensor(q.shape, dtype, device, gen)
         packing = Packing(1, q_len, kv_len)
-        out, lse = _forward(q, k, v, packing, causal, 0.25, window)
+        out, lse = launch_forward(q, k, v, packing, causal, 0.25, window)
         dq, dk, dv = (poisoned(t.shape, dtype, device) for t in (q, k, v))
-        _backward(dout, q, k, v, out, lse, packing, causal, 0.25, window, dq, dk, dv,
-                  dkdv_config=_config(*dkdv_tile), dq_config=_config(*dq_tile))
+        launch_backward(dout, q, k, v, out, lse, packing, causal, 0.25, window, dq, dk, dv,
+                        dkdv_config=_config(*dkdv_tile), dq_config=_config(*dq_tile))
         _, rdq, rdk, rdv = reference_grads(q, k, v, dout, causal, 0.25, window)
         what = f"(q {q_len}, kv {kv_len}, window {window})"
         assert_grad_close(dq, rdq, dtype, f"dq {what}", seed)
@@ -528,13 +529,13 @@ def test_ablations_compute_the_same_attention(ablation, device, gen, seed):
     cfg = _config(32, 16) if torch.device(device).type == "cpu" else _config(64, 64)
     for q_len, kv_len, causal, window in [(45, 70, True, None), (50, 30, True, None), (40, 40, False, 9)]:
         q, k, v = make_qkv(2, 4, 2, q_len, kv_len, 24, dtype, device, gen)
-        out, lse = _forward(q, k, v, Packing(2, q_len, kv_len), causal, 24 ** -0.5, window, config=cfg,
-                            ablation=ablation)
+        out, lse = launch_forward(q, k, v, Packing(2, q_len, kv_len), causal, 24 ** -0.5, window, config=cfg,
+                                  ablation=ablation)
         ref_out, ref_lse = attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal, window=window)
         assert_close(out, ref_out, dtype, f"out ({ablation}, {q_len}x{kv_len})", seed)
         assert_close(lse, ref_lse, dtype, f"lse ({ablation}, {q_len}x{kv_len})", seed)
     with pytest.raises(ValueError, match="fixed config"):
-        _forward(q, k, v, Packing(2, 40, 40), False, 0.1, None, ablation=ablation)
+        launch_forward(q, k, v, Packing(2, 40, 40), False, 0.1, None, ablation=ablation)
 
 
 def test_torch_reference_matches_numpy_reference(gen):
@@ -582,9 +583,9 @@ def test_autotune_candidates(monkeypatch):
     """What the autotuner may choose from: each head dim's own candidates, per load path;
     only 64-row forward tiles for short queries; and the fixed configs used without tuning."""
     from minillm.kernels.ch04_flash_attention import (
-        FP32_CONFIG, FWD_TILES, FWD_TILES_TMA, _prune_fwd, config_key, fixed_config, head_dim_class,
+        FP32_CONFIG, FWD_TILES, FWD_TILES_TMA, config_key, fixed_config, head_dim_class, prune_fwd_configs,
     )
-    from minillm.kernels.ch04_flash_attention import DKDV_TILES, DQ_TILES, DQ_TILES_TMA, _pruner
+    from minillm.kernels.ch04_flash_attention import DKDV_TILES, DQ_TILES, DQ_TILES_TMA, config_pruner
 
     assert [head_dim_class(d) for d in (16, 32, 64, 128, 256)] == [64, 64, 64, 128, 256]
     for block_d_ in (64, 128, 256):
@@ -592,12 +593,12 @@ def test_autotune_candidates(monkeypatch):
             kw = {"BLOCK_D": block_d_, "TMA": tma}
             fwd_table = (FWD_TILES_TMA if tma else FWD_TILES)[block_d_]
             keys = lambda configs: sorted(config_key(c) for c in configs)  # noqa: E731
-            assert keys(_prune_fwd(FWD_CONFIGS, {"q_bucket": 4096}, **kw)) == sorted(fwd_table)
-            short = keys(_prune_fwd(FWD_CONFIGS, {"q_bucket": 64}, **kw))
+            assert keys(prune_fwd_configs(FWD_CONFIGS, {"q_bucket": 4096}, **kw)) == sorted(fwd_table)
+            short = keys(prune_fwd_configs(FWD_CONFIGS, {"q_bucket": 64}, **kw))
             assert short and all(bm <= 64 for bm, *_ in short)
             dq_table = (DQ_TILES_TMA if tma else DQ_TILES)[block_d_]
-            assert keys(_pruner(DQ_TILES, DQ_TILES_TMA)(DQ_CONFIGS, {}, **kw)) == sorted(dq_table)
-            assert keys(_pruner(DKDV_TILES)(DKDV_CONFIGS, {}, **kw)) == sorted(DKDV_TILES[block_d_])
+            assert keys(config_pruner(DQ_TILES, DQ_TILES_TMA)(DQ_CONFIGS, {}, **kw)) == sorted(dq_table)
+            assert keys(config_pruner(DKDV_TILES)(DKDV_CONFIGS, {}, **kw)) == sorted(DKDV_TILES[block_d_])
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU
     assert fixed_config(FWD_TILES, torch.float32, 128, INTERPRET_FWD_CONFIG) is FP32_CONFIG
     assert config_key(fixed_config(FWD_TILES, torch.bfloat16, 128, INTERPRET_FWD_CONFIG)) == FWD_TILES[128][0]
@@ -622,8 +623,8 @@ def test_every_gpu_config(head_dim, device, gen, seed):
     """Each autotuning candidate for this head dim and load path, forced in turn (autotuning
     would only ever run the fastest), on a causal GQA shape with q < kv in bf16: every one
     compiles for this GPU, fits, and is correct."""
-    from minillm.kernels.ch04_flash_attention import _prune_fwd, block_d
-    from minillm.kernels.ch04_flash_attention import DKDV_TILES, DQ_TILES, DQ_TILES_TMA, _pruner
+    from minillm.kernels.ch04_flash_attention import block_d, prune_fwd_configs
+    from minillm.kernels.ch04_flash_attention import DKDV_TILES, DQ_TILES, DQ_TILES_TMA, config_pruner
 
     dtype = torch.bfloat16
     q, k, v = make_qkv(2, 8, 2, 700, 1000, head_dim, dtype, device, gen)
@@ -635,15 +636,15 @@ def test_every_gpu_config(head_dim, device, gen, seed):
         if tma and torch.cuda.get_device_capability(device)[0] < 9:
             continue
         kw = {"BLOCK_D": block_d(head_dim), "TMA": tma}
-        for cfg in _prune_fwd(FWD_CONFIGS, {"q_bucket": 1024}, **kw):
-            out, lse = _forward(q, k, v, packing, True, scale, None, config=cfg, tma=tma)
+        for cfg in prune_fwd_configs(FWD_CONFIGS, {"q_bucket": 1024}, **kw):
+            out, lse = launch_forward(q, k, v, packing, True, scale, None, config=cfg, tma=tma)
             assert_close(out, to_numpy(ref_out), dtype, f"out {cfg} tma={tma}", seed)
-        out, lse = _forward(q, k, v, packing, True, scale, None)
-        dkdv = _pruner(DKDV_TILES)(DKDV_CONFIGS, {}, **kw)
-        dq_cfgs = _pruner(DQ_TILES, DQ_TILES_TMA)(DQ_CONFIGS, {}, **kw)
+        out, lse = launch_forward(q, k, v, packing, True, scale, None)
+        dkdv = config_pruner(DKDV_TILES)(DKDV_CONFIGS, {}, **kw)
+        dq_cfgs = config_pruner(DQ_TILES, DQ_TILES_TMA)(DQ_CONFIGS, {}, **kw)
         for a, b in _pairs(dkdv, dq_cfgs):
-            dq, dk, dv = _backward(dout, q, k, v, out, lse, packing, True, scale, None, dkdv_config=a, dq_config=b,
-                                   tma=tma)
+            dq, dk, dv = launch_backward(dout, q, k, v, out, lse, packing, True, scale, None, dkdv_config=a,
+                                         dq_config=b, tma=tma)
             assert_grad_close(dq, rdq, dtype, f"dq {b} tma={tma}", seed)
             assert_grad_close(dk, rdk, dtype, f"dk {a}", seed)
             assert_grad_close(dv, rdv, dtype, f"dv {a}", seed)

@@ -35,7 +35,7 @@ import torch
 
 from minillm.kernels.ch02_kv_cache import decode_attention
 from minillm.kernels.ch05_paged_attention import (
-    blocks_per_tile, _paged_decode, _paged_prefill, contiguous_as_paged, decode_block_n, paged_decode_attention,
+    blocks_per_tile, contiguous_as_paged, decode_block_n, paged_decode_attention,
     paged_prefill_attention, prefill_config, write_paged_kv,
 )
 from minillm.paged import PAD, gather_slots, padded_block_tables, write_slots
@@ -121,13 +121,13 @@ def test_paged_decode_both_tile_paths(block_size, device, gen, seed):
     q = random_tensor((3, 4, 32), dtype, device, gen)
     ref_out, ref_lse = reference_decode(q, pool)
     for path in (True, False):
-        out, lse = _paged_decode(q, pool.k, pool.v, pool.tables, pool.lens(device), block_n=block_n,
-                                 tile_in_block=path)
+        out, lse = paged_decode_attention(q, pool.k, pool.v, pool.tables, pool.lens(device), block_n=block_n,
+                                          tile_in_block=path)
         assert_close(out, ref_out, dtype, f"out (tile_in_block={path})", seed)
         assert_close(lse, ref_lse, dtype, f"lse (tile_in_block={path})", seed)
     with pytest.raises(ValueError, match="straddle"):
-        _paged_decode(q, pool.k, pool.v, pool.tables, pool.lens(device), block_n=32 if block_size == 16 else 128,
-                      tile_in_block=True)
+        paged_decode_attention(q, pool.k, pool.v, pool.tables, pool.lens(device),
+                               block_n=32 if block_size == 16 else 128, tile_in_block=True)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -142,7 +142,7 @@ def test_paged_decode_invalid_block_reads_zeros(block_size, device, gen, seed):
     tables[1, 0] = pool.k.shape[0] + 7   # a block id past the pool
     q = random_tensor((2, q_heads, head_dim), dtype, device, gen)
     # BLOCK_N = 16 on every device: blocks of 16 take the one-entry-per-tile path, 4 the general one.
-    out, lse = _paged_decode(q, pool.k, pool.v, tables, pool.lens(device), block_n=16)
+    out, lse = paged_decode_attention(q, pool.k, pool.v, tables, pool.lens(device), block_n=16)
     for b, bad in ((0, 1), (1, 0)):
         k, v = to_numpy(pool.k_seq[b]), to_numpy(pool.v_seq[b])
         zero = slice(bad * block_size, (bad + 1) * block_size)
@@ -330,8 +330,8 @@ def run_prefill(q_heads, kv_heads, head_dim, block_size, seqs, dtype, device, ge
     q = random_tensor((total, q_heads, head_dim), dtype, device, gen)
     cu = cu_seqlens(q_lens, device)
     out, lse = poisoned((total, q_heads, head_dim), dtype, device), poisoned((q_heads, total), torch.float32, device)
-    got = _paged_prefill(q, cu, pool.k, pool.v, pool.tables, pool.lens(device), max(q_lens), causal,
-                         out=out, lse=lse, **kwargs)
+    got = paged_prefill_attention(q, cu, pool.k, pool.v, pool.tables, pool.lens(device), max(q_lens), causal,
+                                  out=out, lse=lse, **kwargs)
     assert got[0] is out and got[1] is lse
     return q, cu, pool, out, lse
 

@@ -3,7 +3,7 @@
 (The references themselves are tested in `test_ch07_flash_decoding_reference.py`, the
 traffic counts in `test_costs.py`.)
 
-- `flash_decode_attention` / `_flash_decode` against `minillm.reference.ch07_flash_decoding` on
+- `flash_decode_attention` (and its tuning knobs) against `minillm.reference.ch07_flash_decoding` on
   Chapter 5's shuffled, NaN-poisoned pools (`minillm.testing.PagedPool`): block sizes 1, 3, 4, 8, 16, 17, 32; MHA, GQA 4
   and 8, MQA; head dims 32-128 (80 too); lengths 0, 1 and odd; 1, 2, 3, 7 splits and more
   splits than tiles (empty splits in a mixed batch). Both the final output and the
@@ -33,8 +33,8 @@ import torch
 
 from minillm.kernels.ch07_flash_decoding import (
     ASYNC_WINDOW_FP16, ASYNC_WINDOW_WIDE, CPU_NUM_SMS, MAX_SPLITS, MIN_TILES_PER_SPLIT, SPLIT_PROGRAMS_PER_SM,
-    _flash_decode, _reduce_splits, async_window, fa2_num_splits, flash_decode_attention,
-    num_sms, num_splits_heuristic, partition_splits, split_counters, split_workspace,
+    async_window, clear_workspace_cache, fa2_num_splits, flash_decode_attention, num_sms, num_splits_heuristic,
+    partition_splits, reduce_splits, split_counters, split_workspace, workspace_cache,
 )
 from minillm.kernels.ch05_paged_attention import decode_block_n, paged_decode_attention
 from minillm.paged import PAD
@@ -56,14 +56,15 @@ def reference_partials(q, pool: PagedPool, num_splits, block_n=BLOCK_N, scale=No
 
 
 def run(q, pool: PagedPool, num_splits, dtype, device, **kwargs):
-    """`_flash_decode` into NaN-poisoned output, lse and workspace (with its own arrival
+    """`flash_decode_attention` into NaN-poisoned output, lse and workspace (with its own arrival
     counters, which must be back to zero after the call); returns out, lse, (o_part, lse_part)."""
     batch, q_heads, head_dim = q.shape
     out, lse = poisoned(q.shape, dtype, device), poisoned((batch, q_heads), torch.float32, device)
     workspace = (poisoned((batch, q_heads, num_splits, head_dim), torch.float32, device),
                  poisoned((batch, q_heads, num_splits), torch.float32, device), split_counters(batch, q_heads, device))
-    got = _flash_decode(q, pool.k, pool.v, pool.tables, pool.lens(device), out=out, lse=lse, num_splits=num_splits,
-                        block_n=kwargs.pop("block_n", BLOCK_N), workspace=workspace, **kwargs)
+    got = flash_decode_attention(q, pool.k, pool.v, pool.tables, pool.lens(device), out=out, lse=lse,
+                                 num_splits=num_splits, block_n=kwargs.pop("block_n", BLOCK_N), workspace=workspace,
+                                 **kwargs)
     assert got[0] is out and got[1] is lse
     assert not workspace[2].any(), "the arrival counters must be back to zero after the call"
     return out, lse, workspace[:2]
@@ -128,8 +129,8 @@ def test_flash_decode_attention_long(q_heads, kv_heads, head_dim, block_size, se
     q = random_tensor((len(seq_lens), q_heads, head_dim), dtype, device, gen)
     want_out, want_lse = ref.merge_partials(*reference_partials(q, pool, 1, decode_block_n(head_dim, dtype))[:2])
     for phi, fused in ((None, True), (0.0, True), (None, False)):
-        out, lse = _flash_decode(q, pool.k, pool.v, pool.tables, pool.lens(device), num_splits=num_splits,
-                                 max_seq_len=max(seq_lens), phi=phi, fused_merge=fused)
+        out, lse = flash_decode_attention(q, pool.k, pool.v, pool.tables, pool.lens(device), num_splits=num_splits,
+                                          max_seq_len=max(seq_lens), phi=phi, fused_merge=fused)
         assert_close(out, want_out, dtype, f"out (phi={phi}, fused={fused})", seed)
         assert_close(lse, want_lse, dtype, f"lse (phi={phi}, fused={fused})", seed)
 
@@ -170,7 +171,7 @@ def test_invalid_blocks_read_zeros_and_lengths_are_clamped(device, gen, seed):
         pool.v[blk] = random_tensor((block_size, kv_heads, head_dim), dtype, device, gen)
     lens = torch.tensor([45, 999], dtype=torch.int32, device=device)
     q = random_tensor((2, q_heads, head_dim), dtype, device, gen)
-    out, lse = _flash_decode(q, pool.k, pool.v, tables, lens, num_splits=3, block_n=BLOCK_N)
+    out, lse = flash_decode_attention(q, pool.k, pool.v, tables, lens, num_splits=3, block_n=BLOCK_N)
 
     k_flat, v_flat = pool.k.reshape(-1, kv_heads, head_dim), pool.v.reshape(-1, kv_heads, head_dim)
     for b, (n, hole) in enumerate(((45, 3), (56, 0))):
@@ -203,8 +204,8 @@ def test_follows_strides(device, gen, seed):
     lse_buf = poisoned((q_heads, batch), torch.float32, device)
     o_ws = poisoned((splits, batch, q_heads, head_dim), torch.float32, device).permute(1, 2, 0, 3)  # FA2's layout
     l_ws = poisoned((splits, batch, q_heads), torch.float32, device).permute(1, 2, 0)
-    _flash_decode(q, k, v, tables, pool.lens(device), out=out_buf.transpose(0, 1), lse=lse_buf.t(),
-                  num_splits=splits, block_n=BLOCK_N, workspace=(o_ws, l_ws))
+    flash_decode_attention(q, k, v, tables, pool.lens(device), out=out_buf.transpose(0, 1), lse=lse_buf.t(),
+                           num_splits=splits, block_n=BLOCK_N, workspace=(o_ws, l_ws))
     want_o, want_l, _ = reference_partials(q, pool, splits)
     ref_out, ref_lse = ref.merge_partials(want_o, want_l)
     assert_close(out_buf.transpose(0, 1), ref_out, dtype, "out", seed)
@@ -344,7 +345,7 @@ def test_async_window():
 # ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("num_splits", [1, 5, 40])
 def test_reduce_kernel_alone(num_splits, device, gen, seed):
-    """`_reduce_splits` on random partials (strided: FA2's split-major layout) against
+    """`reduce_splits` on random partials (strided: FA2's split-major layout) against
     `merge_partials`: a third of the splits empty with NaN outputs (never read), one row all
     empty, logsumexps of ±1000 (no overflow)."""
     batch, q_heads, head_dim = 3, 4, 24
@@ -359,7 +360,7 @@ def test_reduce_kernel_alone(num_splits, device, gen, seed):
     o_part.masked_fill_(empty[..., None], float("nan"))
     out = poisoned((batch, q_heads, head_dim), torch.float16, device)
     lse = poisoned((batch, q_heads), torch.float32, device)
-    _reduce_splits(o_part, lse_part, out, lse)
+    reduce_splits(o_part, lse_part, out, lse)
     want_o, want_l = ref.merge_partials(to_numpy(o_part), to_numpy(lse_part))
     assert_close(out, want_o, torch.float16, "out", seed)
     assert_close(lse, want_l, torch.float32, "lse", seed)
@@ -375,14 +376,14 @@ def test_rejects_bad_inputs(device, gen):
     with pytest.raises(ValueError, match="phi"):
         flash_decode_attention(q, pool.k, pool.v, pool.tables, lens, num_splits=2, phi=float("nan"))
     with pytest.raises(ValueError, match="phi"):
-        _flash_decode(q, pool.k, pool.v, pool.tables, lens, num_splits=2,
-                      fallbacks=torch.zeros(1, 2, 2, dtype=torch.int32, device=device))
+        flash_decode_attention(q, pool.k, pool.v, pool.tables, lens, num_splits=2,
+                               fallbacks=torch.zeros(1, 2, 2, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="fallbacks"):
-        _flash_decode(q, pool.k, pool.v, pool.tables, lens, num_splits=2, phi=0.0,
-                      fallbacks=torch.zeros(1, 2, 3, dtype=torch.int32, device=device))
+        flash_decode_attention(q, pool.k, pool.v, pool.tables, lens, num_splits=2, phi=0.0,
+                               fallbacks=torch.zeros(1, 2, 3, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="workspace"):
-        _flash_decode(q, pool.k, pool.v, pool.tables, lens, num_splits=2,
-                      workspace=split_workspace(1, 4, 3, 16, device))
+        flash_decode_attention(q, pool.k, pool.v, pool.tables, lens, num_splits=2,
+                               workspace=split_workspace(1, 4, 3, 16, device))
     with pytest.raises(ValueError, match="max_seq_len"):
         flash_decode_attention(q, pool.k, pool.v, pool.tables, lens, max_seq_len=-1)
     with pytest.raises(ValueError, match="multiple"):
@@ -442,19 +443,19 @@ def test_num_splits_heuristic():
 def test_cached_workspace(dtype, device, gen, seed):
     """Without a workspace the launcher reuses one per shape (same tensors on the next call),
     and a second call on other values of that shape is still right (nothing stale)."""
-    from minillm.kernels import ch07_flash_decoding as fd
-
     pool = PagedPool([70, 33], 16, 2, 32, dtype, device, gen)
-    fd._WORKSPACES.clear()
+    clear_workspace_cache()
     for _ in range(2):
         q = random_tensor((2, 4, 32), dtype, device, gen)
-        out, _ = _flash_decode(q, pool.k, pool.v, pool.tables, pool.lens(device), num_splits=3, block_n=BLOCK_N)
+        out, _ = flash_decode_attention(q, pool.k, pool.v, pool.tables, pool.lens(device), num_splits=3,
+                                        block_n=BLOCK_N)
         want, _ = paged_decode_attention(q, pool.k, pool.v, pool.tables, pool.lens(device))
         assert_close(out, to_numpy(want), dtype, "out with the cached workspace", seed)
-    assert sorted(fd._WORKSPACES, key=str) == sorted([(q.device, 2, 4, 3, 32), ("counters", q.device, 2, 4)], key=str)
-    o_part, lse_part, counters = fd._WORKSPACES[(q.device, 2, 4, 3, 32)]
+    cache = workspace_cache()
+    assert sorted(cache, key=str) == sorted([(q.device, 2, 4, 3, 32), ("counters", q.device, 2, 4)], key=str)
+    o_part, lse_part, counters = cache[(q.device, 2, 4, 3, 32)]
     assert o_part.shape == (2, 4, 3, 32) and lse_part.shape == (2, 4, 3) and o_part.is_contiguous()
-    assert counters is fd._WORKSPACES[("counters", q.device, 2, 4)] and counters.shape == (2, 4)
+    assert counters is cache[("counters", q.device, 2, 4)] and counters.shape == (2, 4)
     assert not counters.any(), "the arrival counters must be back to zero after each call"
 
 
@@ -465,8 +466,6 @@ def test_fused_merge_equals_two_launches(phi, dtype, device, gen, seed):
     still count themselves in), GQA 3:1, an invalid block, and the asynchronized softmax with
     a KV head forced to fall back; called three times on the same buffers (the counters,
     reset by the last program, are reused) and through the cached workspace."""
-    from minillm.kernels import ch07_flash_decoding as fd
-
     skip_fp32_on_gpu(dtype, device)
     q_heads, kv_heads, head_dim, splits = 6, 2, 32, 5
     pool = PagedPool([83, 0, 7, 50], 8, kv_heads, head_dim, dtype, device, gen)
@@ -488,8 +487,9 @@ def test_fused_merge_equals_two_launches(phi, dtype, device, gen, seed):
     for fused in (True, False, True, True):
         out, lse = poisoned(q.shape, dtype, device), poisoned((4, q_heads), torch.float32, device)
         flags = torch.full((4, kv_heads, splits), -1, dtype=torch.int32, device=device) if phi is not None else None
-        _flash_decode(q, pool.k, pool.v, pool.tables, pool.lens(device), out=out, lse=lse, num_splits=splits,
-                      block_n=BLOCK_N, phi=phi, fallbacks=flags, workspace=(o_ws, l_ws, counters), fused_merge=fused)
+        flash_decode_attention(q, pool.k, pool.v, pool.tables, pool.lens(device), out=out, lse=lse,
+                               num_splits=splits, block_n=BLOCK_N, phi=phi, fallbacks=flags,
+                               workspace=(o_ws, l_ws, counters), fused_merge=fused)
         assert not counters.any(), f"counters not reset (fused={fused})"
         assert_close(out, ref_out, dtype, f"out (fused={fused})", seed)
         assert_close(lse, ref_lse, dtype, f"lse (fused={fused})", seed)
@@ -498,12 +498,12 @@ def test_fused_merge_equals_two_launches(phi, dtype, device, gen, seed):
         results[fused] = (out, lse)
     torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(results[True][1], results[False][1], rtol=1e-5, atol=1e-5)
-    fd._WORKSPACES.clear()
+    clear_workspace_cache()
     for _ in range(2):  # the cached workspace and counters
-        out, lse = _flash_decode(q, pool.k, pool.v, pool.tables, pool.lens(device), num_splits=splits,
-                                 block_n=BLOCK_N, phi=phi)
+        out, lse = flash_decode_attention(q, pool.k, pool.v, pool.tables, pool.lens(device), num_splits=splits,
+                                          block_n=BLOCK_N, phi=phi)
         assert_close(out, ref_out, dtype, "out (cached workspace)", seed)
-        assert not fd._WORKSPACES[("counters", q.device, 4, q_heads)].any()
+        assert not workspace_cache()[("counters", q.device, 4, q_heads)].any()
 
 
 def test_partition_splits_and_num_sms(device):

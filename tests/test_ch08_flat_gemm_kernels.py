@@ -412,11 +412,11 @@ def test_split_k_tickets_are_reset(kind, device, gen, seed):
     x, w, b = operands(4, 48, 200, dtype, device, gen)
     cfg = TileConfig(block_m=4 if kind == "gemv" else 16, block_n=16, block_k=32, split_k=4)
     first = KERNELS[kind](x, w, b, config=cfg)
-    plans = len(fg._PLANS)
+    plans = len(fg.plan_cache())
     for _ in range(2):
         assert torch.equal(KERNELS[kind](x, w, b, config=cfg), first)
-    assert len(fg._PLANS) == plans, "the second call reuses the plan"
-    plan = next(p for key, p in fg._PLANS.items() if key[0] == kind and key[1] == cfg and key[2:5] == (4, 48, 200))
+    assert len(fg.plan_cache()) == plans, "the second call reuses the plan"
+    plan = next(p for key, p in fg.plan_cache().items() if key[0] == kind and key[1] == cfg and key[2:5] == (4, 48, 200))
     assert plan.grid[2] == 4 and plan.partials.shape == (4, 4, 48)
     assert not plan.counters.any(), "every ticket back at zero"
     x2 = random_tensor((4, 200), dtype, device, gen)

@@ -23,7 +23,7 @@ from minillm.engine import LLMEngine, SamplingParams
 from minillm.experiments import ch09_engine_benchmark as bench
 from minillm.engine import model_runner
 from minillm.engine.engine import StepRecord
-from minillm.engine.model_runner import ModelRunner, _Graph, decode_buckets, token_buckets
+from minillm.engine.model_runner import CapturedGraph, ModelRunner, decode_buckets, token_buckets
 from minillm.engine.request import RequestMetrics
 from minillm.model import LlamaForCausalLM, ModelConfig, load_tokenizer
 from minillm.model import paged as paged_module
@@ -217,16 +217,16 @@ def test_padded_graph_steps_equal_eager(monkeypatch, device):
     in the interpreter and a replay re-runs the pass; on a GPU the graphs are real."""
     pytest.importorskip("minillm.kernels.ch07_flash_decoding")
     if device.type != "cuda":
-        monkeypatch.setattr(ModelRunner, "_can_capture", lambda self: self.cache.kernels is not None)
+        monkeypatch.setattr(ModelRunner, "can_capture", lambda self: self.cache.kernels is not None)
 
         def capture(self, batch, pool):
             fake = _ReplayByRerun(self, batch)
-            return _Graph(fake, batch, fake.logits), None
+            return CapturedGraph(fake, batch, fake.logits), None
 
-        monkeypatch.setattr(ModelRunner, "_capture", capture)
+        monkeypatch.setattr(ModelRunner, "capture", capture)
     monkeypatch.setattr(model_runner, "token_buckets", lambda n: [n])
     replayed = []
-    original_replay = ModelRunner._replay
+    original_replay = ModelRunner.replay
 
     def replay_and_check(self, graph, batch):
         """The padding contract, as the graph saw it: the step's rows first, then padding
@@ -242,7 +242,7 @@ def test_padded_graph_steps_equal_eager(monkeypatch, device):
         replayed.append((s.max_seqlen_q > 1, s.num_tokens))
         return logits
 
-    monkeypatch.setattr(ModelRunner, "_replay", replay_and_check)
+    monkeypatch.setattr(ModelRunner, "replay", replay_and_check)
     model, (tokenizer, _) = tiny_model().to(device), load_tokenizer(BUNDLED)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 4096, n).tolist() for n in (5, 20, 3)]

@@ -3,7 +3,6 @@ as "not started"; failures, errors and hints are reported as documented in docs/
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,8 @@ from minillm import grade, hints
 REPO = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted(int(m.group(1)) for p in (REPO / "tests" / "graded").glob("test_ch*.py")
                   if (m := re.match(r"test_ch(\d+)\.py", p.name)))
+# The scratch-copy tests grade only chapter 3's NumPy exercises (Triton ones run slowly on a CPU).
+NUMPY_3 = ("--only", "3.1,3.2,3.3")
 ROW = re.compile(r"^(\d+\.\d+)\s+(Python|Triton)\s+(.*?)\s+(\d+)/(\d+)\s+(PASS|FAIL|ERROR|not started)$", re.M)
 
 
@@ -79,7 +80,7 @@ def test_a_failure_is_shown_in_full_with_its_seed(scratch):
     # A classic mistake in 3.2: the old sums are not rescaled to the common max.
     where = scratch(lambda s: s.replace("w1, w2 = l1 * np.exp(m1 - m_safe), l2 * np.exp(m2 - m_safe)",
                                         "w1, w2 = l1, l2"))
-    proc, rows = run_grader(3, "exercises", "--exercises", str(where), env={"MINILLM_SEED": "1234"})
+    proc, rows = run_grader(3, "exercises", *NUMPY_3, "--exercises", str(where), env={"MINILLM_SEED": "1234"})
     status = {r[0]: r[5] for r in rows}
     assert status == {"3.1": "PASS", "3.2": "FAIL", "3.3": "FAIL"}, proc.stdout
     details = proc.stdout.split("3.2 Merging partial attention outputs — FAIL", 1)[1]
@@ -93,7 +94,7 @@ def test_a_failure_is_shown_in_full_with_its_seed(scratch):
 def test_json_report(scratch):
     where = scratch(lambda s: s.replace("w1, w2 = l1 * np.exp(m1 - m_safe), l2 * np.exp(m2 - m_safe)",
                                         "w1, w2 = l1, l2"))
-    proc, _ = run_grader(3, "exercises", "--exercises", str(where), "--json")
+    proc, _ = run_grader(3, "exercises", *NUMPY_3, "--exercises", str(where), "--json")
     assert proc.returncode == 1, proc.stderr
     report = json.loads(proc.stdout)                                   # stdout is pure JSON
     assert (report["chapter"], report["impl"], report["score"], report["total"], report["passed"]) == \
@@ -107,7 +108,7 @@ def test_json_report(scratch):
 
 
 def test_json_report_of_the_stubs():
-    proc, _ = run_grader(3, "exercises", "--json")
+    proc, _ = run_grader(3, "exercises", *NUMPY_3, "--json")
     report = json.loads(proc.stdout)
     assert [ex["status"] for ex in report["exercises"]] == ["not_started"] * 3
     assert all(re.fullmatch(r"Exercise 3\.\d+ \(\w+\): not started\. .*--hint 3\.\d+", ex["message"])
@@ -117,8 +118,8 @@ def test_json_report_of_the_stubs():
 def test_syntax_error_shows_file_line_and_caret(scratch):
     where = scratch(lambda s: s.replace("def merge_partials(", "def merge_partials((", 1))
     line = next(i for i, text in enumerate((where / "ch03.py").read_text().splitlines(), 1) if "merge_partials((" in text)
-    proc, rows = run_grader(3, "exercises", "--exercises", str(where))
-    assert rows and all(r[5] == "ERROR" for r in rows), proc.stdout
+    proc, rows = run_grader(3, "exercises", *NUMPY_3, "--exercises", str(where))
+    assert len(rows) == 3 and all(r[5] == "ERROR" for r in rows), proc.stdout
     assert f'File "{where / "ch03.py"}", line {line}' in proc.stdout
     assert re.search(r"^\s+\^+\s*$", proc.stdout, flags=re.M), proc.stdout      # the caret line
     assert "SyntaxError" in proc.stdout
@@ -126,13 +127,13 @@ def test_syntax_error_shows_file_line_and_caret(scratch):
 
 def test_import_error_and_errors_in_your_code(scratch):
     where = scratch(lambda s: s.replace("import numpy as np", "import numpy as np\nimport no_such_module_xyz", 1))
-    proc, _ = run_grader(3, "exercises", "--exercises", str(where), "--json")
+    proc, _ = run_grader(3, "exercises", "--only", "3.1,3.2", "--exercises", str(where), "--json")
     report = json.loads(proc.stdout)
     assert all(ex["status"] == "error" and "ModuleNotFoundError: No module named 'no_such_module_xyz'" in ex["message"]
                for ex in report["exercises"]), report
     # An exception raised inside the student's function: its type, and where in their file.
     where = scratch(lambda s: s.replace("    m = np.maximum(m1, m2)\n", "    m = np.maximum(m1, m2)\n    m = m[None][5]\n", 1))
-    proc, _ = run_grader(3, "exercises", "--exercises", str(where), "--json")
+    proc, _ = run_grader(3, "exercises", "--only", "3.2", "--exercises", str(where), "--json")
     merge = next(ex for ex in json.loads(proc.stdout)["exercises"] if ex["id"] == "3.2")
     assert merge["status"] == "error", merge
     assert "IndexError" in merge["message"] and "ch03.py:" in merge["message"] and "in merge_partials" in merge["message"]

@@ -11,10 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels import base as launch_mod
 from minillm.kernels.base import (
-    CPU_NUM_SMS, LN2, LOG2E, block_d, dot_precision, head_dim_offsets, launch, num_sms, online_softmax_update,
-    scale_and_window,
+    CPU_NUM_SMS, LN2, LOG2E, block_d, clear_launch_cache, dot_precision, head_dim_offsets, launch, launch_cache,
+    num_sms, online_softmax_update, scale_and_window,
 )
 
 
@@ -57,17 +56,17 @@ def test_launch_matches_reference(n, square, device, gen):
 
 @pytest.mark.gpu
 def test_cache_hits_reuse_one_binary_per_specialization():
-    launch_mod._BINARIES.clear()
+    clear_launch_cache()
     x = torch.randn(65, device="cuda")
     y = torch.randn(64, device="cuda")
     _axpy(x[:64], y, 2.0)
-    assert len(launch_mod._BINARIES) == 1
-    (binary, constexprs), = launch_mod._BINARIES.values()
+    assert len(launch_cache()) == 1
+    (binary, constexprs), = launch_cache().values()
     assert constexprs == (64, False)  # BLOCK from the call, SQUARE from its default
     _axpy(x[:64], y, 2.0)
-    assert len(launch_mod._BINARIES) == 1  # a hit
+    assert len(launch_cache()) == 1  # a hit
     out = _axpy(x[1:], y, 2.0)  # misaligned: Triton compiles another binary; so must the cache key differ
-    assert len(launch_mod._BINARIES) == 2
+    assert len(launch_cache()) == 2
     torch.testing.assert_close(out, _reference(x[1:], y, 2.0))
     b1 = launch(_axpy_kernel, (1,), x, y, torch.empty_like(y), 1, 1.0, 1, BLOCK=64)
     b16 = launch(_axpy_kernel, (1,), x, y, torch.empty_like(y), 16, 1.0, 1, BLOCK=64)

@@ -129,7 +129,7 @@ def test_generate_eos_sampling_and_gqa_fallback(monkeypatch):
     sample = [generate(model, ids, 6, greedy=False, generator=torch.Generator().manual_seed(3)) for _ in range(2)]
     assert torch.equal(*sample) and sample[0].shape == (1, 11)
     # torch < 2.5 has no SDPA enable_gqa: the fallback repeats KV heads and must agree
-    monkeypatch.setattr(torch_model, "_SDPA_GQA", False)
+    monkeypatch.setattr(torch_model, "SDPA_GQA", False)
     assert torch.equal(generate(model, ids, max_new_tokens=6), greedy)
 
 

@@ -5,7 +5,7 @@
   copy imports from any directory;
 - the editable install (the ``.venv`` of ``make``) and ``PYTHONPATH=<repo>`` without any
   install (``scripts/gpu.sh`` on the GPU machine) map the folder at import time
-  (``minillm._map_checkout_kernels``);
+  (``minillm/__init__.py``);
 - PyPI has a package named ``kernels`` that transformers imports when it is installed. With
   the repository root on ``sys.path`` (cwd = the root), the installed one must win, and
   without one, ``import kernels`` must not run our modules (the folder has no
@@ -19,7 +19,6 @@ copy of the sources (``pip wheel --no-deps --no-build-isolation --no-index``), i
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
 import os
 import shutil
@@ -130,7 +129,7 @@ def test_wheel_contents(wheel):
         assert package.replace(".", "/") + "/__init__.py" in names, package
     for name in ("minillm/__main__.py", "minillm/experiments/ch09_engine_benchmark.py",
                  "minillm/checkpoints/shakespeare/model.safetensors", "minillm/checkpoints/shakespeare/tokenizer.json",
-                 "minillm/data/shakespeare_sample.txt"):
+                 "minillm/data/shakespeare_sample.txt", "exercises/hints/1.1.md"):
         assert name in names, name
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "minillm = minillm.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -199,7 +199,7 @@ def test_gqa_fallback_without_enable_gqa(monkeypatch):
     prompt = random_tokens(7, rng)
     outs = []
     for native in (True, False):
-        monkeypatch.setattr(paged_module, "_SDPA_GQA", native)
+        monkeypatch.setattr(paged_module, "SDPA_GQA", native)
         manager, cache = BlockManager(8, 2), model.new_paged_cache(8, 2)
         manager.allocate(0, prompt)
         outs.append(run(model, manager, cache, [0], [7])[0])

@@ -215,14 +215,14 @@ class CountingTokenizer:
     """The engine's tokenizer, counting the characters it is asked to encode."""
 
     def __init__(self, tokenizer):
-        self._tokenizer, self.chars = tokenizer, []
+        self.wrapped, self.chars = tokenizer, []
 
     def encode(self, text, *args, **kwargs):
         self.chars.append(len(text))
-        return self._tokenizer.encode(text, *args, **kwargs)
+        return self.wrapped.encode(text, *args, **kwargs)
 
     def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
+        return getattr(self.wrapped, name)
 
 
 def test_huge_prompt_under_a_big_limit_is_refused_before_tokenizing():
@@ -247,7 +247,7 @@ def test_huge_prompt_under_a_big_limit_is_refused_before_tokenizing():
             r = http.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 2})
             assert r.status_code == 200
     finally:
-        engine.tokenizer = spy._tokenizer
+        engine.tokenizer = spy.wrapped
         server.should_exit = True
         thread.join(30)
 
@@ -296,9 +296,12 @@ def test_error_envelope_everywhere(live, http, monkeypatch):
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(responses.Formatter, "response", broken)
+    key = ("minillm_http_responses_total", ("method", "POST"), ("route", "/v1/completions"), ("status", "500"))
+    before = metric_values(http).get(key, 0)
     error = assert_envelope(http.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 2}), 500,
                             "server_error")
     assert "a bug" in error["message"]
+    assert metric_values(http)[key] == before + 1
     monkeypatch.undo()
     # undecodable bodies
     for raw in (b'{"prompt": "\xff\xfe", "max_tokens": 2}', b'{"prompt": "\xed\xa0\x80"}', b"\x80"):
@@ -377,27 +380,27 @@ def test_every_numeric_field_is_guarded(live, http, body, allowed):
 
 def poison_sampling(monkeypatch):
     """Make the sampling of requests with ``seed == POISON`` raise inside the engine step."""
-    original = EngineClass._advance_samples
+    original = EngineClass.advance_samples
 
     def advance(self, request, *args, **kwargs):
         if request.params.seed == POISON:
             raise RuntimeError("poisoned sampling")
         return original(self, request, *args, **kwargs)
 
-    monkeypatch.setattr(EngineClass, "_advance_samples", advance)
+    monkeypatch.setattr(EngineClass, "advance_samples", advance)
 
 
 def poison_batch(monkeypatch):
     """Make a batched part of sampling raise whenever a poisoned request is in the batch (the
     engine must then find the culprit by sampling one request at a time)."""
-    original = EngineClass._sample
+    original = EngineClass.sample
 
     def sample(self, sched, logits):
         if any(r.params.seed == POISON and r.ready_to_sample() for r in sched.requests):
             raise RuntimeError("poisoned batch")
         return original(self, sched, logits)
 
-    monkeypatch.setattr(EngineClass, "_sample", sample)
+    monkeypatch.setattr(EngineClass, "sample", sample)
 
 
 GOOD = [
@@ -453,6 +456,7 @@ def test_a_failing_request_fails_alone(live, http, monkeypatch, poison):
         assert error is None and texts == want
     for r in (whole, whole2):
         assert assert_envelope(r, 500, "server_error")["code"] == "request_failed"
+        assert r.headers["x-should-retry"] == "false"     # the openai client would not retry it
     assert stream_error["code"] == "request_failed" and stream_error["type"] == "server_error"
     assert failed_total(http) == before + 3
     deadline = time.monotonic() + 10
@@ -461,6 +465,38 @@ def test_a_failing_request_fails_alone(live, http, monkeypatch, poison):
     assert not engine.requests and engine.manager.num_used_blocks == 0, "a failed request leaked blocks"
     monkeypatch.undo()
     assert [c["text"] for c in http.post("/v1/completions", json=GOOD[0]).json()["choices"]] == solo[0]
+
+
+HOSTILE_ROWS = [
+    {"prompt": "a", "max_tokens": 4, "temperature": 1e-45},
+    {"prompt": "ROMEO:", "max_tokens": 4, "top_p": 1e-300},
+    {"prompt": PROMPT, "max_tokens": 6, "n": 2, "use_beam_search": True, "best_of": 3, "length_penalty": 400},
+    {"prompt": PROMPT, "max_tokens": 4, "repetition_penalty": 5e-324, "temperature": 1e-300},
+]
+
+
+def test_hostile_rows_beside_good_streams(live, http):
+    """The table's hostile requests, sent while good streams (greedy and seeded samples) run:
+    every good stream is exactly its solo output, every hostile request a 200."""
+    url = live[2]
+    solo = [[c["text"] for c in http.post("/v1/completions", json=g).json()["choices"]] for g in GOOD]
+    before = failed_total(http)
+
+    async def everything():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            async def hostile(body, delay):
+                await asyncio.sleep(delay)
+                return await c.post("/v1/completions", json=body)
+
+            return await asyncio.gather(*(stream_texts(c, g) for g in GOOD),
+                                        *(hostile(b, 0.03 * i) for i, b in enumerate(HOSTILE_ROWS * 2)))
+
+    results = asyncio.run(asyncio.wait_for(everything(), 120))
+    good, hostile = results[:len(GOOD)], results[len(GOOD):]
+    for (texts, error), want in zip(good, solo):
+        assert error is None and texts == want
+    assert [r.status_code for r in hostile] == [200] * len(hostile), [r.text for r in hostile if r.status_code != 200]
+    assert failed_total(http) == before
 
 
 def test_a_global_fault_ends_the_step_with_503_and_serving_goes_on(live, http, monkeypatch):

@@ -289,12 +289,12 @@ class LLMEngine:
             for request, count in zip(sched.owners, sched.num_new_tokens):
                 tokens[request.request_id] = tokens.get(request.request_id, 0) + count
         try:
-            progressed = self._sample(sched, logits)
+            progressed = self.sample(sched, logits)
         except Exception:  # a batched part raised (before any request changed): one request at a time
             progressed = []
             for request in sched.requests:
                 try:
-                    progressed += self._sample(dataclasses.replace(sched, requests=[request]), logits)
+                    progressed += self.sample(dataclasses.replace(sched, requests=[request]), logits)
                 except Exception as e:
                     self._fail(request, e)
                     progressed.append(request)
@@ -304,9 +304,10 @@ class LLMEngine:
                                          len(self.scheduler.running), self.manager.num_used_blocks, self.kv_tokens()))
         return progressed
 
-    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[Request]:
+    def sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[Request]:
         """Draw the next token of every sequence of every request whose sequences are all
-        computed, and retire what stopped."""
+        computed, and retire what stopped (the sampling phase of `step`; if it raises, `step`
+        retries one request at a time and fails only the requests that raise again)."""
         row_of = {seq.seq_id: i for i, seq in enumerate(sched.seqs)}
         ready = [r for r in sched.requests if r.ready_to_sample()]
         if not ready:
@@ -333,8 +334,8 @@ class LLMEngine:
                 if request.params.beam_search:
                     self._advance_beams(request, logprobs[view])
                 else:
-                    self._advance_samples(request, argmax[view], logits_cpu[view] if logits_cpu is not None else None,
-                                          logprobs[view] if logprobs is not None else None, now)
+                    self.advance_samples(request, argmax[view], logits_cpu[view] if logits_cpu is not None else None,
+                                         logprobs[view] if logprobs is not None else None, now)
             except Exception as e:
                 self._fail(request, e)
                 continue
@@ -381,8 +382,11 @@ class LLMEngine:
             out += [TokenLogprob(t, v, top, r) for t, v, top, r in zip(target.tolist(), chosen.tolist(), tops, ranks)]
         return out
 
-    def _advance_samples(self, request: Request, argmax: list[int], logits: torch.Tensor | None,
-                         logprobs: torch.Tensor | None, now: float) -> None:
+    def advance_samples(self, request: Request, argmax: list[int], logits: torch.Tensor | None,
+                        logprobs: torch.Tensor | None, now: float) -> None:
+        """Append the next token of each of ``request``'s sampled sequences (greedy: its row of
+        ``argmax``; else drawn from its row of ``logits``) and retire the sequences that stop.
+        Called by `sample` for one request at a time; an error fails that request alone."""
         params = request.params
         if params.n > 1 and not request.done and len(request.seqs) == 1 and not request.seqs[0].output_ids:
             self._fork_samples(request)  # the prompt is computed: every sample starts from its logits

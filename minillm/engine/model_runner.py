@@ -66,7 +66,8 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 64) -> list[int]:
 
 
 @dataclass
-class _Graph:
+class CapturedGraph:
+    """One captured step shape: the graph, the static batch it reads and the logits it writes."""
     graph: torch.cuda.CUDAGraph
     batch: PagedBatch       # views of the static buffers, at the bucket's size
     logits: torch.Tensor    # the graph's output, [bucket sequences, vocab]
@@ -81,7 +82,7 @@ class ModelRunner:
 
     def __init__(self, model, cache: PagedKVCache):
         self.model, self.cache = model, cache
-        self.graphs: dict[tuple[str, int], _Graph] = {}
+        self.graphs: dict[tuple[str, int], CapturedGraph] = {}
         self.num_replays = 0
         self.num_eager = 0
 
@@ -92,7 +93,7 @@ class ModelRunner:
             self.num_eager += 1
             return self.model.forward_paged(batch, self.cache, last_only=True)
         self.num_replays += 1
-        return self._replay(graph, batch)
+        return self.replay(graph, batch)
 
     # == capture ===================================================================================
     @property
@@ -106,7 +107,7 @@ class ModelRunner:
         ``max_model_len`` tokens, and, when ``max_num_batched_tokens`` > 0, the mixed graphs
         for steps of up to that many tokens. Returns the number of graphs (0 where graphs
         cannot run: a CPU, or the torch attention backend)."""
-        if not self._can_capture():
+        if not self.can_capture():
             return 0
         self.graphs.clear()
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
@@ -136,11 +137,12 @@ class ModelRunner:
             self._buf["seq_lens"].zero_()
             self._buf["cu_seqlens_q"].zero_()
             self.model.forward_paged(batch, self.cache, last_only=True)
-            self.graphs[(kind, bucket)], pool = self._capture(batch, pool)
+            self.graphs[(kind, bucket)], pool = self.capture(batch, pool)
         self._keep_alive = _reused_kernel_buffers()
         return len(self.graphs)
 
-    def _can_capture(self) -> bool:
+    def can_capture(self) -> bool:
+        """Whether graphs can run here: a CUDA pool and the Triton attention kernels."""
         return self.cache.pool.is_cuda and self.cache.kernels is not None
 
     def _static_batch(self, kind: str, bucket: int) -> PagedBatch:
@@ -151,17 +153,17 @@ class ModelRunner:
                           cu[:seqs + 1], b["seq_lens"][:seqs], b["block_tables"][:seqs],
                           max_seqlen_q=1 if kind == "decode" else bucket, max_seq_len=self.max_model_len)
 
-    def _capture(self, batch: PagedBatch, pool) -> tuple[_Graph, tuple]:
+    def capture(self, batch: PagedBatch, pool) -> tuple[CapturedGraph, tuple]:
         """Record one forward pass over the static ``batch``; returns the graph and the
         memory pool (shared by every graph of the runner)."""
         torch.cuda.synchronize(self.cache.pool.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits = self.model.forward_paged(batch, self.cache, last_only=True)
-        return _Graph(graph, batch, logits), graph.pool()
+        return CapturedGraph(graph, batch, logits), graph.pool()
 
     # == replay ====================================================================================
-    def _graph_for(self, batch: PagedBatch) -> _Graph | None:
+    def _graph_for(self, batch: PagedBatch) -> CapturedGraph | None:
         """The smallest graph the step fits, or ``None`` (run it eagerly)."""
         B, n = batch.batch_size, batch.num_tokens
         if B > self.max_num_seqs or batch.block_tables.shape[1] > self.max_blocks:
@@ -175,7 +177,7 @@ class ModelRunner:
                 best = (bucket, graph)
         return best[1] if best else None
 
-    def _replay(self, graph: _Graph, batch: PagedBatch) -> torch.Tensor:
+    def replay(self, graph: CapturedGraph, batch: PagedBatch) -> torch.Tensor:
         """Copy the step into the graph's static buffers, pad the rest, replay; returns the
         first ``batch_size`` rows of the graph's logits (valid until the next replay)."""
         s, n, B = graph.batch, batch.num_tokens, batch.batch_size
@@ -207,7 +209,7 @@ def _reused_kernel_buffers() -> list:
     the graphs captured their addresses, so the runner holds a reference to each, lest the
     kernel module's cache drop one and its memory go to another tensor."""
     try:
-        from minillm.kernels.ch07_flash_decoding import _WORKSPACES
+        from minillm.kernels.ch07_flash_decoding import workspace_cache
     except ImportError:
         return []
-    return list(_WORKSPACES.values())
+    return list(workspace_cache().values())

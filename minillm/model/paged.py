@@ -47,8 +47,9 @@ from minillm.paged import BlockManager, blocks_for, copy_blocks, padded_block_ta
 
 __all__ = ["PagedBatch", "PagedKVCache", "paged_attention", "paged_attention_torch", "write_kv"]
 
-# SDPA grew native GQA (`enable_gqa`) in torch 2.5; before that we repeat the KV heads.
-_SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+#: Whether SDPA has native GQA (`enable_gqa`, torch >= 2.5); before that the torch attention
+#: paths (here and in `minillm.model.torch_model`) repeat the KV heads.
+SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 BACKENDS = ("auto", "torch", "triton")
 
@@ -322,7 +323,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         mask = torch.arange(S, device=q.device)[None, :] <= torch.arange(S - T, S, device=q.device)[:, None]
     group = q.shape[0] // k.shape[0]
     gqa = {}
-    if group > 1 and _SDPA_GQA:
+    if group > 1 and SDPA_GQA:
         gqa = {"enable_gqa": True}
     elif group > 1:
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)

@@ -25,10 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillm.model.config import ModelConfig
-from minillm.model.paged import PagedBatch, PagedKVCache, paged_attention, write_kv
-
-# SDPA grew native GQA (`enable_gqa`) in torch 2.5; before that we repeat the KV heads.
-_SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+from minillm.model.paged import SDPA_GQA, PagedBatch, PagedKVCache, paged_attention, write_kv
 
 
 @functools.cache
@@ -151,9 +148,9 @@ class Attention(nn.Module):
         elif T > 1:
             q_pos = torch.arange(S - T, S, device=x.device)[:, None]
             mask = torch.arange(S, device=x.device)[None, :] <= q_pos                     # [T, S]
-        if c.gqa_group > 1 and not _SDPA_GQA:
+        if c.gqa_group > 1 and not SDPA_GQA:
             k, v = (t.repeat_interleave(c.gqa_group, dim=1) for t in (k, v))
-        gqa = {"enable_gqa": True} if c.gqa_group > 1 and _SDPA_GQA else {}
+        gqa = {"enable_gqa": True} if c.gqa_group > 1 and SDPA_GQA else {}
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                              scale=c.head_dim ** -0.5, **gqa)                # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))

@@ -3,8 +3,10 @@
     minillm serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed with ``"stream":
-true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). Any OpenAI client
-works, e.g. ``OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")``.
+true``), ``GET /v1/models``, vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /version``,
+``GET /health``, ``GET /metrics`` (Prometheus, minillm's and vLLM's names). Any OpenAI client
+works, e.g. ``OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")``. ``docs/server.md``
+lists every endpoint and request field.
 
 The modules, in the order a request meets them:
 
@@ -16,7 +18,10 @@ The modules, in the order a request meets them:
   queue per request out.
 - `minillm.server.responses`: engine outputs as OpenAI response bodies and stream chunks.
 - `minillm.server.metrics`: ``/metrics``.
-- `minillm.server.launch`: ``minillm serve``.
+- `minillm.server.errors`, `minillm.server.middleware`, `minillm.server.tokens`: the error
+  envelope, the body-size limit and response counts, the free prompt-length bound.
+- `minillm.server.launch`, `minillm.server.shutdown`: ``minillm serve`` and its graceful
+  shutdown.
 """
 from minillm.server.app import create_app
 from minillm.server.launch import serve

@@ -52,7 +52,7 @@ from minillm.engine.config import InvalidRequest
 from minillm.engine.engine import LLMEngine
 from minillm.model.loader import render_chat
 from minillm.server.async_engine import AsyncEngine, RequestStream
-from minillm.server.errors import EngineError, ErrorResponse, ServiceUnavailable, envelope, finite
+from minillm.server.errors import EngineError, ErrorResponse, envelope, finite
 from minillm.server.metrics import CONTENT_TYPE_LATEST, Metrics
 from minillm.server.multi_prompt import MultiStream
 from minillm.server.middleware import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, CountResponses
@@ -248,10 +248,13 @@ def create_app(engine: LLMEngine, api_key: str | None = None, *,
         """vLLM's ``/detokenize``: the text of token ids."""
         check_model(body.model)
         vocab = engine.model_config.vocab_size
-        if not all(t < vocab for t in body.tokens):
-            raise InvalidRequest(f"token ids must lie in [0, {vocab})", param="tokens")
-        text = await runner.run_in_pool(engine.tokenizer.decode, body.tokens)
-        return DetokenizeResponse(prompt=text)
+
+        def decode(tokens: list[int]) -> str:   # in the pool: a long list takes a while
+            if not all(t < vocab for t in tokens):
+                raise InvalidRequest(f"token ids must lie in [0, {vocab})", param="tokens")
+            return engine.tokenizer.decode(tokens)
+
+        return DetokenizeResponse(prompt=await runner.run_in_pool(decode, body.tokens))
 
     @app.get("/version")
     async def version():
@@ -339,11 +342,16 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineError)
     async def engine_error(request, exc: EngineError):
-        headers = {"Retry-After": "1"} if exc.status == 503 else None
+        # 503: retry later; a request that failed on its own would fail again (the openai client
+        # honours x-should-retry)
+        headers = {"Retry-After": "1"} if exc.status == 503 else {"x-should-retry": "false"}
         return APIError(exc.status, exc.message, type=exc.type, param=exc.param, code=exc.code).response(headers)
 
     @app.exception_handler(Exception)
     async def any_error(request, exc: Exception):  # a bug: still the envelope, never a plain-text 500
+        # Starlette answers this one outside the middlewares, so it is counted here.
+        route = getattr(request.scope.get("route"), "path", None) or "other"
+        request.app.state.metrics.count_response(request.method, route, 500)
         return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error").response()
 
     @app.exception_handler(RequestValidationError)

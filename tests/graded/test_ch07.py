@@ -8,13 +8,18 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from minillm.kernels.ch07_flash_decoding import fa2_num_splits as fa2_reference
 from minillm.reference import ch07_flash_decoding as ref
+from minillm.testing import assert_close, kernel_dtypes, to_numpy
 
 merge_ex = pytest.mark.exercise(id="7.1", title="Merging the splits by their log-sum-exp", points=2)
 fa2_ex = pytest.mark.exercise(id="7.2", title="FlashAttention-2's number of splits", points=2)
 split_ex = pytest.mark.exercise(id="7.3", title="One split's online softmax, tile by tile", points=3)
+split_kernel_ex = pytest.mark.exercise(id="7.4", title="The split kernel: partials of one split per program",
+                                       points=3, kind="triton")
+merge_kernel_ex = pytest.mark.exercise(id="7.5", title="The merge kernel", points=2, kind="triton")
 
 
 # --- 7.1 -------------------------------------------------------------------------------------
@@ -205,3 +210,121 @@ def test_split_with_huge_scores_and_a_ragged_tile(impl, seed):
     np.testing.assert_allclose(o, want_o, rtol=1e-10, atol=1e-12, err_msg=f"seed={seed}")
     np.testing.assert_allclose(lse, want_l, rtol=1e-12, atol=1e-12, err_msg=f"seed={seed}")
     assert k_rec.reads == [(16, 32), (32, 35)], f"tiles [16, 32) and [32, 35), read {k_rec.reads}"
+
+
+# --- 7.4 and 7.5: the Triton kernels -------------------------------------------------------------
+
+def pick_dtype(device, seed):
+    dtypes = kernel_dtypes(device)
+    return dtypes[seed % len(dtypes)]
+
+
+def decode_case(rng, seq_lens, q_heads, kv_heads, head_dim, dtype, device, max_len=None, q_scale=1.0):
+    """``q [batch, q_heads, D]`` and a cache ``k, v [batch, kv_heads, max_len, D]`` whose slots
+    past each sequence's length are NaN (reading them, even with weight 0, gives NaN)."""
+    batch = len(seq_lens)
+    max_len = max_len or max(max(seq_lens), 1) + 5
+    k = rng.standard_normal((batch, kv_heads, max_len, head_dim))
+    v = rng.standard_normal((batch, kv_heads, max_len, head_dim))
+    for b, n in enumerate(seq_lens):
+        k[b, :, n:] = np.nan
+        v[b, :, n:] = np.nan
+    as_t = lambda a: torch.from_numpy(a).to(device=device, dtype=dtype)  # noqa: E731
+    q = as_t(q_scale * rng.standard_normal((batch, q_heads, head_dim)))
+    return q, as_t(k), as_t(v), torch.tensor(seq_lens, dtype=torch.int32, device=device)
+
+
+def reference_partials(q, k, v, seq_lens, num_splits, block_n, scale=None):
+    q, k, v = to_numpy(q), to_numpy(k), to_numpy(v)
+    batch, q_heads, head_dim = q.shape
+    o = np.zeros((batch, q_heads, num_splits, head_dim))
+    lse = np.full((batch, q_heads, num_splits), -np.inf)
+    for b, n in enumerate(seq_lens):
+        o[b], lse[b] = ref.split_partials(q[b], k[b, :, :n], v[b, :, :n], ref.split_bounds(n, num_splits, block_n),
+                                          scale)
+    return o, lse
+
+
+@split_kernel_ex
+@pytest.mark.parametrize("seq_lens,q_heads,kv_heads,head_dim,num_splits", [
+    ([37, 100], 4, 4, 16, 3),           # MHA; ragged last tiles
+    ([50, 1, 16], 8, 2, 32, 4),         # GQA 4:1; a one-key sequence (three empty splits)
+    ([70, 0], 6, 2, 16, 5),             # GQA 3:1; an empty sequence
+    ([20], 8, 1, 16, 4),                # MQA; 2 tiles over 4 splits: two empty splits
+    ([45, 33], 4, 2, 64, 1),            # one split: the whole sequence
+])
+def test_split_kernel(impl, seq_lens, q_heads, kv_heads, head_dim, num_splits, device, seed):
+    rng = np.random.default_rng(seed)
+    dtype = pick_dtype(device, seed)
+    q, k, v, lens = decode_case(rng, seq_lens, q_heads, kv_heads, head_dim, dtype, device)
+    o, lse = impl.flash_decode_split(q, k, v, lens, num_splits, block_n=16)
+    want_o, want_lse = reference_partials(q, k, v, seq_lens, num_splits, 16)
+    what = f"seq_lens={seq_lens} q_heads={q_heads} kv_heads={kv_heads} num_splits={num_splits}"
+    assert o.shape == want_o.shape and lse.shape == want_lse.shape, what
+    assert not torch.isnan(o).any(), f"NaN in o: a slot past the length was read, or an empty split divided 0/0 ({what})"
+    assert_close(o, want_o, dtype, f"o_part ({what})", seed)
+    assert_close(lse, want_lse, dtype, f"lse_part ({what})", seed)
+
+
+@split_kernel_ex
+def test_split_kernel_large_scores_and_scale(impl, device, seed):
+    """Scores in the hundreds and a scale: the running max must be subtracted; the merged
+    partials equal attention over all keys."""
+    rng = np.random.default_rng(seed)
+    q, k, v, lens = decode_case(rng, [61, 29], 8, 2, 16, torch.float32, device, q_scale=20.0)
+    o, lse = impl.flash_decode_split(q, k, v, lens, 3, block_n=16, scale=0.8)
+    want_o, want_lse = reference_partials(q, k, v, [61, 29], 3, 16, scale=0.8)
+    assert_close(o, want_o, torch.float32, "o_part (large scores, scale=0.8)", seed)
+    assert_close(lse, want_lse, torch.float32, "lse_part (large scores, scale=0.8)", seed, rtol=1e-5)
+
+
+@merge_kernel_ex
+@pytest.mark.parametrize("lead,num_splits,head_dim", [((2, 4), 3, 16), ((3, 8), 5, 32), ((1, 2), 1, 16),
+                                                       ((2, 3), 13, 64), ((4,), 7, 8)])
+def test_merge_kernel(impl, lead, num_splits, head_dim, device, seed):
+    """Random partials with empty splits (lse -inf, o NaN) and rows with every split empty."""
+    rng = np.random.default_rng(seed)
+    o, lse = random_partials(rng, lead, num_splits, head_dim)
+    lse.reshape(-1, num_splits)[0] = -np.inf                           # one row: every split empty
+    o.reshape(-1, num_splits, head_dim)[0] = np.nan
+    want_out, want_lse = ref.merge_partials(o, lse)
+    o_t = torch.from_numpy(o).to(device=device, dtype=torch.float32)
+    lse_t = torch.from_numpy(lse).to(device=device, dtype=torch.float32)
+    out, got_lse = impl.merge_partials(o_t, lse_t)
+    what = f"lead={lead} num_splits={num_splits} head_dim={head_dim}"
+    assert out.shape == (*lead, head_dim) and got_lse.shape == lead, what
+    assert not torch.isnan(out).any(), f"NaN: an empty split's o (NaN) was multiplied in, or 0/0 ({what})"
+    assert_close(out, want_out, torch.float32, f"out ({what})", seed)
+    assert_close(got_lse, want_lse, torch.float32, f"lse ({what})", seed)
+
+
+@merge_kernel_ex
+def test_merge_kernel_huge_lse_and_out_dtype(impl, device, seed):
+    """lse values of ±1000 (subtract the max, or e^1000 overflows) and an fp16 output."""
+    rng = np.random.default_rng(seed)
+    o, lse = random_partials(rng, (2, 3), 6, 16)
+    for shift in (1000.0, -1000.0):
+        want_out, want_lse = ref.merge_partials(o, lse + shift)
+        out, got_lse = impl.merge_partials(torch.from_numpy(o).float().to(device),
+                                           torch.from_numpy(lse + shift).float().to(device), out_dtype=torch.float16)
+        assert out.dtype == torch.float16
+        assert_close(out, want_out, torch.float16, f"out (lse shifted by {shift})", seed)
+        assert_close(got_lse, want_lse, torch.float32, f"lse (shifted by {shift})", seed)
+
+
+@split_kernel_ex
+def test_split_then_merge_is_attention(impl, device, seed):
+    """The kernel's partials, merged (by the reference), give attention over all the keys,
+    for any number of splits."""
+    rng = np.random.default_rng(seed)
+    dtype = pick_dtype(device, seed)
+    q, k, v, lens = decode_case(rng, [83, 40, 7], 8, 2, 32, dtype, device)
+    for num_splits in (2, 4, 7):
+        o, lse = impl.flash_decode_split(q, k, v, lens, num_splits, block_n=16)
+        out, got_lse = ref.merge_partials(to_numpy(o), to_numpy(lse))
+        for b, n in enumerate([83, 40, 7]):
+            kb, vb = to_numpy(k)[b, :, :n], to_numpy(v)[b, :, :n]
+            want_o, want_lse = ref.merge_partials(*ref.split_partials(to_numpy(q)[b], kb, vb, [(0, n)]))
+            what = f"sequence {b} (length {n}), {num_splits} splits"
+            assert_close(torch.from_numpy(out[b]), want_o, dtype, what, seed)
+            assert_close(torch.from_numpy(got_lse[b]), want_lse, dtype, f"lse of {what}", seed)

@@ -8,13 +8,17 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from minillm.kernels.ch08_flat_gemm import find_inflection_points as kernels_find_inflection_points
 from minillm.reference import ch08_flat_gemm as ref
+from minillm.testing import assert_close, kernel_dtypes, to_numpy
 
 gemv_ex = pytest.mark.exercise(id="8.1", title="The GEMV reduction, tile by tile", points=3)
 inflection_ex = pytest.mark.exercise(id="8.2", title="Inflection points from a sweep", points=3)
 tile_ex = pytest.mark.exercise(id="8.3", title="One flat-GEMM tile: padding and split-K", points=4)
+gemv_kernel_ex = pytest.mark.exercise(id="8.4", title="The GEMV kernel", points=2, kind="triton")
+flat_kernel_ex = pytest.mark.exercise(id="8.5", title="The flat GEMM kernel with split-K", points=3, kind="triton")
 
 
 # --- 8.1 -------------------------------------------------------------------------------------
@@ -225,3 +229,67 @@ def test_empty_runs_and_a_single_row(impl, seed):
     x, w = rng.standard_normal((1, 40)), rng.standard_normal((20, 40))
     out = check_tile(impl, x, w, 0, 0, 16, 32, 16, 4, f"M=1 N=20 K=40 split_k=4, seed {seed}")
     assert not np.isnan(out).any()
+
+
+# --- 8.4 and 8.5: the Triton kernels -------------------------------------------------------------
+
+def pick_dtype(device, seed):
+    dtypes = kernel_dtypes(device)
+    return dtypes[seed % len(dtypes)]
+
+
+def linear_case(rng, M, N, K, dtype, device):
+    as_t = lambda a: torch.from_numpy(a).to(device=device, dtype=dtype)  # noqa: E731
+    return as_t(rng.standard_normal((M, K))), as_t(rng.standard_normal((N, K)))
+
+
+def check_linear(y, x, w, dtype, what, seed):
+    """``y`` against ``x @ w.T`` in float64 on the (rounded) inputs. The kernels add K
+    products in float32, so the tolerance grows with ``sqrt(K)``."""
+    assert y.shape == (x.shape[0], w.shape[0]) and y.dtype == torch.float32, f"y must be [M, N] float32: {what}"
+    K = x.shape[1]
+    atol, rtol = {torch.float32: (1e-5, 1e-5)}.get(dtype, (1e-4, 1e-4))
+    assert_close(y, ref.linear(to_numpy(x), to_numpy(w)), dtype, f"y ({what})", seed,
+                 atol=atol * math.sqrt(K), rtol=rtol)
+
+
+@gemv_kernel_ex
+@pytest.mark.parametrize("M,N,K,block_n,block_k", [
+    (1, 37, 70, 16, 32),         # one row: the decode step of one sequence
+    (3, 100, 129, 16, 32),       # ragged N and K tiles
+    (5, 16, 64, 16, 64),         # exact tiles
+    (16, 45, 33, 32, 16),
+])
+def test_gemv_kernel(impl, M, N, K, block_n, block_k, device, seed):
+    rng = np.random.default_rng(seed)
+    dtype = pick_dtype(device, seed)
+    x, w = linear_case(rng, M, N, K, dtype, device)
+    y = impl.gemv(x, w, block_n=block_n, block_k=block_k)
+    check_linear(y, x, w, dtype, f"M={M} N={N} K={K} block_n={block_n} block_k={block_k}", seed)
+
+
+@flat_kernel_ex
+@pytest.mark.parametrize("M,N,K,split_k,block_n,block_k", [
+    (1, 37, 70, 1, 32, 32),      # one row: 15 padding rows in the 16-row tile
+    (5, 50, 129, 2, 32, 32),     # 5 K tiles over 2 slices: 3 + 2
+    (16, 33, 70, 5, 16, 32),     # 3 K tiles over 5 slices: two slices empty
+    (20, 64, 96, 3, 32, 32),     # two M tiles (the second 4 rows); 3 slices of one tile
+    (3, 40, 200, 4, 16, 16),
+])
+def test_flat_gemm_kernel(impl, M, N, K, split_k, block_n, block_k, device, seed):
+    rng = np.random.default_rng(seed)
+    dtype = pick_dtype(device, seed)
+    x, w = linear_case(rng, M, N, K, dtype, device)
+    y = impl.flat_gemm(x, w, split_k=split_k, block_n=block_n, block_k=block_k)
+    check_linear(y, x, w, dtype, f"M={M} N={N} K={K} split_k={split_k} block_n={block_n} block_k={block_k}", seed)
+
+
+@flat_kernel_ex
+def test_flat_gemm_kernel_split_k_does_not_change_the_product(impl, device, seed):
+    """Every split of K gives the same product (to float32 rounding): each slice's partial sum
+    must be added, once, and the slices must cover K exactly."""
+    rng = np.random.default_rng(seed)
+    x, w = linear_case(rng, 4, 24, 160, torch.float32, device)
+    ys = [impl.flat_gemm(x, w, split_k=s, block_n=16, block_k=16) for s in (1, 2, 3, 7, 10, 12)]
+    for s, y in zip((1, 2, 3, 7, 10, 12), ys):
+        check_linear(y, x, w, torch.float32, f"split_k={s}, K=160, block_k=16", seed)
