@@ -61,9 +61,7 @@ from minillm.kernels.ch03_online_softmax import MAX_ONE_TILE, online_softmax
 from minillm.kernels.ch03_online_softmax import FA1_BLOCK_N as ATTN_BLOCK_N
 from minillm.kernels.ch03_online_softmax import tiled_attention
 
-from bench.common import (
-    Results, attempt, cuda_device, dtype_name, fraction, free_memory, rel_err, sweep_start, time_ms,
-)
+from bench.common import Results, attempt, cuda_device, dtype_name, fraction, free_memory, rel_err, sweep_start
 
 BENCHMARK = "ch03_online_softmax"
 ROWS = 4096

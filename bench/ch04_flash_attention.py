@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from minillm.costs import nominal_attention_flops
 from minillm.kernels.ch04_flash_attention import Packing, flash_attention, use_tma
 
-from bench.common import Results, attempt, cuda_device, dtype_name, free_memory, rel_err, sweep_start, time_ms
+from bench.common import Results, attempt, cuda_device, dtype_name, free_memory, rel_err, sweep_start
 
 BENCHMARK = "ch04_flash_attention"
 TOKENS = 16384

@@ -70,7 +70,7 @@ from minillm.kernels.ch05_paged_attention import (
 
 from bench.common import (
     Results, attempt, cuda_device, decode_error, dtype_name, fraction, free_memory, rel_err, shuffled_tables,
-    sweep_start, time_ms,
+    sweep_start,
 )
 
 BENCHMARK = "ch05_paged_attention"

@@ -87,7 +87,7 @@ from minillm.kernels.ch05_paged_attention import decode_block_n, paged_decode_at
 
 from bench.common import (
     Results, attempt, contiguous_cache, cuda_device, decode_error, dtype_name, fraction, free_memory, graph_time_ms,
-    paged_cache, rel_err, sweep_start, time_ms, time_sdpa,
+    paged_cache, rel_err, sweep_start, time_sdpa,
 )
 
 BENCHMARK = "ch07_flash_decoding"

@@ -83,7 +83,6 @@ from minillm.engine.gemm_table import load_table, save_table, table_path
 
 from bench.common import (
     GRAPH_REPEATS, Results, cuda_device, dtype_name, fraction, free_memory, graph_time_ms, rel_err, sweep_start,
-    time_ms,
 )
 
 BENCHMARK = "ch08_flat_gemm"

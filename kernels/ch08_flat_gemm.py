@@ -70,7 +70,7 @@ the order in which programs finish (not reproducible run to run). The partials c
 **Host overhead.** A decode GEMM of Llama-2-7B runs 10-40 µs on an H200: a Python launcher
 that is slower than that shows in an eager loop. Everything that depends only on the call's
 shapes (tile, split, grid, meta-parameters, split-K workspace) is computed once and cached
-(`pick_config`'s answers, `_PLANS`), so a call is a look-up, the operand checks and one
+(`pick_config`'s answers, `plan_cache`), so a call is a look-up, the operand checks and one
 Triton launch, with no allocation after the first (the output aside, when not given). A
 CUDA graph removes even that: the benchmark reports both timings.
 

@@ -924,3 +924,139 @@ def kv_block_bytes(num_layers: int, kv_heads: int, head_dim: int, block_size: in
     """Bytes of one block id of the engine's KV pool: its ``block_size`` rows of K and of V in
     every layer (`kv_cache_bytes` of ``block_size`` tokens)."""
     return kv_cache_bytes(block_size, kv_heads, head_dim, dtype_bytes, layers=num_layers)
+
+
+# --------------------------------------------------------------------------- Chapter 12: multi-head latent attention
+# KV-cache bytes per token and per layer of the four ways to cache attention's keys and values
+# (``dtype_bytes`` per element). MHA caches a key and a value per head, GQA per KV head, MQA
+# one pair; MLA (DeepSeek-V2) caches one latent vector of ``kv_lora_rank`` plus the shared
+# rotary key of ``qk_rope_head_dim``, from which every head's key and value are recomputed
+# (or, in the absorbed form, attended over directly).
+def mha_kv_bytes_per_token(heads: int, head_dim: int, dtype_bytes: int = 2, v_head_dim: int | None = None) -> int:
+    """MHA: ``heads · (d_k + d_v) · dtype_bytes`` (``v_head_dim`` defaults to ``head_dim``)."""
+    return heads * (head_dim + (head_dim if v_head_dim is None else v_head_dim)) * dtype_bytes
+
+
+def gqa_kv_bytes_per_token(kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
+    """GQA: ``2 · H_kv · d · dtype_bytes``."""
+    return 2 * kv_heads * head_dim * dtype_bytes
+
+
+def mqa_kv_bytes_per_token(head_dim: int, dtype_bytes: int = 2) -> int:
+    """MQA: one key and one value, ``2 · d · dtype_bytes``."""
+    return 2 * head_dim * dtype_bytes
+
+
+def mla_kv_bytes_per_token(kv_lora_rank: int, qk_rope_head_dim: int, dtype_bytes: int = 2) -> int:
+    """MLA: ``(d_c + d_R) · dtype_bytes``, the latent and the decoupled rotary key, whatever the
+    number of heads (1152 bytes in bf16 for DeepSeek-V2/V3's 512 + 64)."""
+    return (kv_lora_rank + qk_rope_head_dim) * dtype_bytes
+
+
+def mla_equivalent_gqa_groups(kv_lora_rank: int, qk_rope_head_dim: int, head_dim: int) -> float:
+    """The number of GQA groups (KV heads of ``head_dim``) that cache as many elements per
+    token as MLA: ``(d_c + d_R) / (2 d)``; DeepSeek-V2's paper: 2.25 for 512 + 64 and d = 128."""
+    return (kv_lora_rank + qk_rope_head_dim) / (2 * head_dim)
+
+
+@dataclass(frozen=True)
+class AttentionCacheShape:
+    """What a model's attention caches, from its public ``config.json``: ``kind`` is ``"MHA"``,
+    ``"GQA"``, ``"MQA"`` or ``"MLA"``; ``head_dim`` is the query/key width per head
+    (``qk_nope_head_dim + qk_rope_head_dim`` for MLA) and ``v_head_dim`` the value width."""
+    name: str
+    kind: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+
+    def kv_bytes_per_token_layer(self, dtype_bytes: int = 2) -> int:
+        """KV-cache bytes per token in one layer."""
+        if self.kind == "MLA":
+            return mla_kv_bytes_per_token(self.kv_lora_rank, self.qk_rope_head_dim, dtype_bytes)
+        return self.kv_heads * (self.head_dim + self.v_head_dim) * dtype_bytes
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """KV-cache bytes per token, all layers."""
+        return self.layers * self.kv_bytes_per_token_layer(dtype_bytes)
+
+    def mha_bytes_per_token_layer(self, dtype_bytes: int = 2) -> int:
+        """What the same heads would cache as MHA (every head its own key and value)."""
+        return mha_kv_bytes_per_token(self.heads, self.head_dim, dtype_bytes, self.v_head_dim)
+
+
+# Values from each model's public Hugging Face config.json.
+LLAMA2_7B_CACHE = AttentionCacheShape("Llama-2-7B", "MHA", layers=32, heads=32, kv_heads=32, head_dim=128,
+                                      v_head_dim=128)
+LLAMA3_8B_CACHE = AttentionCacheShape("Llama-3-8B", "GQA", layers=32, heads=32, kv_heads=8, head_dim=128,
+                                      v_head_dim=128)
+#: deepseek-ai/DeepSeek-V2-Lite: 27 layers, 16 heads, kv_lora_rank 512, qk_rope_head_dim 64,
+#: qk_nope_head_dim 128, v_head_dim 128, q_lora_rank null (hidden 2048).
+DEEPSEEK_V2_LITE_CACHE = AttentionCacheShape("DeepSeek-V2-Lite", "MLA", layers=27, heads=16, kv_heads=1,
+                                             head_dim=192, v_head_dim=128, kv_lora_rank=512, qk_rope_head_dim=64)
+#: deepseek-ai/DeepSeek-V3: 61 layers, 128 heads, kv_lora_rank 512, qk_rope_head_dim 64,
+#: qk_nope_head_dim 128, v_head_dim 128, q_lora_rank 1536 (hidden 7168).
+DEEPSEEK_V3_CACHE = AttentionCacheShape("DeepSeek-V3", "MLA", layers=61, heads=128, kv_heads=1, head_dim=192,
+                                        v_head_dim=128, kv_lora_rank=512, qk_rope_head_dim=64)
+MLA_TABLE_SHAPES = (LLAMA2_7B_CACHE, LLAMA3_8B_CACHE, DEEPSEEK_V2_LITE_CACHE, DEEPSEEK_V3_CACHE)
+
+
+def mla_kv_table(shapes: Iterable[AttentionCacheShape] = MLA_TABLE_SHAPES, dtype_bytes: int = 2,
+                 context: int = 32768) -> list[dict]:
+    """One row per model: ``name``, ``kind``, ``layers``, ``heads``, ``bytes_per_token_layer``,
+    ``bytes_per_token`` (all layers), ``mha_bytes_per_token_layer`` (the same heads as MHA),
+    ``vs_mha`` (the fraction of that), and ``gib_per_sequence`` (one sequence of ``context``
+    tokens, all layers)."""
+    rows = []
+    for s in shapes:
+        per_layer = s.kv_bytes_per_token_layer(dtype_bytes)
+        rows.append({"name": s.name, "kind": s.kind, "layers": s.layers, "heads": s.heads,
+                     "bytes_per_token_layer": per_layer, "bytes_per_token": s.kv_bytes_per_token(dtype_bytes),
+                     "mha_bytes_per_token_layer": s.mha_bytes_per_token_layer(dtype_bytes),
+                     "vs_mha": per_layer / s.mha_bytes_per_token_layer(dtype_bytes),
+                     "gib_per_sequence": context * s.kv_bytes_per_token(dtype_bytes) / 2**30})
+    return rows
+
+
+def mla_decode_bytes(seq_lens, heads: int, kv_lora_rank: int, qk_rope_head_dim: int, elem_bytes: int) -> int:
+    """HBM bytes one absorbed MLA decode call (`minillm.kernels.ch12_mla.mla_decode_attention`)
+    moves at least: every sequence's latent rows once (``(d_c + d_R)`` elements a token, shared
+    by all heads), the absorbed queries ``[B, H, d_c + d_R]`` and the latent outputs
+    ``[B, H, d_c]``, plus the fp32 lse ``[B, H]``."""
+    lens = [int(n) for n in seq_lens]
+    width = kv_lora_rank + qk_rope_head_dim
+    return (sum(lens) * width * elem_bytes + len(lens) * heads * (width + kv_lora_rank) * elem_bytes
+            + len(lens) * heads * 4)
+
+
+def mla_decode_flops(seq_lens, heads: int, kv_lora_rank: int, qk_rope_head_dim: int) -> int:
+    """FLOPs of absorbed MLA decode attention: per (head, key) ``2 (d_c + d_R)`` for the score
+    and ``2 d_c`` for ``P·V`` over the latent."""
+    return sum(int(n) for n in seq_lens) * heads * 2 * (2 * kv_lora_rank + qk_rope_head_dim)
+
+
+def mla_naive_decode_bytes(seq_lens, heads: int, qk_head_dim: int, v_head_dim: int, elem_bytes: int) -> int:
+    """HBM bytes of decode attention over the *decompressed* K/V of the same tokens (what the
+    naive form reads if the decompressed keys and values were cached): ``H · (d_qk + d_v)``
+    elements per token, plus queries and outputs."""
+    lens = [int(n) for n in seq_lens]
+    return (sum(lens) * heads * (qk_head_dim + v_head_dim) * elem_bytes
+            + len(lens) * heads * (qk_head_dim + v_head_dim) * elem_bytes)
+
+
+def mla_kv_block_bytes(num_layers: int, latent_dim: int, block_size: int, dtype_bytes: int) -> int:
+    """Bytes of one block id of an MLA model's paged pool: ``block_size`` latent rows of
+    ``latent_dim = d_c + d_R`` in every layer (no separate V)."""
+    return num_layers * block_size * latent_dim * dtype_bytes
+
+
+__all__ += [  # Chapter 12
+    "mha_kv_bytes_per_token", "gqa_kv_bytes_per_token", "mqa_kv_bytes_per_token", "mla_kv_bytes_per_token",
+    "mla_equivalent_gqa_groups", "AttentionCacheShape", "LLAMA2_7B_CACHE", "LLAMA3_8B_CACHE",
+    "DEEPSEEK_V2_LITE_CACHE", "DEEPSEEK_V3_CACHE", "MLA_TABLE_SHAPES", "mla_kv_table", "mla_decode_bytes",
+    "mla_decode_flops", "mla_naive_decode_bytes", "mla_kv_block_bytes",
+]

@@ -5,7 +5,7 @@ At run time ``minillm/__init__.py`` maps the folder to ``minillm.kernels`` (a wh
 there), but Griffe reads the sources statically and finds no ``minillm/kernels/``. When Griffe
 has loaded the ``minillm`` package, this visits ``kernels/*.py`` and attaches them as the
 members of a ``minillm.kernels`` module, so ``::: minillm.kernels.ch04_flash_attention`` in
-docs/api.md works and the kernels' imports of each other (``from minillm.kernels.base import
+docs/api/kernels.md works and the kernels' imports of each other (``from minillm.kernels.base import
 launch``) resolve.
 """
 from __future__ import annotations

@@ -17,7 +17,8 @@ fixed here, for every notebook page at once:
   section when the cell's ``<div>`` closes, so the prose of later cells landed in one huge
   page-level entry. The search plugin is shown a flat copy of the page instead: the Markdown
   cells only, one after the other, so every heading's section holds the prose under it. The
-  page itself is put back before the theme renders it.
+  page itself is put back before the theme renders it. (On the API pages, likewise, the source
+  code under each function is left out of the index: ``data-search-exclude``.)
 """
 from __future__ import annotations
 
@@ -112,7 +113,9 @@ def _jupyter_config(config) -> dict:
 @event_priority(50)  # before other plugins (search, autorefs) read the page's TOC
 def on_page_content(html_text: str, page, config, files) -> str:
     if not _is_notebook(page):
-        return html_text
+        # The API pages: the search indexes the docstrings, not the functions' source code.
+        return html_text.replace('<details class="mkdocstrings-source"',
+                                 '<details class="mkdocstrings-source" data-search-exclude')
     jupyter = _jupyter_config(config)
     cells = _MarkdownCells(html_text).cells
     toc = _toc_from_headings(cells, int(jupyter.get("toc_depth", 6)))
@@ -124,7 +127,7 @@ def on_page_content(html_text: str, page, config, files) -> str:
         title = "Download this chapter's notebook (.ipynb)"
         button = (f'<a href="{html.escape(name)}" download="{html.escape(name)}" title="{title}" '
                   f'aria-label="{title}" class="md-content__button md-icon minillm-download">'
-                  f"{_DOWNLOAD_SVG}</a>")
+                  f"{_DOWNLOAD_SVG}<span>.ipynb</span></a>")
         html_text = button + html_text
     return html_text
 

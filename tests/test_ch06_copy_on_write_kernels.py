@@ -139,7 +139,7 @@ def test_copy_blocks_past_2_31_elements():
     """Block offsets of a pool past 2^31 elements need 64-bit addresses (fp16: 4.3 GB)."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    num_blocks, block_size, kv_heads, head_dim = 8200, 16, 8, 128        # 2.15e9 elements
+    num_blocks, block_size, kv_heads, head_dim = 65600, 16, 8, 128       # 2 planes: 2.15e9 elements
     pool = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, device="cuda", dtype=torch.float16)
     src = [int(b) for b in rng.choice(100, 3, replace=False)]
     dst = [num_blocks - 1 - i for i in range(3)]

@@ -9,7 +9,15 @@ every page in Debian's chromium, checking that
   fetch, e.g. from a CDN an offline reader cannot reach, shows up there);
 - math is typeset: no raw TeX delimiters are left in the article, MathJax reported no TeX
   error, and a page whose HTML contains TeX has MathJax output (`mjx-container`);
-- every <img> decoded (naturalWidth > 0): notebook figures are embedded PNGs.
+- every <img> decoded (naturalWidth > 0): notebook figures are embedded PNGs; and each one
+  in the article is wrapped for the lightbox (click-to-zoom);
+- every link of the table of contents (and of the rest of the navigation) that points into
+  the page (`#id`) finds an element with that id;
+- a chapter page offers its notebook for download, and the link serves a valid notebook.
+
+Two more tests use the browser: a figure opens in the lightbox on a click, and the search box
+finds chapters for prose terms, with no code cell ("In [1]:", the copy button's "Copied!") in
+the results. All reuse the one site build.
 
 It also saves screenshots of the home page and Chapter 1 to build/screenshots/ (look at
 them!) and checks that they are not blank.
@@ -28,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -155,8 +164,17 @@ const done = arguments[arguments.length - 1];
     }
     text.push(walker.currentNode.textContent);
   }
+  // Links into the page itself: the table of contents (Material renders it twice, in the
+  // right sidebar and, for small screens, in the navigation).
+  const anchors = Array.from(document.querySelectorAll("a.md-nav__link[href^='#']"))
+    .map(a => a.getAttribute("href"));
+  const articleImgs = Array.from(document.querySelectorAll(".md-content img"));
   return {
     title: document.title,
+    tocLinks: anchors.length,
+    badAnchors: anchors.filter(h => !document.getElementById(decodeURIComponent(h.slice(1)))),
+    downloads: Array.from(document.querySelectorAll(".md-content a[download]")).map(a => a.getAttribute("href")),
+    notZoomable: articleImgs.filter(i => !i.closest("a.glightbox")).map(i => i.src.slice(0, 100)),
     hasArticle: !!document.querySelector("article"),
     mathjax: !!(window.MathJax && MathJax.startup && MathJax.startup.document),
     mjx: document.querySelectorAll("mjx-container").length,
@@ -183,10 +201,38 @@ def _open(driver, url: str) -> dict:
     return info
 
 
+def _download_problems(site_dir: Path, base_url: str, page: str, hrefs: list[str]) -> list[str]:
+    """What is wrong with a chapter page's "download this notebook" link (nothing: [])."""
+    import nbformat
+
+    notebooks = [h for h in hrefs if h.split("?")[0].endswith(".ipynb")]
+    if len(notebooks) != 1:
+        return [f"expected one download link to the .ipynb, found {hrefs}"]
+    href = notebooks[0]
+    target = (site_dir / Path(page).parent / href).resolve()
+    if not target.is_relative_to(site_dir.resolve()) or not target.is_file():
+        return [f"download link {href!r}: no such file in the built site"]
+    # Served as a reader's browser would fetch it, and a notebook nbformat accepts.
+    with urllib.request.urlopen(base_url + target.relative_to(site_dir.resolve()).as_posix(),
+                                timeout=30) as response:
+        served = response.read()
+    if served != target.read_bytes():
+        return [f"download link {href!r}: the server sent other bytes than the built file"]
+    try:
+        nb = nbformat.reads(served.decode("utf-8"), as_version=4)
+        nbformat.validate(nb)
+    except Exception as exc:  # json.JSONDecodeError, nbformat.ValidationError, ...
+        return [f"download link {href!r}: not a valid notebook: {exc!s:.200}"]
+    if target.name != f"{Path(page).parent.name}.ipynb":  # chapters/NAME/ offers NAME.ipynb
+        return [f"download link {href!r}: the notebook of another page"]
+    return []
+
+
 def test_every_page_renders(site_dir, base_url, driver):
     pages = _pages(site_dir)
     assert "index.html" in pages and "chapters/01_naive_attention/index.html" in pages, pages
     problems = []
+    chapters = 0
     for page in pages:
         info = _open(driver, base_url + page)
         if "error" in info:
@@ -209,7 +255,15 @@ def test_every_page_renders(site_dir, base_url, driver):
         figures = _stored_figures(site_dir, page)
         if info["images"] < figures:
             bad.append(f"{info['images']} <img> on the page, but the notebook stores {figures} figures")
+        bad += [f"figure not wrapped for the lightbox: {src}" for src in info["notZoomable"]]
+        bad += [f"TOC link to a missing id: {h}" for h in sorted(set(info["badAnchors"]))]
+        if page.startswith("chapters/"):
+            chapters += 1
+            if not info["tocLinks"]:
+                bad.append("no table of contents")
+            bad += _download_problems(site_dir, base_url, page, info["downloads"])
         problems += [f"{page}: {b}" for b in bad]
+    assert chapters >= 10, f"only {chapters} chapter pages were built"
     assert not problems, f"{len(problems)} problem(s) in {len(pages)} pages:\n" + "\n".join(problems)
 
 
@@ -251,3 +305,76 @@ def test_screenshot(site_dir, base_url, driver, page, name, needs_figure):
         driver.set_window_size(1280, 1000)
     ok, stats = _not_blank(path)
     assert ok, f"{path} looks blank ({stats})"
+
+
+def test_figure_opens_in_lightbox(site_dir, base_url, driver):
+    """Multi-panel figures are shrunk to the text column: a click shows one at full size."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    page = "chapters/01_naive_attention/index.html"
+    info = _open(driver, base_url + page)
+    assert "error" not in info and info["images"] > 0, info
+    link = driver.find_element(By.CSS_SELECTOR, ".md-content a.glightbox")
+    shown = driver.execute_script("return arguments[0].querySelector('img').clientWidth", link)
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", link)
+    link.click()
+    # The slide's image, once it has loaded and the opening animation has ended (its width
+    # the same twice in a row).
+    widths = []
+
+    def settled(d):
+        widths.append(d.execute_script("""
+            const img = document.querySelector(".glightbox-container .gslide.current .gslide-image img");
+            return img && img.complete && img.naturalWidth > 0
+                ? Math.round(img.getBoundingClientRect().width) : 0;"""))
+        return widths[-1] if len(widths) > 1 and widths[-1] == widths[-2] > 0 else None
+
+    big = WebDriverWait(driver, 30, poll_frequency=0.3).until(settled)
+    assert big > shown, f"the lightbox shows the figure {big:.0f}px wide, the page {shown}px"
+    driver.find_element(By.TAG_NAME, "body").send_keys(Keys.ESCAPE)
+    WebDriverWait(driver, 30).until(
+        lambda d: not d.find_elements(By.CSS_SELECTOR, ".glightbox-container"))
+    severe = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert not severe, severe
+
+
+# Terms of the chapters' prose, each also in the API pages' docstrings (which once ranked first).
+SEARCH_TERMS = ["softmax", "prefix caching", "sliding window"]
+
+
+def test_search_finds_prose(site_dir, base_url, driver):
+    """The search box ranks the chapters first, and shows prose: never a code cell or output."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    info = _open(driver, base_url + "index.html")
+    assert "error" not in info, info
+    box = driver.find_element(By.CSS_SELECTOR, "input.md-search__input")
+    problems = []
+    for term in SEARCH_TERMS:
+        driver.execute_script("arguments[0].focus()", box)
+        box.clear()
+        box.send_keys(term)
+        # Material's search runs in a worker; its results replace the list as they come in.
+        results = WebDriverWait(driver, 60).until(lambda d: d.execute_script("""
+            const q = arguments[0];
+            const items = Array.from(document.querySelectorAll(".md-search-result__item"));
+            const links = items.map(i => i.querySelector("a"));
+            // Wait for this term's results (their links carry it: ?h=term), not the last term's.
+            if (!links.some(a => a && a.href.includes("h=" + q.split(" ")[0]))) {
+              return null;
+            }
+            return items.map((item, n) => ({
+              href: new URL(links[n].href).pathname, text: item.textContent.replace(/\\s+/g, " ")}));
+            """, term))
+        where = [r["href"] for r in results]
+        if not where[0].lstrip("/").startswith("chapters/"):
+            problems.append(f"{term!r}: the first result is {where[0]}, not a chapter ({where[:5]})")
+        for r in results:
+            for marker in ("Copied!", "In ["):
+                if marker in r["text"]:
+                    problems.append(f"{term!r}: a result from {r['href']} shows code: "
+                                    f"...{r['text'][max(0, r['text'].index(marker) - 60):][:120]}...")
+    assert not problems, "\n".join(problems)

@@ -10,7 +10,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "deepseek_v2", "deepseek_v3")
+#: DeepSeek-V2/V3: multi-head latent attention (Chapter 12, `minillm.model.mla`), dense MLPs only.
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 #: Keys of config.json without which the model has no shape.
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -42,6 +44,29 @@ class ModelConfig:
     dtype: str | None = None           # the weights' dtype as saved, e.g. "bfloat16"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Multi-head latent attention (DeepSeek-V2/V3, Chapter 12); kv_lora_rank None: not MLA.
+    # For MLA, head_dim is a head's query/key width qk_nope_head_dim + qk_rope_head_dim.
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None     # None: no query compression (DeepSeek-V2-Lite)
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False      # RoPE on interleaved pairs (DeepSeek's checkpoints)
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-head latent attention (`minillm.model.mla`)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def latent_dim(self) -> int:
+        """MLA: width of one token's cache row, ``kv_lora_rank + qk_rope_head_dim``."""
+        return (self.kv_lora_rank or 0) + self.qk_rope_head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Width RoPE rotates: ``head_dim``, or MLA's ``qk_rope_head_dim``."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     @property
     def gqa_group(self) -> int:
@@ -120,6 +145,9 @@ class ModelConfig:
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         eos = d.get("eos_token_id")
+        mla = _mla_fields(d, model_type) if model_type in MLA_MODEL_TYPES else {}
+        if mla:
+            qkv_bias = o_bias = bool(d.get("attention_bias", False))
         return cls(
             model_type=model_type,
             vocab_size=d["vocab_size"],
@@ -128,7 +156,8 @@ class ModelConfig:
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            # MLA: a head's query/key width (HF's config.json says head_dim = qk_rope_head_dim)
+            head_dim=mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"] if mla else d.get("head_dim") or d["hidden_size"] // heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
@@ -139,4 +168,29 @@ class ModelConfig:
             dtype=d.get("dtype") or d.get("torch_dtype"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+            **mla,
         )
+
+
+def _mla_fields(d: dict, model_type: str) -> dict:
+    """The MLA fields of a DeepSeek-V2/V3 ``config.json``. Raises `CheckpointError` when a
+    layer is mixture-of-experts (minillm implements MLA with dense MLPs only)."""
+    layers = d["num_hidden_layers"]
+    if d.get("n_routed_experts"):
+        first, freq = d.get("first_k_dense_replace") or 0, d.get("moe_layer_freq") or 1
+        moe = [i for i in range(layers) if i >= first and i % freq == 0]
+        if moe:
+            raise CheckpointError(
+                f"mixture-of-experts layers ({len(moe)} of {layers}: n_routed_experts={d['n_routed_experts']}, "
+                f"first_k_dense_replace={first}) are not implemented; minillm runs DeepSeek's multi-head latent "
+                f"attention with dense MLPs only (first_k_dense_replace >= num_hidden_layers)")
+    missing = [k for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if d.get(k) is None]
+    if missing:
+        raise ValueError(f"{model_type}: missing required key{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
+    if d["qk_rope_head_dim"] % 2:
+        raise ValueError(f"qk_rope_head_dim={d['qk_rope_head_dim']} must be even (RoPE rotates pairs)")
+    return dict(kv_lora_rank=d["kv_lora_rank"], q_lora_rank=d.get("q_lora_rank"),
+                qk_nope_head_dim=d["qk_nope_head_dim"], qk_rope_head_dim=d["qk_rope_head_dim"],
+                v_head_dim=d["v_head_dim"],
+                # DeepSeek-V2 always rotates interleaved pairs; V3's config says (default True).
+                rope_interleave=True if model_type == "deepseek_v2" else bool(d.get("rope_interleave", True)))
