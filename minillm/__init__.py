@@ -16,10 +16,14 @@ def _map_checkout_kernels() -> None:
     repository on ``PYTHONPATH``) the folder lies beside the package; ``kernels/`` has no
     ``__init__.py``, so ``import kernels`` never runs it under that name.
     """
-    if (Path(__file__).parent / "kernels").is_dir() or "minillm.kernels" in sys.modules:
+    if "minillm.kernels" in sys.modules:
         return
-    folder = Path(__file__).resolve().parent.parent / "kernels"
-    if not folder.is_dir():
+    checkout = Path(__file__).resolve().parent.parent
+    folder = checkout / "kernels"
+    # A checkout has pyproject.toml beside the folder (a site-packages dir has neither, and may
+    # hold PyPI's unrelated `kernels` package). A stale minillm/kernels/ left by an older
+    # checkout must not shadow it, so the checkout's folder wins whenever it is there.
+    if not ((checkout / "pyproject.toml").is_file() and (folder / "base.py").is_file()):
         return
     spec = importlib.machinery.ModuleSpec("minillm.kernels", None, is_package=True)
     spec.submodule_search_locations = [str(folder)]

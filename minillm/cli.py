@@ -3,6 +3,7 @@
     minillm serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY]   # OpenAI-compatible server
     minillm generate "ROMEO:" ["JULIET:" ...] [--n 2] [--max-new-tokens 64] [--temperature 0.8] [--stop STR]
     minillm bench ...                                  # throughput and serving latency (minillm.experiments.ch09_engine_benchmark)
+    minillm route --instances 2 [engine flags]         # prefix-aware router over instances (minillm.router)
     minillm train --preset shakespeare --out PATH      # how the bundled model was made
 
 ``PATH`` is a local Hugging Face-format folder (``config.json`` + ``*.safetensors`` +
@@ -57,6 +58,8 @@ ENGINE_FLAGS: dict[tuple[str, ...], tuple[str, dict]] = {
         choices=["all", "decode", "off"],
         help="on CUDA with the Triton kernels, replay CUDA graphs for all steps, decode steps only, or none "
              "(default %(default)s)")),
+    ("--tensor-parallel-size", "--tensor-parallel"): ("tensor_parallel_size", dict(
+        type=int, help="split the model over this many GPUs, one process each (Chapter 13; default %(default)s)")),
 }
 
 
@@ -195,6 +198,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             parser.error("this installation has no minillm.experiments.ch09_engine_benchmark")
         benchmark.add_arguments(bench)
         bench.set_defaults(func=benchmark.main)
+
+    rt = sub.add_parser("route", help="prefix-aware router over several engine instances (minillm.router)")
+    if argv[:1] == ["route"]:  # imported only when asked for
+        from minillm.router import command as route_command
+        route_command.add_arguments(rt)
+        rt.set_defaults(func=route_command.main)
 
     tr = sub.add_parser("train", help="train a small Llama from scratch (the bundled model's recipe)")
     from minillm import train

@@ -52,6 +52,7 @@ __all__ = [
     "paged_decode_attention_bytes",                                                        # 5
     "split_workspace_bytes", "flash_decode_attention_bytes",                               # 7
     "kv_block_bytes",                                                                      # 9
+    "ring_allreduce_bytes", "tp_allreduce_bytes_per_token", "tp_logits_gather_bytes_per_token",  # 13
 ]
 
 
@@ -924,6 +925,32 @@ def kv_block_bytes(num_layers: int, kv_heads: int, head_dim: int, block_size: in
     """Bytes of one block id of the engine's KV pool: its ``block_size`` rows of K and of V in
     every layer (`kv_cache_bytes` of ``block_size`` tokens)."""
     return kv_cache_bytes(block_size, kv_heads, head_dim, dtype_bytes, layers=num_layers)
+
+
+# --------------------------------------------------------------------------- Chapter 13: tensor parallelism
+def ring_allreduce_bytes(size_bytes: float, world: int) -> float:
+    """Bytes each of ``world`` ranks sends (and receives) in a ring all-reduce of a
+    ``size_bytes`` buffer: a reduce-scatter then an all-gather, each ``world - 1`` steps of
+    ``size_bytes / world``: ``2 (N - 1) / N · size``. 0 for one rank."""
+    return 2 * (world - 1) / world * size_bytes if world > 1 else 0.0
+
+
+def tp_allreduce_bytes_per_token(shape: ModelShape, tp: int, dtype_bytes: int = 2, embedding: bool = True) -> float:
+    """Bytes each rank sends per token of a forward pass under Megatron-style tensor
+    parallelism over ``tp`` ranks (ring all-reduces): two all-reduces of the ``hidden``-wide
+    activation per layer (after the row-parallel o and down projections), plus one for the
+    vocabulary-parallel embedding when ``embedding``. The logits' all-gather is
+    `tp_logits_gather_bytes_per_token`. Prefill or decode, it is the same per token: the
+    all-reduced activation is ``[tokens, hidden]``."""
+    count = 2 * shape.layers + (1 if embedding else 0)
+    return count * ring_allreduce_bytes(shape.hidden * dtype_bytes, tp)
+
+
+def tp_logits_gather_bytes_per_token(shape: ModelShape, tp: int, dtype_bytes: int = 2) -> float:
+    """Bytes each rank sends per sampled token when the vocabulary-parallel logits are
+    all-gathered: its ``V / tp`` logits to each of the ``tp - 1`` others (ring all-gather:
+    ``(tp - 1) / tp · V`` elements)."""
+    return (tp - 1) / tp * shape.vocab * dtype_bytes if tp > 1 else 0.0
 
 
 # --------------------------------------------------------------------------- Chapter 12: multi-head latent attention

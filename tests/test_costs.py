@@ -636,3 +636,16 @@ def test_kernel_counts_do_not_import_triton():
             "C.traffic_comparison(64, 16); C.warp_partition_traffic(8, 8, 4, 2, 'q'); "
             "assert 'triton' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- Chapter 13
+def test_tensor_parallel_bytes():
+    s = C.LLAMA3_8B  # 32 layers, hidden 4096
+    assert C.ring_allreduce_bytes(1000, 1) == 0 and C.ring_allreduce_bytes(1000, 2) == 1000
+    assert C.ring_allreduce_bytes(1000, 4) == 1500                      # 2 (N-1)/N
+    assert C.tp_allreduce_bytes_per_token(s, 1) == 0
+    # 2 all-reduces per layer + the embedding's, each of hidden * 2 bytes, at 2 (N-1)/N = 1 for N = 2
+    assert C.tp_allreduce_bytes_per_token(s, 2) == (2 * 32 + 1) * 4096 * 2
+    assert C.tp_allreduce_bytes_per_token(s, 8, embedding=False) == 2 * 32 * 2 * 7 / 8 * 4096 * 2
+    assert C.tp_logits_gather_bytes_per_token(s, 2) == s.vocab          # half the fp16 row: V/2 · 2 bytes
+    assert C.tp_logits_gather_bytes_per_token(s, 1) == 0

@@ -51,9 +51,10 @@ def chapter_map() -> dict[int, dict[str, list[str]]]:
 
 def test_chapter_map_lists_every_chapter_once():
     table = chapter_map()
-    assert sorted(table) == list(range(10))
     notebooks = sorted(p.name for p in (REPO / "chapters").glob("[0-9][0-9]_*.ipynb"))
-    assert [Path(table[n]["notebook"][0]).name for n in range(10)] == notebooks
+    numbers = [int(name[:2]) for name in notebooks]
+    assert sorted(table) == numbers
+    assert [Path(table[n]["notebook"][0]).name for n in numbers] == notebooks
 
 
 def test_chapter_map_paths_exist_in_their_row():

@@ -247,6 +247,7 @@ def test_several_prompts_streamed(http, offline):
     ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
     ("/v1/chat/completions", {"presence_penalty": 9}, "presence_penalty"),
+    ("/v1/completions", {"prompt": ["a"] * 257}, "prompt"),                 # over MAX_PROMPTS
 ])
 def test_refused_with_the_field_named(http, path, body, param):
     assert error(http, path, **body)["param"] == param

@@ -9,8 +9,9 @@ every page in Debian's chromium, checking that
   fetch, e.g. from a CDN an offline reader cannot reach, shows up there);
 - math is typeset: no raw TeX delimiters are left in the article, MathJax reported no TeX
   error, and a page whose HTML contains TeX has MathJax output (`mjx-container`);
-- every <img> decoded (naturalWidth > 0): notebook figures are embedded PNGs; and each one
-  in the article is wrapped for the lightbox (click-to-zoom);
+- every <img> decoded (naturalWidth > 0): notebook figures are embedded PNGs; each one in
+  the article is wrapped for the lightbox (click-to-zoom), and a notebook figure takes the
+  width of the text column (or its own, if smaller);
 - every link of the table of contents (and of the rest of the navigation) that points into
   the page (`#id`) finds an element with that id;
 - a chapter page offers its notebook for download, and the link serves a valid notebook.
@@ -175,6 +176,11 @@ const done = arguments[arguments.length - 1];
     badAnchors: anchors.filter(h => !document.getElementById(decodeURIComponent(h.slice(1)))),
     downloads: Array.from(document.querySelectorAll(".md-content a[download]")).map(a => a.getAttribute("href")),
     notZoomable: articleImgs.filter(i => !i.closest("a.glightbox")).map(i => i.src.slice(0, 100)),
+    // Notebook figures drawn narrower than the text column (or than themselves, if smaller).
+    narrowFigures: Array.from(document.querySelectorAll(".jp-RenderedImage img")).filter(i => {
+      const column = document.querySelector(".md-content__inner").clientWidth;
+      return i.getBoundingClientRect().width < 0.9 * Math.min(i.naturalWidth, column);
+    }).map(i => `${Math.round(i.getBoundingClientRect().width)}px of ${i.naturalWidth}px`),
     hasArticle: !!document.querySelector("article"),
     mathjax: !!(window.MathJax && MathJax.startup && MathJax.startup.document),
     mjx: document.querySelectorAll("mjx-container").length,
@@ -256,6 +262,7 @@ def test_every_page_renders(site_dir, base_url, driver):
         if info["images"] < figures:
             bad.append(f"{info['images']} <img> on the page, but the notebook stores {figures} figures")
         bad += [f"figure not wrapped for the lightbox: {src}" for src in info["notZoomable"]]
+        bad += [f"figure narrower than the text column: {w}" for w in info["narrowFigures"]]
         bad += [f"TOC link to a missing id: {h}" for h in sorted(set(info["badAnchors"]))]
         if page.startswith("chapters/"):
             chapters += 1
@@ -361,13 +368,14 @@ def test_search_finds_prose(site_dir, base_url, driver):
         results = WebDriverWait(driver, 60).until(lambda d: d.execute_script("""
             const q = arguments[0];
             const items = Array.from(document.querySelectorAll(".md-search-result__item"));
-            const links = items.map(i => i.querySelector("a"));
+            const links = Array.from(document.querySelectorAll(".md-search-result__item a"));
             // Wait for this term's results (their links carry it: ?h=term), not the last term's.
-            if (!links.some(a => a && a.href.includes("h=" + q.split(" ")[0]))) {
+            if (!links.some(a => a.href.includes("h=" + q.split(" ")[0]))) {
               return null;
             }
-            return items.map((item, n) => ({
-              href: new URL(links[n].href).pathname, text: item.textContent.replace(/\\s+/g, " ")}));
+            return items.map(item => ({
+              href: new URL(item.querySelector("a").href).pathname,
+              text: item.textContent.replace(/\\s+/g, " ")}));
             """, term))
         where = [r["href"] for r in results]
         if not where[0].lstrip("/").startswith("chapters/"):

@@ -36,6 +36,8 @@ class EngineConfig:
         max_n: the largest ``n`` (and beam width) a request may ask for.
         seed: the engine's seed for requests that give none.
         record_steps: keep a `StepRecord` per step (the chapter's timeline plot).
+        tensor_parallel_size: ranks the model is split over (Chapter 13, `minillm.distributed`):
+            one process and one GPU each (gloo on a CPU); 1 runs in this process alone.
     """
 
     device: str | None = None
@@ -53,6 +55,7 @@ class EngineConfig:
     max_n: int = 16
     seed: int | None = None
     record_steps: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -61,7 +64,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be 'all', 'decode' or 'off', got {self.cuda_graphs!r}")
         if self.max_num_seqs < self.max_n:
             raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be >= max_n ({self.max_n})")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 

@@ -105,7 +105,8 @@ class LLMEngine:
         self.steps: list[StepRecord] = []
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()
-        self.runner = ModelRunner(model, self.cache)
+        # A tensor-parallel model (Chapter 13) brings its own runner: each rank runs its shard.
+        self.runner = model.make_runner(self.cache) if hasattr(model, "make_runner") else ModelRunner(model, self.cache)
         if config.cuda_graphs != "off":  # a no-op off CUDA or with the torch backend
             self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len,
                                             config.max_num_batched_tokens if config.cuda_graphs == "all" else 0)
@@ -119,7 +120,11 @@ class LLMEngine:
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         config.device = device
         dtype = config.dtype or ("float32" if device == "cpu" else None)
-        model, _ = load_model(path, device=device, dtype=dtype)
+        if config.tensor_parallel_size > 1:  # Chapter 13: this process becomes rank 0 of the world
+            from minillm.distributed import load_parallel_model
+            model = load_parallel_model(path, config.tensor_parallel_size, device=device, dtype=dtype)
+        else:
+            model, _ = load_model(path, device=device, dtype=dtype)
         tokenizer, template = load_tokenizer(path)
         return cls(model, tokenizer, config, chat_template=template, model_name=Path(path).name)
 
@@ -127,7 +132,10 @@ class LLMEngine:
     @property
     def block_bytes(self) -> int:
         c = self.model_config
-        return kv_block_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.config.block_size,
+        if getattr(c, "is_mla", False):  # Chapter 12: one latent row per token and layer, no separate V
+            return c.num_hidden_layers * self.config.block_size * c.latent_dim * self.model.lm_head.weight.element_size()
+        kv_heads = getattr(self.model, "local_kv_heads", c.num_key_value_heads)  # tensor parallel: a rank's
+        return kv_block_bytes(c.num_hidden_layers, kv_heads, c.head_dim, self.config.block_size,
                               self.model.lm_head.weight.element_size())
 
     def _pool_blocks(self) -> int:

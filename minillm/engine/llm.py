@@ -96,6 +96,11 @@ def _engine_without_tokenizer(path: Path, config: EngineConfig) -> LLMEngine:
     from minillm.model import load_model
 
     config.device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if config.tensor_parallel_size > 1:  # Chapter 13
+        from minillm.distributed import load_parallel_model
+        model = load_parallel_model(path, config.tensor_parallel_size, device=config.device,
+                                    dtype=config.dtype or ("float32" if config.device == "cpu" else None))
+        return LLMEngine(model, NoTokenizer(path), config, model_name=path.name)
     model, _ = load_model(path, device=config.device, dtype=config.dtype or ("float32" if config.device == "cpu"
                                                                               else None))
     return LLMEngine(model, NoTokenizer(path), config, model_name=path.name)

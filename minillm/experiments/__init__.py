@@ -8,4 +8,5 @@ the numbers and plots of a chapter; nothing in the serving path imports them.
 - `ch06_prefix_workload`: a shared-system-prompt workload, with and without prefix caching.
 - `ch07_softmax_stats`: the score statistics behind the asynchronized softmax's fixed maximum.
 - `ch09_engine_benchmark`: the engine benchmark (workloads, offline throughput, online latency).
+- `ch13_routing`: prefix-aware routing against round-robin over several engine instances.
 """

@@ -207,6 +207,9 @@ PRESETS = {
                        num_key_value_heads=4, head_dim=64, max_position_embeddings=2048),
     "llama-tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=32, max_position_embeddings=1024),
+    # Chapter 13's: Llama-3.2-1B's shape (tied embeddings), with the bundled tokenizer's vocabulary.
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=True),
 }
 
 
@@ -242,8 +245,8 @@ def build_random_llama(preset: str = "llama-280m", directory: str | os.PathLike 
     if all((path / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")):
         return path
     vocab = Tokenizer.from_file(str(BUNDLED / "tokenizer.json")).get_vocab_size()
-    config = LlamaConfig(vocab_size=vocab, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-                         bos_token_id=0, eos_token_id=0, **PRESETS[preset])
+    config = LlamaConfig(vocab_size=vocab, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=0, eos_token_id=0,
+                         **{"tie_word_embeddings": False, **PRESETS[preset]})
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
     with torch.device(device):
@@ -255,7 +258,8 @@ def build_random_llama(preset: str = "llama-280m", directory: str | os.PathLike 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(BUNDLED / name, tmp / name)
     (tmp / "README.md").write_text(
-        f"Random-weight Llama ({preset}, {count_parameters(PRESETS[preset], vocab) / 1e6:.0f}M parameters, seed "
+        f"Random-weight Llama ({preset}, {count_parameters(PRESETS[preset], vocab, config.tie_word_embeddings) / 1e6:.0f}"
+        f"M parameters, seed "
         f"{seed}, {dtype}) built by minillm.experiments.ch09_engine_benchmark.build_random_llama for `minillm bench`; "
         "tokenizer: minillm/checkpoints/shakespeare. Its outputs are meaningless: it is for throughput.\n")
     del model

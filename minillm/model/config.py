@@ -142,6 +142,8 @@ class ModelConfig:
 
         heads = d["num_attention_heads"]
         kv_heads = d.get("num_key_value_heads") or heads
+        if model_type in MLA_MODEL_TYPES:  # MLA has no KV heads; DeepSeek's num_key_value_heads means nothing
+            kv_heads = heads
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         eos = d.get("eos_token_id")

@@ -97,6 +97,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + name + ".weight"] = (out, inp)
             if bias:
                 shapes[p + name + ".bias"] = (out,)
+    if c.is_mla:  # Chapter 12: MLA's projections and norms instead of q/k/v/o_proj
+        from minillm.model.mla import mla_attention_shapes
+        attention = mla_attention_shapes(c)
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}.self_attn."
+            shapes = {n: s for n, s in shapes.items() if not n.startswith(p)} | {p + n: s for n, s in attention.items()}
     shapes["model.norm.weight"] = (h,)
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, h)

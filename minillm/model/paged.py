@@ -101,9 +101,11 @@ class PagedKVCache:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         shape = (2, config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        if getattr(config, "is_mla", False):  # Chapter 12: one plane of latent rows, no separate V
+            shape = (1, config.num_hidden_layers, num_blocks, block_size, 1, config.latent_dim)
         self.pool = torch.zeros(shape, device=device, dtype=dtype)
         self.k = list(self.pool[0])  # per layer, [num_blocks, block_size, kv_heads, head_dim]
-        self.v = list(self.pool[1])
+        self.v = list(self.pool[-1])  # MLA: the same latent rows
         self.kernels = self._pick_kernels(backend)
         self.softmax_phi = softmax_phi
 

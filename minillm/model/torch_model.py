@@ -68,8 +68,11 @@ class KVCache:
 
     def __init__(self, config: ModelConfig, batch: int, max_len: int, device=None, dtype=None):
         shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
+        if config.is_mla:  # Chapter 12: one latent row per token, no separate V (v is k)
+            shape = (batch, 1, max_len, config.latent_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.v = self.k if config.is_mla else [torch.zeros(shape, device=device, dtype=dtype)
+                                               for _ in range(config.num_hidden_layers)]
         self.max_len = max_len
 
 
@@ -185,7 +188,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        if c.is_mla:  # Chapter 12: multi-head latent attention (DeepSeek-V2/V3)
+            from minillm.model.mla import MLAAttention
+            self.self_attn = MLAAttention(c)
+        else:
+            self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
@@ -241,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         x = self.model.embed_tokens(input_ids)                                  # [B, T, hidden]
         positions = torch.arange(start_pos, start_pos + input_ids.shape[1], device=input_ids.device)
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)   # [T, D]
+        cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta, x.dtype)   # [T, D]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, start_pos, cache, i)
         return self.lm_head(self.model.norm(x))
@@ -255,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
         """
         c = self.config
         x = self.model.embed_tokens(batch.input_ids)                               # [N, hidden]
-        cos, sin = rope_cos_sin(batch.positions, c.head_dim, c.rope_theta, x.dtype)  # [N, D]
+        cos, sin = rope_cos_sin(batch.positions, c.rope_dim, c.rope_theta, x.dtype)  # [N, D]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, batch, cache, i)
         if last_only:

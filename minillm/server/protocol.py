@@ -48,6 +48,9 @@ __all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest"]
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
 log = logging.getLogger("minillm.server")
 
+#: The most prompts one completions request may carry (each is an engine request of its own).
+MAX_PROMPTS = 256
+
 # Known fields minillm does not implement, and when a value asks for something (null, and the
 # values that ask for nothing, pass).
 UNSUPPORTED = {
@@ -140,7 +143,10 @@ class _Request(BaseModel):
     def _log_ignored(cls, data):
         """Fields no API defines are ignored, with a warning in the log (vLLM's behaviour)."""
         if isinstance(data, dict) and (unknown := sorted(set(data) - set(cls.model_fields))):
-            log.warning("ignored request fields: %s", ", ".join(map(str, unknown)))
+            # Client text goes to the log: a few names, each cut short, so no body can flood it.
+            names = ", ".join(repr(str(name)[:40]) for name in unknown[:8])
+            more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
+            log.warning("ignored request fields: %s%s", names, more)
         return data
 
     def check_supported(self) -> None:
@@ -217,10 +223,17 @@ class CompletionRequest(_Request):
     suffix: Any = None
 
     def prompts(self) -> list[str | list[int]]:
-        """The prompts, one per completion (a list of one for a single prompt)."""
+        """The prompts, one per completion (a list of one for a single prompt).
+
+        At most `MAX_PROMPTS` in one request: each becomes an engine request, so a body of many
+        tiny prompts must not turn into millions of them.
+        """
         prompt = self.prompt
         if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
             return [prompt]
+        if len(prompt) > MAX_PROMPTS:
+            raise InvalidRequest(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt",
+                                 code="too_many_prompts")
         return list(prompt)
 
     @property

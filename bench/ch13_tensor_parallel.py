@@ -1,0 +1,211 @@
+"""Chapter 13 benchmark: the engine on two GPUs with tensor parallelism against one GPU, same
+model, same run. Needs at least two GPUs (with one it records nothing and says so).
+
+**Model.** Llama-3.2-1B's shape with random weights (`minillm.experiments.ch09_engine_benchmark`,
+preset ``llama-3.2-1b``: 16 layers, hidden 2048, 32 query and 8 KV heads of 64, SwiGLU 8192,
+tied embeddings, vocabulary 4096 from the bundled tokenizer), bf16. Under TP=2 each rank holds
+16 query and 4 KV heads, half the MLP and half the vocabulary (`minillm.distributed.tp`).
+
+**Engines.** TP=1 is the ordinary engine (`LLMEngine.from_pretrained`); TP=2 the same config
+with ``tensor_parallel_size=2`` (this process is rank 0 on ``cuda:0``, a spawned process rank 1
+on ``cuda:1``, NCCL). Both with CUDA graphs for every step (``cuda_graphs="all"``; each rank
+captures its own graphs, its all-reduces inside them); ``mode`` in the rows says whether the
+graphs were captured (``cuda_graphs``) or the engine fell back to ``eager``.
+
+**Measurements**, each after a warm-up run (Triton compiles, the flat GEMM tunes, graphs are
+captured before the clock starts):
+
+- ``decode_ms_per_token`` (kind ``decode``): one request alone, a prompt of
+  ``DECODE_PROMPT`` random tokens, ``DECODE_TOKENS`` greedy output tokens; the median wall
+  time of its one-token steps (scheduling, the plan's broadcast, the forward pass, sampling).
+- ``output_tokens_per_s`` (kind ``offline``): a small Chapter 9 workload (``NUM_REQUESTS``
+  requests, prompts of 32-512 tokens, outputs of 32-256, ``CONCURRENCY`` at once), all
+  submitted at once.
+- ``allreduce_us`` (kind ``allreduce``, TP=2): one all-reduce of a ``[tokens, 2048]`` bf16
+  activation over NCCL, alone, for 1, ``CONCURRENCY`` and 2048 tokens
+  (`minillm.distributed.worker.time_all_reduce`: back-to-back calls between CUDA events);
+  ``comm_ms_per_decode_step``: the 1-token time x (2 per layer + 1) all-reduces, the
+  communication a single-sequence decode step cannot avoid, and ``plan_broadcast_us``: a
+  command's broadcast from rank 0 over the gloo control group.
+- ``scaling_efficiency`` (kind ``scaling``): ``speedup / 2``, for the decode latency and the
+  offline throughput (1.0 = perfect scaling).
+
+Rows carry ``params``: kind, tp, mode, model, dtype and the workload's shape; TP=2 rows name
+TP=1 as their peer (ratio > 1: TP=2 is better).
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import time
+
+import torch
+
+from bench.common import Results, free_memory
+
+BENCHMARK = "ch13_tensor_parallel"
+NEEDS_CEILINGS = False
+
+PRESET = "llama-3.2-1b"
+DTYPE = "bfloat16"
+WORLDS = (1, 2)
+DECODE_PROMPT, DECODE_TOKENS = 128, 256
+NUM_REQUESTS = int(os.environ.get("MINILLM_CH13_REQUESTS", 64))
+CONCURRENCY = 32
+PROMPT_LEN = (32, 512)
+OUTPUT_LEN = (32, 256)
+ALLREDUCE_TOKENS = (1, CONCURRENCY, 2048)
+PEER = "tp1"
+
+
+def engine_config():
+    from minillm.experiments.ch09_engine_benchmark import bench_engine_config
+
+    return bench_engine_config(CONCURRENCY, device="cuda", dtype=DTYPE, max_num_batched_tokens=2048,
+                               gpu_memory_utilization=0.5, cuda_graphs="all")
+
+
+def run(results: Results, device) -> None:
+    from minillm.experiments import ch09_engine_benchmark as bench
+
+    if torch.cuda.device_count() < 2:
+        print(f"  [{BENCHMARK}] needs 2 GPUs, this machine has {torch.cuda.device_count()}: nothing measured",
+              flush=True)
+        return
+    t0 = time.perf_counter()
+    path = bench.build_random_llama(PRESET, dtype=DTYPE, device="cuda")
+    from minillm.model.config import ModelConfig
+
+    mconfig = ModelConfig.from_json(path)
+    n_params = bench.count_parameters(bench.PRESETS[PRESET], mconfig.vocab_size, mconfig.tie_word_embeddings)
+    spec = bench.WorkloadSpec(NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN, seed=0)
+    workload = bench.make_workload(spec, mconfig.vocab_size)
+    warmup = bench.make_workload(bench.WorkloadSpec(CONCURRENCY, PROMPT_LEN, (8, 16), seed=1000), mconfig.vocab_size)
+    decode_req = bench.make_workload(bench.WorkloadSpec(1, (DECODE_PROMPT, DECODE_PROMPT),
+                                                        (DECODE_TOKENS, DECODE_TOKENS), seed=7), mconfig.vocab_size)
+    base = {"model": PRESET + "-random", "parameters_m": round(n_params / 1e6, 1), "dtype": DTYPE}
+    print(f"  [{BENCHMARK}] {path.name}: {n_params / 1e6:.0f}M parameters ({time.perf_counter() - t0:.1f} s to "
+          f"build); {spec.describe()}", flush=True)
+
+    measured: dict[int, dict] = {}
+    for world in WORLDS:
+        t1 = time.perf_counter()
+        engine = _engine(path, world)
+        try:
+            bench.run_offline(engine, warmup, use_tqdm=False)
+            mode = "cuda_graphs" if engine.runner.cuda_graphs else "eager"
+            setup = time.perf_counter() - t1
+            m = measured[world] = {"mode": mode, "runner": engine.runner.describe()}
+            bench.run_offline(engine, decode_req, use_tqdm=False)
+            one = [1e3 * (s.end - s.start) for s in engine.steps if sum(s.tokens.values()) == 1]
+            m["decode_ms_per_token"] = bench.percentile(one, 50)
+            r = bench.run_offline(engine, workload, mode=mode, use_tqdm=False)
+            m["offline"] = r
+            if world > 1:
+                from minillm.distributed.worker import noop, time_all_reduce
+
+                ar = engine.model.run_on_all_ranks(time_all_reduce, mconfig.hidden_size, ALLREDUCE_TOKENS,
+                                                   getattr(torch, DTYPE))
+                m["allreduce_us"] = ar
+                m["comm_ms_per_decode_step"] = ar[1] * (2 * mconfig.num_hidden_layers + 1) / 1e3
+                times = []
+                for _ in range(50):
+                    t = time.perf_counter()
+                    engine.model.run_on_all_ranks(noop)
+                    times.append((time.perf_counter() - t) * 1e6)
+                m["plan_broadcast_us"] = bench.percentile(times, 50)
+            print(f"  [{BENCHMARK}] TP={world} ({m['runner']}; setup+warm-up {setup:.1f} s): decode "
+                  f"{m['decode_ms_per_token']:.2f} ms/token, offline {r.output_tokens_per_s:,.0f} output tok/s "
+                  f"({r.preemptions} preemptions, {r.num_kv_blocks} KV blocks)"
+                  + (f"; all-reduce {', '.join(f'{n} tok {us:.1f} us' for n, us in m['allreduce_us'].items())}; "
+                     f"plan broadcast {m['plan_broadcast_us']:.0f} us" if world > 1 else ""), flush=True)
+        finally:
+            if hasattr(engine.model, "shutdown"):
+                engine.model.shutdown()
+            del engine
+            gc.collect()
+            free_memory()
+        _add_rows(results, base, world, measured)
+    _add_scaling(results, base, measured)
+
+
+def _engine(path, world: int):
+    from minillm.engine import LLMEngine
+
+    return LLMEngine.from_pretrained(path, dataclasses.replace(engine_config(), tensor_parallel_size=world))
+
+
+def _add_rows(results: Results, base: dict, world: int, measured: dict) -> None:
+    m, ref = measured[world], measured.get(1) if world > 1 else None
+    peer = (lambda key: ref[key]) if ref else (lambda key: None)  # noqa: E731
+    params = {**base, "tp": world, "mode": m["mode"]}
+    results.add(BENCHMARK, {**params, "kind": "decode", "prompt_len": DECODE_PROMPT, "output_len": DECODE_TOKENS},
+                "decode_ms_per_token", m["decode_ms_per_token"], PEER if ref else None, peer("decode_ms_per_token"),
+                better="lower", note=f"median one-token step of one request alone; {m['runner']}")
+    r = m["offline"]
+    off = {**params, "kind": "offline", "num_requests": NUM_REQUESTS, "concurrency": CONCURRENCY,
+           "prompt_len": f"{PROMPT_LEN[0]}-{PROMPT_LEN[1]}", "output_len": f"{OUTPUT_LEN[0]}-{OUTPUT_LEN[1]}"}
+    for metric in ("output_tokens_per_s", "total_tokens_per_s", "elapsed_s"):
+        results.add(BENCHMARK, off, metric, getattr(r, metric), PEER if ref else None,
+                    getattr(ref["offline"], metric) if ref else None)
+    results.add(BENCHMARK, off, "preemptions", r.preemptions, better="lower")
+    results.add(BENCHMARK, off, "kv_pool_blocks", r.num_kv_blocks, better="higher",
+                note="each rank's pool holds its KV heads only: TP=2 fits twice the blocks in the same memory")
+    if "allreduce_us" in m:
+        for tokens, us in m["allreduce_us"].items():
+            results.add(BENCHMARK, {**params, "kind": "allreduce", "tokens": tokens}, "allreduce_us", us,
+                        note=f"one NCCL all-reduce of [{tokens}, hidden] {DTYPE}, alone, CUDA events")
+        results.add(BENCHMARK, {**params, "kind": "allreduce", "tokens": 1}, "comm_ms_per_decode_step",
+                    m["comm_ms_per_decode_step"], better="lower", note="the 1-token all-reduce x (2 per layer + 1 for the embedding)")
+        results.add(BENCHMARK, {**params, "kind": "allreduce"}, "plan_broadcast_us", m["plan_broadcast_us"],
+                    note="a command's broadcast from rank 0 over the gloo control group (pickled, TCP)")
+
+
+def _add_scaling(results: Results, base: dict, measured: dict) -> None:
+    if 1 not in measured or 2 not in measured:
+        return
+    one, two = measured[1], measured[2]
+    params = {**base, "tp": 2, "mode": two["mode"], "kind": "scaling"}
+    decode = one["decode_ms_per_token"] / two["decode_ms_per_token"] / 2
+    offline = two["offline"].output_tokens_per_s / one["offline"].output_tokens_per_s / 2
+    results.add(BENCHMARK, {**params, "of": "decode_ms_per_token"}, "scaling_efficiency", decode, better="higher",
+                note="(TP=1 time / TP=2 time) / 2; 1.0 = perfect")
+    results.add(BENCHMARK, {**params, "of": "output_tokens_per_s"}, "scaling_efficiency", offline, better="higher",
+                note="(TP=2 throughput / TP=1 throughput) / 2; 1.0 = perfect")
+
+
+def summary(results: Results | dict) -> str:
+    """Per TP degree: decode ms/token, offline tok/s, the 1-token all-reduce; the scaling."""
+    from minillm.results import rows as select
+
+    data = results.to_dict() if isinstance(results, Results) else results
+    by_tp: dict = {}
+    for r in select(data, BENCHMARK):
+        by_tp.setdefault(r["params"].get("tp"), {}).setdefault((r["params"]["kind"], r["metric"],
+                                                                r["params"].get("tokens"), r["params"].get("of")), r)
+    lines = [f"{'TP':<3} {'mode':<12} {'decode ms/tok':>13} {'out tok/s':>10} {'all-reduce 1 tok us':>20} "
+             f"{'comm ms/step':>12}"]
+    for tp in sorted(k for k in by_tp if k is not None):
+        m = by_tp[tp]
+        val = lambda *key: (m.get(key) or {}).get("ours")  # noqa: E731
+        mode = next((r["params"].get("mode") for r in m.values()), "")
+        lines.append(f"{tp:<3} {mode:<12} {_g(val('decode', 'decode_ms_per_token', None, None), '.2f'):>13} "
+                     f"{_g(val('offline', 'output_tokens_per_s', None, None), ',.0f'):>10} "
+                     f"{_g(val('allreduce', 'allreduce_us', 1, None), '.1f'):>20} "
+                     f"{_g(val('allreduce', 'comm_ms_per_decode_step', 1, None), '.3f'):>12}")
+    two = by_tp.get(2, {})
+    eff = [(of, (two.get(("scaling", "scaling_efficiency", None, of)) or {}).get("ours"))
+           for of in ("decode_ms_per_token", "output_tokens_per_s")]
+    lines.append("scaling efficiency (TP=2): " + ", ".join(f"{of} {_g(v, '.2f')}" for of, v in eff))
+    return "\n".join(lines)
+
+
+def _g(x, fmt: str) -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+if __name__ == "__main__":
+    from bench.run import main
+
+    raise SystemExit(main(["--only", BENCHMARK]))
