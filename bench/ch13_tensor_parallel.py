@@ -8,7 +8,8 @@ tied embeddings, vocabulary 4096 from the bundled tokenizer), bf16. Under TP=2 e
 
 **Engines.** TP=1 is the ordinary engine (`LLMEngine.from_pretrained`); TP=2 the same config
 with ``tensor_parallel_size=2`` (this process is rank 0 on ``cuda:0``, a spawned process rank 1
-on ``cuda:1``, NCCL). Both with CUDA graphs for every step (``cuda_graphs="all"``; each rank
+on ``cuda:1``, NCCL). Both run the same layers: Chapter 10's fused decode kernels, which only a
+single process has, are off for TP=1 too. Both with CUDA graphs for every step (``cuda_graphs="all"``; each rank
 captures its own graphs, its all-reduces inside them); ``mode`` in the rows says whether the
 graphs were captured (``cuda_graphs``) or the engine fell back to ``eager``.
 
@@ -60,10 +61,13 @@ PEER = "tp1"
 
 
 def engine_config():
+    """Both TP degrees run the same code: Chapter 10's fused decode path (one process only) is off."""
+    from minillm.engine.config import EngineConfig
     from minillm.experiments.ch09_engine_benchmark import bench_engine_config
 
+    same_code = {"fused_decode": "off"} if "fused_decode" in {f.name for f in dataclasses.fields(EngineConfig)} else {}
     return bench_engine_config(CONCURRENCY, device="cuda", dtype=DTYPE, max_num_batched_tokens=2048,
-                               gpu_memory_utilization=0.5, cuda_graphs="all")
+                               gpu_memory_utilization=0.5, cuda_graphs="all", **same_code)
 
 
 def run(results: Results, device) -> None:

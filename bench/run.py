@@ -36,6 +36,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("ch07_flash_decoding", "bench.ch07_flash_decoding"),
     ("ch08_flat_gemm", "bench.ch08_flat_gemm"),
     ("ch09_engine", "bench.ch09_engine"),
+    ("ch10_fused_decode", "bench.ch10_fused_decode"),
     ("ch12_mla", "bench.ch12_mla"),
     ("ch13_tensor_parallel", "bench.ch13_tensor_parallel"),   # needs 2 GPUs; records nothing with one
 ]

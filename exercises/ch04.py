@@ -22,10 +22,8 @@ import math
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 
-from minillm.kernels.base import interpreting  # noqa: F401  (also: no GPU -> the interpreter)
+from minillm.kernels.base import tl, triton  # Triton as this machine runs it (no GPU: the interpreter)
 
 #: The codes of Exercise 4.2: what a program does with one (Q block, K block) pair.
 SKIP, MASKED, FULL = 0, 1, 2

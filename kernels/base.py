@@ -1,9 +1,10 @@
 """What every chapter's kernels share.
 
-- The interpreter switch (`interpreting`). Chapter modules import this one before they define
-  a kernel, because ``@triton.jit`` reads ``TRITON_INTERPRET`` when it decorates: without a GPU
-  the kernels run in Triton's interpreter (NumPy on the CPU), and this is the one place that
-  decides so.
+- The interpreter switch (`interpreting`): without a GPU the kernels run in Triton's
+  interpreter (NumPy on the CPU), and this is the one place that decides so. Triton reads
+  ``TRITON_INTERPRET`` when it is imported (its own ``tl`` helpers are jitted then) and again at
+  every ``@triton.jit``, so code that writes kernels takes ``triton`` and ``tl`` from here:
+  ``from minillm.kernels.base import tl, triton``.
 - Small helpers of the attention kernels: `LOG2E`/`LN2` (base-2 exponentials, Chapter 4),
   `block_d`, `dot_precision`, `scale_and_window`, `num_sms`, `head_dim_offsets`, and the
   online-softmax update itself (`online_softmax_update`, Chapter 3), which every attention
@@ -17,23 +18,34 @@ import inspect
 import math
 import operator
 import os
+import sys
+import warnings
 
 import torch
 
 # Without a GPU, run every kernel in Triton's interpreter. Decided before Triton is imported.
+_TRITON_WAS_IMPORTED = "triton" in sys.modules
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402  (after the switch above)
 import triton.language as tl  # noqa: E402
 
-__all__ = ["interpreting", "launch", "LOG2E", "LN2", "LOG2E_C", "LN2_C", "CPU_NUM_SMS", "block_d",
+__all__ = ["triton", "tl", "interpreting", "launch", "LOG2E", "LN2", "LOG2E_C", "LN2_C", "CPU_NUM_SMS", "block_d",
            "dot_precision", "scale_and_window", "num_sms", "head_dim_offsets", "online_softmax_update"]
 
 
 def interpreting() -> bool:
     """Whether kernels run in Triton's interpreter (``TRITON_INTERPRET`` set, as on a CPU)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+if _TRITON_WAS_IMPORTED and interpreting() and type(tl.standard.sum).__name__ == "JITFunction":
+    # Triton was imported for compiled kernels; its jitted `tl` helpers cannot run in the
+    # interpreter. Say so now rather than fail later inside a kernel.
+    warnings.warn("Triton was imported before minillm on a machine without a GPU, so kernels cannot run in "
+                  "its interpreter: import minillm (or `from minillm.kernels.base import triton, tl`) first, "
+                  "or set TRITON_INTERPRET=1 before starting Python.", RuntimeWarning, stacklevel=2)
 
 
 # ----------------------------------------------------------------------------------------

@@ -60,6 +60,10 @@ ENGINE_FLAGS: dict[tuple[str, ...], tuple[str, dict]] = {
              "(default %(default)s)")),
     ("--tensor-parallel-size", "--tensor-parallel"): ("tensor_parallel_size", dict(
         type=int, help="split the model over this many GPUs, one process each (Chapter 13; default %(default)s)")),
+    ("--fused-decode",): ("fused_decode", dict(
+        choices=["auto", "on", "off"],
+        help="Chapter 10's fused kernels and merged projections: auto (default: on CUDA with the Triton "
+             "kernels), on, or off")),
 }
 
 

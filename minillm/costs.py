@@ -927,6 +927,33 @@ def kv_block_bytes(num_layers: int, kv_heads: int, head_dim: int, block_size: in
     return kv_cache_bytes(block_size, kv_heads, head_dim, dtype_bytes, layers=num_layers)
 
 
+# --------------------------------------------------------------------------- Chapter 11: virtual memory
+# vAttention keeps the keys and the values of each layer in their own virtual tensor; physical
+# pages of ``page_bytes`` (2 MB through CUDA's cuMemCreate) are mapped behind a request's
+# stretch of each tensor as it grows.
+def vmm_bytes_per_token_layer(kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
+    """Bytes of one token in one virtual tensor (the K, or the V, of one layer):
+    ``H_kv · d · dtype_bytes`` (2 KiB for Llama-3-8B in bf16; half of `gqa_kv_bytes_per_token`)."""
+    return kv_heads * head_dim * dtype_bytes
+
+
+def vmm_pages_needed(tokens: int, kv_heads: int, head_dim: int, page_bytes: int, dtype_bytes: int = 2,
+                     layers: int = 1) -> int:
+    """Physical pages a request of ``tokens`` tokens holds: ``ceil(tokens · b / page_bytes)``
+    per virtual tensor (``b`` = `vmm_bytes_per_token_layer`), times ``2 · layers`` tensors."""
+    per_tensor = -(-tokens * vmm_bytes_per_token_layer(kv_heads, head_dim, dtype_bytes) // page_bytes)
+    return 2 * layers * per_tensor
+
+
+def vmm_tokens_per_page(kv_heads: int, head_dim: int, page_bytes: int, dtype_bytes: int = 2) -> float:
+    """Tokens one page holds in one tensor: the block size a page amounts to (1024 for
+    Llama-3-8B in bf16 with 2 MB pages; 8192 with one KV head per GPU under 8-way TP)."""
+    return page_bytes / vmm_bytes_per_token_layer(kv_heads, head_dim, dtype_bytes)
+
+
+__all__ += ["vmm_bytes_per_token_layer", "vmm_pages_needed", "vmm_tokens_per_page"]  # Chapter 11
+
+
 # --------------------------------------------------------------------------- Chapter 13: tensor parallelism
 def ring_allreduce_bytes(size_bytes: float, world: int) -> float:
     """Bytes each of ``world`` ranks sends (and receives) in a ring all-reduce of a
@@ -1087,3 +1114,37 @@ __all__ += [  # Chapter 12
     "DEEPSEEK_V2_LITE_CACHE", "DEEPSEEK_V3_CACHE", "MLA_TABLE_SHAPES", "mla_kv_table", "mla_decode_bytes",
     "mla_decode_flops", "mla_naive_decode_bytes", "mla_kv_block_bytes",
 ]
+
+
+# == Chapter 10: where a decode step's time goes ================================================
+
+def llama_weight_bytes(hidden: int, intermediate: int, layers: int, q_heads: int, kv_heads: int, head_dim: int,
+                       vocab: int, dtype_bytes: int = 2, tied: bool = False) -> int:
+    """Bytes of the weights a decode step reads once: per layer the q/k/v/o projections
+    (``h·(H + 2 Hkv)·D + H·D·h``), the SwiGLU MLP (``3·h·I``) and two norms (``2h``); the final
+    norm and the ``lm_head`` (``V·h``). The embedding is read a row per token (nothing to
+    count); with ``tied`` it is the ``lm_head``, counted once either way."""
+    q, kv = q_heads * head_dim, kv_heads * head_dim
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * intermediate + 2 * hidden
+    return (layers * per_layer + hidden + vocab * hidden) * dtype_bytes
+
+
+def decode_floor_s(weight_bytes: float, kv_bytes: float, bandwidth: float, kernels: int = 0,
+                   per_kernel_s: float = 0.0) -> dict[str, float]:
+    """The floor model of one decode step: every byte it must move (the weights once, the KV
+    cache it attends over) at the copy bandwidth ``bandwidth`` (B/s, read + written as
+    `bench.common.measure_ceilings` counts it), plus ``kernels`` times the time one kernel
+    costs even when it does nothing (``per_kernel_s``, measured inside a CUDA graph).
+    Returns ``{"bytes_s", "kernels_s", "total_s"}``."""
+    bytes_s = (weight_bytes + kv_bytes) / bandwidth
+    kernels_s = kernels * per_kernel_s
+    return {"bytes_s": bytes_s, "kernels_s": kernels_s, "total_s": bytes_s + kernels_s}
+
+
+def decode_kernels_per_step(layers: int, per_layer: int, outside_layers: int) -> int:
+    """Kernels of one decode step: ``per_layer`` in each of ``layers``, plus those before and
+    after them (embedding, rotary angles, final norm, ``lm_head``, sampling)."""
+    return layers * per_layer + outside_layers
+
+
+__all__ += ["llama_weight_bytes", "decode_floor_s", "decode_kernels_per_step"]  # Chapter 10

@@ -13,6 +13,7 @@ greedy tokens wherever the one-GPU engine's choice is not a near tie.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -230,8 +231,11 @@ def test_torchrun_launch(tmp_path):
         print("TOKENS", json.dumps(outs[0].outputs[0].token_ids), flush=True)
     """))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(_port()), str(script)], capture_output=True, text=True, timeout=120, env=env)
+    for attempt in range(2):  # a second try only if another process took the free port first
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                               str(_port()), str(script)], capture_output=True, text=True, timeout=120, env=env)
+        if proc.returncode == 0 or "address already in use" not in proc.stderr.lower():
+            break
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS")]
     assert len(lines) == 1, proc.stdout  # rank 0 alone ran the script past the engine
@@ -259,50 +263,51 @@ def test_cli_flag():
 
 # --- NCCL on GPUs ----------------------------------------------------------------------------------
 
-def _gpu_checkpoint(path, family: str, kv_heads: int):
+def _checkpoint(path, family: str, kv_heads: int, dtype):
+    """A small model with the bundled tokenizer (vocabulary 4096)."""
     save_tiny(path, family, heads=8, kv_heads=kv_heads, vocab=4096, hidden=256, intermediate=704, layers=4,
-              head_dim=32, seed=7, std=0.08, dtype=torch.bfloat16)
+              head_dim=32, seed=7, std=0.15, dtype=dtype)
     shutil.copy(BUNDLED_MODEL / "tokenizer.json", path / "tokenizer.json")
     return path
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("world,family,kv_heads", [(2, "llama", 2), (2, "qwen2", 1), (1, "llama", 2)])
-def test_gpu_tensor_parallel_matches_one_gpu(tmp_path, world, family, kv_heads):
-    """bf16 on NCCL: teacher-forced log-probabilities of the same tokens within the bf16 error
-    of the one-GPU engine (measured against an fp32 run of the same weights), and the same
-    greedy tokens up to the first near tie of the one-GPU engine."""
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
-    path = _gpu_checkpoint(tmp_path / family, family, kv_heads)
+def compare_with_one_device(path, world: int, device: str, dtype: str) -> str:
+    """Teacher-forced log-probabilities of the same tokens within the error of the one-device
+    engine (both measured against a float32 run of the same weights), and the same greedy
+    tokens up to the first near tie of the one-device engine. Returns a one-line report."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 4096, int(n)).tolist() for n in rng.integers(20, 120, 6)]
     gen = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)
-    config = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=512, max_n=2,
-                  gpu_memory_utilization=0.3)
+    config = dict(device=device, dtype=dtype, max_num_seqs=8, max_num_batched_tokens=256, max_n=2,
+                  gpu_memory_utilization=0.3, kv_cache_memory_mb=8)
 
     def forced(engine, sequences):
         outs = run(engine, sequences, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True))
         return [np.array([t.logprob for t in o.prompt_logprobs[1:]]) for o in outs]
 
-    model, _ = load_model(path, device="cuda", dtype="bfloat16")
+    def release():
+        gc.collect()                 # the engine's pool and graphs, before rank 0 measures its free memory
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    model, _ = load_model(path, device=device, dtype=dtype)
     one = LLMEngine(model, NoTokenizer(path), EngineConfig(**config))
     ref = run(one, prompts, gen)
     sequences = [p + o.outputs[0].token_ids for p, o in zip(prompts, ref)]
     ref_forced = forced(one, sequences)
     del one, model
-    torch.cuda.empty_cache()
-    fp32, _ = load_model(path, device="cuda", dtype="float32")
+    release()
+    fp32, _ = load_model(path, device=device, dtype="float32")
     with torch.no_grad():
         exact = []
         for s in sequences:
-            lp = torch.log_softmax(fp32(torch.tensor([s], device="cuda"))[0, :-1].float(), -1)
-            exact.append(lp.gather(1, torch.tensor(s[1:], device="cuda")[:, None])[:, 0].cpu().numpy())
+            lp = torch.log_softmax(fp32(torch.tensor([s], device=device))[0, :-1].float(), -1)
+            exact.append(lp.gather(1, torch.tensor(s[1:], device=device)[:, None])[:, 0].cpu().numpy())
     del fp32
-    torch.cuda.empty_cache()
+    release()
 
     if world == 1:
-        engine = LLMEngine(load_parallel_model(path, 1, device="cuda", dtype="bfloat16"), NoTokenizer(path),
+        engine = LLMEngine(load_parallel_model(path, 1, device=device, dtype=dtype), NoTokenizer(path),
                            EngineConfig(**config))
     else:
         engine = LLMEngine.from_pretrained(path, EngineConfig(tensor_parallel_size=world, **config))
@@ -312,12 +317,37 @@ def test_gpu_tensor_parallel_matches_one_gpu(tmp_path, world, family, kv_heads):
     err_tp = np.concatenate([np.abs(a - b) for a, b in zip(ours_forced, exact)])
     assert err_tp.mean() <= 2 * err_one.mean() + 1e-3, (err_tp.mean(), err_one.mean())
     assert err_tp.max() <= 3 * err_one.max() + 0.05, (err_tp.max(), err_one.max())
+    # A near tie is a margin within 4x the mean rounding error: rounding in another order may
+    # then pick the other token, and the two generations part there. (A wrong shard fails the
+    # forced check above by far; this one checks the engine's own decode steps.)
+    tie, compared = max(0.05, 4 * max(err_one.mean(), err_tp.mean())), 0
     for a, b in zip(ours, ref):
         for i, (ta, tb) in enumerate(zip(a.outputs[0].logprobs, b.outputs[0].logprobs)):
             margin = tb.top[0][1] - tb.top[1][1]
-            if margin < 0.05:  # a near tie: bf16 rounding in another order may pick the other
+            if margin < tie:
                 break
-            assert ta.token == tb.token, f"token {i}: {ta.token} != {tb.token} (margin {margin:.3f})"
-            assert abs(ta.logprob - tb.logprob) < 0.25
-    print(f"\nworld {world} {family}: forced |logprob error| mean {err_tp.mean():.4f} max {err_tp.max():.3f} "
-          f"(one GPU: {err_one.mean():.4f} / {err_one.max():.3f}); runner: {engine.runner.describe()}")
+            assert ta.token_id == tb.token_id, f"token {i}: {ta.token_id} != {tb.token_id} (margin {margin:.3f})"
+            assert abs(ta.logprob - tb.logprob) <= 3 * err_one.max() + 0.05
+            compared += 1
+    assert compared >= 4, f"too few tokens before a near tie to compare ({compared}, tie {tie:.3f}, errors {err_one.max():.3f} {err_tp.max():.3f} {err_one.mean():.4f} {err_tp.mean():.4f})"
+    return (f"world {world} {device} {dtype}: forced |logprob error| mean {err_tp.mean():.4f} max {err_tp.max():.3f} "
+            f"(one device: {err_one.mean():.4f} / {err_one.max():.3f}); {compared} greedy tokens compared "
+            f"(near tie: margin < {tie:.3f}); "
+            f"runner: {engine.runner.describe()}")
+
+
+def test_the_gpu_comparison_on_cpu(tmp_path):
+    """The comparison the GPU test makes, run here on gloo in float32 (so that its code is
+    tested where there is no GPU)."""
+    path = _checkpoint(tmp_path / "llama", "llama", 1, torch.float32)
+    print(compare_with_one_device(path, 2, "cpu", "float32"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world,family,kv_heads", [(2, "llama", 2), (2, "qwen2", 1), (1, "llama", 2)])
+def test_gpu_tensor_parallel_matches_one_gpu(tmp_path, world, family, kv_heads):
+    """bf16 on NCCL against the one-GPU engine (`compare_with_one_device`)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    path = _checkpoint(tmp_path / family, family, kv_heads, torch.bfloat16)
+    print("\n" + compare_with_one_device(path, world, "cuda", "bfloat16"))

@@ -287,7 +287,19 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     and penalties come before, over the whole batch: `minillm.decoding.logits_processors`.)"""
     if params.temperature == 0:
         return int(logits.argmax())
+    if logits.device.type != "cpu":  # Chapter 10: the row stays on the GPU, only the token id comes back
+        return draw_on_device(sampling_probs(logits, params), generator)
     return int(torch.multinomial(sampling_probs(logits, params), 1, generator=generator))
+
+
+def draw_on_device(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from ``probs [vocab]`` on their device by inversion: one uniform ``u`` in
+    ``(0, 1]`` from the (CPU) ``generator``, then the first token whose cumulative probability
+    reaches ``u`` times the total. The same distribution as ``torch.multinomial``, but other
+    draws for the same seed; the host sends one number and reads back one id."""
+    u = 1.0 - float(torch.rand((), generator=generator, dtype=torch.float64))
+    cdf = probs.double().cumsum(0)
+    return min(int((cdf < u * cdf[-1]).sum()), probs.shape[0] - 1)
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

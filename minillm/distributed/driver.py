@@ -177,6 +177,8 @@ class TensorParallelModel:
         try:
             if self.world_size > 1 and (self.torchrun or all(p.is_alive() for p in self.processes)):
                 self.broadcast(("shutdown",))
+        except RuntimeError as e:  # a rank is already gone: nothing to tell it
+            warnings.warn(f"tensor-parallel shutdown: {e}", stacklevel=2)
         finally:
             self.closed = True
             destroy_parallel_state()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 import traceback
@@ -42,9 +43,10 @@ import torch.distributed as dist
 
 from minillm.distributed.parallel_state import ParallelState, destroy_parallel_state, init_parallel_state
 from minillm.distributed.tp import load_tp_model
+from minillm.engine.model_runner import CapturedGraph, ModelRunner
 from minillm.model.paged import PagedBatch
 
-__all__ = ["BATCH_FIELDS", "Worker", "batch_fields", "batch_from_fields", "describe_rank", "gather_to_rank0",
+__all__ = ["BATCH_FIELDS", "RankRunner", "Worker", "batch_fields", "batch_from_fields", "describe_rank", "gather_to_rank0",
            "noop", "serve_commands", "time_all_reduce", "worker_main"]
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,20 @@ def batch_from_fields(fields: dict, device) -> PagedBatch:
                          for k, v in fields.items()})
 
 
+class RankRunner(ModelRunner):
+    """`minillm.engine.model_runner.ModelRunner` whose graphs are captured in ``thread_local``
+    mode: NCCL's watchdog thread may query the events of earlier collectives while a rank
+    captures, which the default (``global``) mode counts as an illegal call during the
+    capture. The captured steps are the same."""
+
+    def capture(self, batch: PagedBatch, pool) -> tuple[CapturedGraph, tuple]:
+        torch.cuda.synchronize(self.cache.pool.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            logits = self.model.forward_paged(batch, self.cache, last_only=True)
+        return CapturedGraph(graph, batch, logits), graph.pool()
+
+
 class Worker:
     """One rank's shard of the model, of the KV pool and its runner (see the module docstring).
 
@@ -98,14 +114,12 @@ class Worker:
     # == the ops ================================================================================
     def op_new_paged_cache(self, cache_id: int, num_blocks: int, block_size: int, backend: str = "auto",
                            softmax_phi: float | None = None):
-        from minillm.engine.model_runner import ModelRunner
-
         self.cache = self.runner = None
         if self.state.device.type == "cuda":
             torch.cuda.empty_cache()  # the profiling pass's memory: rank 0 measured without it
         self.cache = self.model.new_paged_cache(num_blocks, block_size, backend=backend, softmax_phi=softmax_phi)
         self.cache_id = cache_id
-        self.runner = ModelRunner(self.model, self.cache)
+        self.runner = RankRunner(self.model, self.cache)
         return self.cache
 
     def _batch(self, batch) -> PagedBatch:
@@ -188,6 +202,9 @@ def worker_main(rank: int, world_size: int, init_method: str, path: str, dtype, 
     """The entry point of a spawned rank (``rank >= 1``): join the group, load the shard, serve."""
     if num_threads:
         torch.set_num_threads(num_threads)
+    # Ctrl-C reaches every process of the terminal's group: rank 0 decides when the ranks
+    # stop (it drains its requests, then sends "shutdown"), so the others ignore it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if parent_pid is not None:
         _exit_with_parent(parent_pid)
     state = init_parallel_state(rank, world_size, backend, init_method)

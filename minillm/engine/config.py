@@ -38,6 +38,9 @@ class EngineConfig:
         record_steps: keep a `StepRecord` per step (the chapter's timeline plot).
         tensor_parallel_size: ranks the model is split over (Chapter 13, `minillm.distributed`):
             one process and one GPU each (gloo on a CPU); 1 runs in this process alone.
+        fused_decode: Chapter 10's fused kernels and merged projections (`minillm.model.fused`):
+            ``"auto"`` (on CUDA with the Triton attention kernels), ``"on"`` (force: on a CPU
+            the kernels run in Triton's interpreter) or ``"off"`` (the torch layers).
     """
 
     device: str | None = None
@@ -56,12 +59,15 @@ class EngineConfig:
     seed: int | None = None
     record_steps: bool = False
     tensor_parallel_size: int = 1
+    fused_decode: str = "auto"
 
     def __post_init__(self):
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         if self.cuda_graphs not in ("all", "decode", "off"):
             raise ValueError(f"cuda_graphs must be 'all', 'decode' or 'off', got {self.cuda_graphs!r}")
+        if self.fused_decode not in ("auto", "on", "off"):
+            raise ValueError(f"fused_decode must be 'auto', 'on' or 'off', got {self.fused_decode!r}")
         if self.max_num_seqs < self.max_n:
             raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be >= max_n ({self.max_n})")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n", "tensor_parallel_size"):

@@ -31,6 +31,7 @@ from minillm.engine.guards import check_limits as _check_limits, normalise_param
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.request import CompletionOutput, Request, RequestOutput, Sequence as Seq, TokenLogprob
 from minillm.engine.scheduler import Scheduler, SchedulerOutput
+from minillm.model.fused import enable_fused_decode
 from minillm.model.paged import PagedBatch
 from minillm.paged import BlockManager, blocks_for
 
@@ -105,6 +106,8 @@ class LLMEngine:
         self.steps: list[StepRecord] = []
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()
+        # Chapter 10: the fused kernels and merged projections (on CUDA by default; before capture).
+        self.fused_decode = enable_fused_decode(model, self.cache, getattr(config, "fused_decode", "off"))
         # A tensor-parallel model (Chapter 13) brings its own runner: each rank runs its shard.
         self.runner = model.make_runner(self.cache) if hasattr(model, "make_runner") else ModelRunner(model, self.cache)
         if config.cuda_graphs != "off":  # a no-op off CUDA or with the torch backend
@@ -331,7 +334,8 @@ class LLMEngine:
             if request.params.prompt_logprobs is not None and request.prompt_logprobs is None:
                 request.prompt_logprobs = self._prompt_logprobs(request)
         sampled = any(not r.params.greedy and not r.params.beam_search for r in ready)
-        logits_cpu = logits.cpu() if sampled else None
+        # Fused path (Chapter 10): the logits stay on the device; each draw sends back its token id.
+        logits_cpu = (logits if self.fused_decode else logits.cpu()) if sampled else None
         now = time.perf_counter()
         at = 0
         for request in ready:

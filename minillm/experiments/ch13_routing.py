@@ -12,7 +12,8 @@ each decodes exactly ``max_tokens`` tokens and both policies do the same decodin
 same engine flags; small KV pools, so that one instance cannot hold every system prompt) behind
 the router (`minillm.router`) with one policy; ``concurrency`` clients send the requests in
 arrival order, each sending its next request when its previous one is answered (a closed
-loop). Each instance first gets one warm-up request shorter than a block, which caches nothing.
+loop). Each instance first gets a warm-up request shorter than a block, which caches nothing,
+and so does the router (its first request pays for setting up its HTTP client).
 
 **What is measured.** The prefix-cache hit rate: prompt tokens served from the cache over all
 prompt tokens, summed over the instances, read from each instance's ``/metrics``
@@ -205,13 +206,15 @@ def run_policy(policy: str, workload: RoutingWorkload, *, instances: int = 2, mo
     flags = ["--device", "cpu", "--block-size", str(block_size), "--num-blocks", str(num_blocks), *engine_flags]
     procs = spawn_instances(instances, model, flags, threads=threads)
     try:
-        for p in procs:   # warm-up: shorter than a block, so it caches nothing
-            httpx.post(p.url + "/v1/completions", json={"prompt": [1] * max(1, block_size - 1), "max_tokens": 2,
-                                                        "temperature": 0, "ignore_eos": True}, timeout=60)
-        before = [cache_counts(p.url) for p in procs]
         app = create_router_app([p.url for p in procs], model, policy=policy, block_size=block_size,
                                 max_in_flight=max_in_flight, health_interval=5.0)
         with RouterThread(app) as url:
+            # Warm-up, shorter than a block so that it caches nothing: each instance directly,
+            # and the router once (its first request pays for its client and thread pool).
+            warm = {"prompt": [1] * max(1, block_size - 1), "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+            for target in [p.url for p in procs] + [url]:
+                httpx.post(target + "/v1/completions", json=warm, timeout=60)
+            before = [cache_counts(p.url) for p in procs]
             start = time.perf_counter()
             answers = asyncio.run(_send_all(url, workload.prompts, max_tokens, concurrency, timeout))
             seconds = time.perf_counter() - start
@@ -261,11 +264,14 @@ def compare_routing(workload: RoutingWorkload | None = None, *, policies=POLICIE
                       "failed": sum(run["failed"] for run in mine),
                       "requests_per_instance": [i["requests"] for i in best["per_instance"]]})
     defaults = {k: v.default for k, v in _run_defaults().items()}
-    params = {**defaults, **run_kwargs, "model": str(run_kwargs.get("model", defaults["model"])), "repeats": repeats,
+    model = Path(run_kwargs.get("model", defaults["model"]))
+    model = "bundled: " + model.name if model.resolve() == Path(BUNDLED_MODEL).resolve() else str(model)
+    params = {**defaults, **run_kwargs, "model": model, "repeats": repeats,
               "num_systems": len(workload.systems), "requests_per_system": workload.systems[0].num_requests,
               "system_len": len(workload.systems[0].system), "suffix_len": len(workload.systems[0].suffixes[0]),
               "ideal_hit_rate": workload.ideal_hit_rate(run_kwargs.get("block_size", defaults["block_size"]))}
     params["engine_flags"] = list(params["engine_flags"])
+    params["threads"] = params["threads"] or max(1, (os.cpu_count() or 1) // params["instances"])
     return {"params": params, "runs": runs, "table": table}
 
 
@@ -277,11 +283,12 @@ def _run_defaults() -> dict:
 
 def format_table(result: dict) -> str:
     """The policy table as markdown."""
-    lines = ["| policy | prefix-cache hit rate | requests/s | output tokens/s | mean latency (s) | requests per instance |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| policy | prefix-cache hit rate | requests/s | output tokens/s | mean latency (s) "
+             "| requests per instance |", "|---|---|---|---|---|---|"]
     for row in result["table"]:
         lines.append(f"| {row['policy']} | {row['hit_rate']:.3f} | {row['requests_per_s']:.2f} | "
-                     f"{row['output_tokens_per_s']:.1f} | {row['latency_mean_s']:.3f} | {row['requests_per_instance']} |")
+                     f"{row['output_tokens_per_s']:.1f} | {row['latency_mean_s']:.3f} "
+                     f"| {row['requests_per_instance']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -259,7 +259,13 @@ class LlamaForCausalLM(nn.Module):
         Returns logits ``[N, vocab]`` for every new token (``N = batch.num_tokens``), or, with
         ``last_only``, ``[batch, vocab]`` for each sequence's last new token: all that decoding
         needs, and it spares the ``lm_head`` matmul over prompt tokens.
+
+        With ``self.fused_decode`` set (Chapter 10, `minillm.model.fused.enable_fused_decode`),
+        the same step runs through the fused kernels instead.
         """
+        fused = getattr(self, "fused_decode", None)
+        if fused is not None:
+            return fused(batch, cache, last_only)
         c = self.config
         x = self.model.embed_tokens(batch.input_ids)                               # [N, hidden]
         cos, sin = rope_cos_sin(batch.positions, c.rope_dim, c.rope_theta, x.dtype)  # [N, D]

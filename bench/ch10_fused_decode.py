@@ -1,0 +1,558 @@
+"""Chapter 10 benchmark: the fused decode step against the unfused one, same model, same GPU,
+same run.
+
+Models: random-weight Llamas built in memory (`minillm.model.LlamaForCausalLM`, normal(0, 0.02)
+weights, bf16) in the shapes of `minillm.experiments.ch09_engine_benchmark.PRESETS`:
+``llama-280m`` (24 layers, hidden 1024, 16/4 heads of 64, SwiGLU 2816) and ``llama-3.2-1b``
+(16 layers, hidden 2048, 32/8 heads of 64, SwiGLU 8192, tied embeddings), vocabulary 4096 (the
+bundled tokenizer's). Four parts, each in its own ``try`` (a failure records an ``error`` row):
+
+1. **kernels** (kind ``kernel``): each fused kernel of `minillm.kernels.ch10_fused_decode`
+   against the torch ops the unfused model runs (``torch_eager``; for the rotary this includes
+   Chapter 5's cache-write kernel) and against ``torch.compile`` of those ops
+   (``torch_compile``); ``time_us`` per call inside a CUDA graph (`bench.common.graph_time_ms`),
+   at the 280M model's shapes and 64 rows, and at the 1B model's and 1 row.
+2. **decode step** (kind ``step``): one decode step of 64 sequences of ``CONTEXT`` tokens of
+   the 280M model, captured in a CUDA graph, fused against unfused: ``step_ms`` (graph replay,
+   argmax included), ``eager_step_ms``, ``kernels_per_step`` (torch.profiler over one eager
+   step), per category (``gemm``, ``attention``, ``norms``, ``rotary`` (with the cache write),
+   ``elementwise``, ``sampling``, ``other``) ``<category>_us`` and ``<category>_kernels`` from
+   the profiler; and the floor model (`minillm.costs.decode_floor_s`): weights + KV bytes over
+   the copy bandwidth measured in this run (``floor_bytes_ms``), plus kernels times the cost of
+   an almost empty kernel inside a graph (``empty_kernel_us``, measured here):
+   ``floor_ms`` per mode.
+3. **single request** (kind ``single``): decode time per token of one sequence of the 1B model
+   (CUDA graph), fused against unfused, and ``floor_ms`` = its weights once at the bandwidth.
+4. **offline** (kind ``offline``): Chapter 9's offline workload, reduced (``OFFLINE_REQUESTS``
+   requests, prompts and outputs of 32-256 tokens, 64 at once), the engine fused against
+   unfused (``output_tokens_per_s``, ``decode_step_ms``), and transformers' static batching
+   as the peer when time is left (`minillm.experiments.ch09_engine_benchmark.run_hf_static`).
+
+The profiler's category table and a timeline (start, duration, category of each kernel of one
+captured step) are written to ``$MINILLM_ARTIFACTS/<gpu-slug>.ch10_profile.json`` when that
+variable is set (``scripts/gpu.sh`` sets it), for the chapter's plots.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from bench.common import Results, free_memory, graph_time_ms, time_ms
+
+BENCHMARK = "ch10_fused_decode"
+BATCH = 64
+CONTEXT = int(os.environ.get("MINILLM_CH10_CONTEXT", 256))
+SINGLE_CONTEXT = 128
+OFFLINE_REQUESTS = int(os.environ.get("MINILLM_CH10_REQUESTS", 64))
+BUDGET_S = float(os.environ.get("MINILLM_CH10_BUDGET_S", 300))
+DTYPE = torch.bfloat16
+MODES = ("unfused", "fused")
+CATEGORIES = ("gemm", "attention", "norms", "rotary", "elementwise", "sampling", "other")
+
+
+# == models ========================================================================================
+
+def random_model(preset: str, device, dtype=DTYPE, seed: int = 0):
+    """A `LlamaForCausalLM` of a `PRESETS` shape with random weights, built on ``device``."""
+    from minillm.experiments.ch09_engine_benchmark import PRESETS
+    from minillm import BUNDLED_MODEL
+    from minillm.model import LlamaForCausalLM, ModelConfig, load_tokenizer
+
+    tokenizer = load_tokenizer(BUNDLED_MODEL)[0]
+    p = PRESETS[preset]
+    config = ModelConfig(model_type="llama", vocab_size=tokenizer.get_vocab_size(), hidden_size=p["hidden_size"],
+                         intermediate_size=p["intermediate_size"], num_hidden_layers=p["num_hidden_layers"],
+                         num_attention_heads=p["num_attention_heads"], num_key_value_heads=p["num_key_value_heads"],
+                         head_dim=p["head_dim"], max_position_embeddings=p["max_position_embeddings"],
+                         rms_norm_eps=1e-5, tie_word_embeddings=p.get("tie_word_embeddings", False),
+                         bos_token_id=0, eos_token_ids=[0])
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype).eval()
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            t.fill_(1.0) if "norm" in name else t.normal_(0, 0.02)
+    return model, tokenizer
+
+
+def weight_bytes(model) -> int:
+    from minillm.costs import llama_weight_bytes
+
+    c = model.config
+    return llama_weight_bytes(c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
+                              c.num_key_value_heads, c.head_dim, c.vocab_size, model.lm_head.weight.element_size(),
+                              c.tie_word_embeddings)
+
+
+# == part 1: the kernels ===========================================================================
+
+def _kernel_cases(device):
+    """``(name, shape params, ours, eager)`` for each fused kernel at two shapes."""
+    from minillm.kernels import ch10_fused_decode as k
+    from minillm.kernels.ch05_paged_attention import write_paged_kv
+    from minillm.model.torch_model import apply_rope, rope_cos_sin
+
+    cases = []
+    for label, T, hidden, H, Hkv, D, inter in (("280m", BATCH, 1024, 16, 4, 64, 2816),
+                                               ("1b", 1, 2048, 32, 8, 64, 8192)):
+        g = torch.Generator(device=device).manual_seed(0)
+        rnd = lambda *s: torch.randn(*s, device=device, dtype=DTYPE, generator=g)  # noqa: E731
+        x, r, w = rnd(T, hidden), rnd(T, hidden), rnd(hidden)
+
+        def norm_eager(x=x, r=r, w=w):
+            s = x + r
+            h = s.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+            return w * h.to(s.dtype), s
+
+        cases.append(("add_rmsnorm", {"shape": label, "rows": T, "hidden": hidden},
+                      lambda x=x, r=r, w=w: k.add_rmsnorm(x, r, w, 1e-5), norm_eager))
+        qkv = rnd(T, (H + 2 * Hkv) * D)
+        q, kk, v = (qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D),
+                    qkv[:, (H + Hkv) * D:].view(T, Hkv, D))
+        cos, sin = rope_cos_sin(torch.arange(100, 100 + T, device=device), D, 10000.0, DTYPE)
+        blocks = T * 16 // 16 + 4
+        kc = torch.zeros(blocks, 16, Hkv, D, device=device, dtype=DTYPE)
+        vc = torch.zeros_like(kc)
+        slots = torch.arange(T, device=device) * 16 + 3
+
+        def rope_eager(q=q, kk=kk, v=v, cos=cos, sin=sin, kc=kc, vc=vc, slots=slots):
+            qr = apply_rope(q, cos[:, None], sin[:, None])
+            kr = apply_rope(kk, cos[:, None], sin[:, None])
+            if torch.compiler.is_compiling():   # torch.compile: the write as an index_put
+                kc.view(-1, Hkv, D)[slots] = kr
+                vc.view(-1, Hkv, D)[slots] = v
+            else:                                # eager: the unfused model's path (Chapter 5's kernel)
+                write_paged_kv(kc, vc, kr, v, slots)
+            return qr
+
+        cases.append(("rope_write_kv", {"shape": label, "rows": T, "heads": H, "kv_heads": Hkv, "head_dim": D},
+                      lambda q=q, kk=kk, v=v, cos=cos, sin=sin, kc=kc, vc=vc, slots=slots:
+                      k.rope_write_kv(q, kk, v, cos, sin, kc, vc, slots), rope_eager))
+        gate_up = rnd(T, 2 * inter)
+        cases.append(("silu_mul", {"shape": label, "rows": T, "intermediate": inter},
+                      lambda gu=gate_up: k.silu_mul(gu),
+                      lambda gu=gate_up, n=inter: torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]))
+    return cases
+
+
+def part_kernels(results: Results, ctx: dict) -> None:
+    device = ctx["device"]
+    for name, params, ours, eager in _kernel_cases(device):
+        params = {"kind": "kernel", "kernel": name, **params}
+        t_ours = graph_time_ms(ours) * 1e3
+        t_eager = graph_time_ms(eager) * 1e3
+        t_comp = None
+        if params["shape"] == "280m" and ctx["left"]() > 120:
+            try:
+                compiled = torch.compile(eager, dynamic=False)
+                compiled()
+                t_comp = graph_time_ms(compiled) * 1e3
+            except Exception as e:  # noqa: BLE001 - torch.compile may not run here
+                results.add(BENCHMARK, {**params, "peer": "torch_compile"}, "error", None,
+                            note=f"torch.compile: {type(e).__name__}: {e}"[:300])
+        results.add(BENCHMARK, params, "time_us", t_ours, "torch_eager", t_eager,
+                    note="per call inside a CUDA graph (bench.common.graph_time_ms)")
+        if t_comp is not None:
+            results.add(BENCHMARK, params, "time_us", t_ours, "torch_compile", t_comp)
+        print(f"  [{BENCHMARK}] {name:14s} {params['shape']:5s} fused {t_ours:7.2f} us, eager {t_eager:7.2f} us"
+              + (f", compile {t_comp:7.2f} us" if t_comp else ""), flush=True)
+
+
+# == profiling ====================================================================================
+
+def categorize(name: str) -> str:
+    """A kernel's category from its name (used where no annotation says: inside a graph)."""
+    n = name.lower()
+    if any(s in n for s in ("argmax", "softmax", "multinomial", "sort", "topk", "cumsum")):
+        return "sampling"
+    if any(s in n for s in ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "matmul", "splitk")):
+        return "gemm"
+    if any(s in n for s in ("_split_kernel", "merge_splits", "_fwd_kernel", "paged_decode", "paged_prefill",
+                            "flash", "attention")):
+        return "attention"
+    if "rmsnorm" in n or "rsqrt" in n or "pow_tensor" in n or "meanops" in n:
+        return "norms"
+    if any(s in n for s in ("rope", "write_paged_kv", "catarray", "neg_kernel", "cos_kernel", "sin_kernel")):
+        return "rotary"
+    if any(s in n for s in ("silu", "elementwise", "mul", "add", "copy", "fill")):
+        return "elementwise"
+    return "other"
+
+
+@contextlib.contextmanager
+def labelled(model):
+    """Wrap the model's parts in ``torch.profiler.record_function("ch10::<category>")`` ranges
+    (module hooks and patched functions), so each kernel can be attributed to the innermost
+    range that launched it."""
+    from torch.profiler import record_function
+
+    from minillm.model import fused as fused_mod
+    from minillm.model import torch_model as tm
+
+    from minillm.model.torch_model import MLP, DecoderLayer, Linear, RMSNorm
+
+    handles, patches, stack = [], [], []
+    labels = {RMSNorm: "norms", Linear: "gemm", MLP: "elementwise", DecoderLayer: "elementwise",
+              torch.nn.Embedding: "other"}
+
+    def pre(label):
+        def hook(module, args):
+            rf = record_function(f"ch10::{label}")
+            rf.__enter__()
+            stack.append(rf)
+        return hook
+
+    def post(module, args, out):
+        stack.pop().__exit__(None, None, None)
+
+    for m in model.modules():
+        for cls, label in labels.items():
+            if type(m) is cls or (cls is Linear and isinstance(m, Linear)):
+                handles += [m.register_forward_pre_hook(pre(label)), m.register_forward_hook(post)]
+                break
+
+    def wrap(owner, attr, label):
+        fn = getattr(owner, attr)
+
+        def wrapped(*a, **kw):
+            with record_function(f"ch10::{label}"):
+                return fn(*a, **kw)
+        setattr(owner, attr, wrapped)
+        patches.append((owner, attr, fn))
+
+    for owner, attr, label in ((tm, "apply_rope", "rotary"), (tm, "write_kv", "rotary"),
+                               (tm, "rope_cos_sin", "rotary"), (tm, "paged_attention", "attention"),
+                               (fused_mod, "paged_attention", "attention"), (fused_mod, "_linear", "gemm")):
+        wrap(owner, attr, label)
+    fused = getattr(model, "fused_decode", None)
+    if fused is not None:
+        kern = fused.k
+
+        class Labelled:  # the fused kernels, each in its range
+            pass
+        lk = Labelled()
+        for attr, label in (("add_rmsnorm", "norms"), ("rope_write_kv", "rotary"), ("silu_mul", "elementwise")):
+            setattr(lk, attr, getattr(kern, attr))
+            wrap(lk, attr, label)
+        fused.k = lk
+    try:
+        yield
+    finally:
+        if fused is not None:
+            fused.k = kern
+        for owner, attr, fn in reversed(patches):
+            setattr(owner, attr, fn)
+        for h in handles:
+            h.remove()
+
+
+def profile_eager(model, step) -> dict:
+    """Run ``step()`` once under torch.profiler with the model `labelled`; per category the
+    kernel count and GPU microseconds, and the total count."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with labelled(model), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = {c: {"kernels": 0, "us": 0.0} for c in CATEGORIES}
+    linked = 0
+    for e in prof.events():
+        if e.device_type != DeviceType.CPU or not e.kernels:
+            continue
+        label, p = None, e
+        while p is not None and label is None:
+            if p.name.startswith("ch10::"):
+                label = p.name[6:]
+            p = p.cpu_parent
+        for kern in e.kernels:
+            if kern.name.startswith(("Memcpy", "Memset")):
+                continue
+            cat = label or categorize(kern.name)
+            table[cat]["kernels"] += 1
+            table[cat]["us"] += kern.duration
+            linked += 1
+    device_kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA
+                      and not e.name.startswith(("Memcpy", "Memset"))]
+    if linked == 0:  # no CPU-GPU links: categories by kernel name alone
+        for e in device_kernels:
+            cat = categorize(e.name)
+            table[cat]["kernels"] += 1
+            table[cat]["us"] += e.time_range.elapsed_us()
+    return {"categories": table, "kernels": len(device_kernels), "attributed_by": "ranges" if linked else "names"}
+
+
+def profile_graph(replay) -> list[dict]:
+    """The kernels of one replay of a captured graph: ``[{name, start_us, dur_us, category}]``
+    (empty when the profiler does not see inside graphs)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA
+                 and not e.name.startswith(("Memcpy", "Memset"))), key=lambda e: e.time_range.start)
+    if not ev:
+        return []
+    t0 = ev[0].time_range.start
+    return [{"name": e.name[:80], "start_us": e.time_range.start - t0, "dur_us": e.time_range.elapsed_us(),
+             "category": categorize(e.name)} for e in ev]
+
+
+def empty_kernel_us(device) -> float:
+    """Microseconds one almost empty kernel (a one-element add) costs inside a CUDA graph."""
+    x = torch.zeros(1, device=device)
+    return graph_time_ms(lambda: x.add_(1.0), repeats=200) * 1e3
+
+
+# == parts 2 and 3: one decode step ===============================================================
+
+def decode_setup(model, batch: int, context: int, device):
+    """A paged cache holding ``batch`` sequences of ``context`` tokens (zeros: the values do not
+    change the time) and the `PagedBatch` of their next decode step."""
+    from minillm.model.paged import PagedBatch
+    from minillm.paged import BlockManager
+
+    bs = 16
+    num_blocks = batch * math.ceil((context + 1) / bs) + 4
+    cache = model.new_paged_cache(num_blocks, bs)
+    manager = BlockManager(num_blocks, bs, enable_prefix_caching=False)
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    for i in range(batch):
+        manager.allocate(i, torch.randint(0, vocab, (context,), generator=gen).tolist())
+    manager.append_slots(list(range(batch)), torch.randint(0, vocab, (batch,), generator=gen).tolist())
+    return cache, PagedBatch.from_manager(manager, list(range(batch)), 1, device=device)
+
+
+def measure_step(model, cache, batch, mode: str, profile: bool = False) -> dict:
+    """Eager and graph time of one decode step (+ argmax) in ``mode``; with ``profile`` the
+    profiler's categories (eager) and the graph's timeline."""
+    from minillm.model.fused import enable_fused_decode
+
+    enable_fused_decode(model, cache, "on" if mode == "fused" else "off")
+
+    def step():
+        return model.forward_paged(batch, cache, last_only=True).argmax(-1)
+
+    with torch.inference_mode():
+        step()
+        torch.cuda.synchronize()
+        out = {"eager_step_ms": time_ms(step, warmup=10, rep=50)}
+        if profile:
+            out["profile"] = profile_eager(model, step)
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        out["step_ms"] = time_ms(graph.replay, warmup=10, rep=100)
+        if profile:
+            out["timeline"] = profile_graph(graph.replay)
+    del graph
+    return out
+
+
+def part_step(results: Results, ctx: dict) -> None:
+    from minillm.costs import decode_floor_s, kv_cache_bytes
+
+    device, bw = ctx["device"], ctx["bandwidth"]
+    model, _ = random_model("llama-280m", device)
+    c = model.config
+    cache, batch = decode_setup(model, BATCH, CONTEXT, device)
+    kv = kv_cache_bytes(BATCH * (CONTEXT + 1), c.num_key_value_heads, c.head_dim, 2, c.num_hidden_layers)
+    wb = weight_bytes(model)
+    per_kernel = ctx["empty_kernel_us"]
+    base = {"kind": "step", "model": "llama-280m-random", "dtype": "bfloat16", "batch": BATCH, "context": CONTEXT}
+    m = {mode: measure_step(model, cache, batch, mode, profile=True) for mode in MODES}
+    floor_bytes = decode_floor_s(wb, kv, bw)["bytes_s"] * 1e3
+    add = lambda metric, *a, **kw: results.add(BENCHMARK, base, metric, *a, **kw)  # noqa: E731
+    f, u = m["fused"], m["unfused"]
+    add("step_ms", f["step_ms"], "unfused", u["step_ms"], note="decode step + argmax, CUDA graph replay")
+    add("eager_step_ms", f["eager_step_ms"], "unfused", u["eager_step_ms"])
+    add("kernels_per_step", f["profile"]["kernels"], "unfused", u["profile"]["kernels"], better="lower",
+        note="CUDA kernels of one eager step (torch.profiler)")
+    add("floor_bytes_ms", floor_bytes, note=f"(weights {wb / 1e6:.0f} MB + KV {kv / 1e6:.0f} MB) / copy bandwidth")
+    add("empty_kernel_us", per_kernel, note="a one-element add inside a CUDA graph")
+    add("weight_bytes", wb)
+    add("kv_bytes", kv)
+    for mode in MODES:
+        p = m[mode]["profile"]
+        params = {**base, "mode": mode}
+        floor = decode_floor_s(wb, kv, bw, p["kernels"], per_kernel * 1e-6)
+        results.add(BENCHMARK, params, "floor_ms", floor["total_s"] * 1e3,
+                    note="bytes at the copy bandwidth + kernels x empty_kernel_us")
+        results.add(BENCHMARK, params, "step_ms", m[mode]["step_ms"],
+                    fraction_of_ceiling=floor["total_s"] * 1e3 / m[mode]["step_ms"])
+        for cat, v in p["categories"].items():
+            results.add(BENCHMARK, params, f"{cat}_us", v["us"], note=f"attributed by {p['attributed_by']}")
+            results.add(BENCHMARK, params, f"{cat}_kernels", v["kernels"], better="lower")
+    ctx["artifact"]["step"] = {
+        **base, "bandwidth_TBps": bw / 1e12, "empty_kernel_us": per_kernel, "weight_bytes": wb, "kv_bytes": kv,
+        "modes": {mode: {"step_ms": m[mode]["step_ms"], "eager_step_ms": m[mode]["eager_step_ms"],
+                         "kernels": m[mode]["profile"]["kernels"], "categories": m[mode]["profile"]["categories"],
+                         "attributed_by": m[mode]["profile"]["attributed_by"], "timeline": m[mode]["timeline"]}
+                  for mode in MODES}}
+    print(f"  [{BENCHMARK}] 280M x {BATCH} seqs @ {CONTEXT}: graph step fused {f['step_ms']:.3f} ms vs unfused "
+          f"{u['step_ms']:.3f} ms; kernels {f['profile']['kernels']} vs {u['profile']['kernels']}; floor (bytes) "
+          f"{floor_bytes:.3f} ms; empty kernel {per_kernel:.2f} us", flush=True)
+    model.fused_decode = None
+    del model, cache
+    free_memory()
+
+
+def part_single(results: Results, ctx: dict) -> None:
+    from minillm.costs import decode_floor_s
+
+    device, bw = ctx["device"], ctx["bandwidth"]
+    model, _ = random_model("llama-3.2-1b", device)
+    cache, batch = decode_setup(model, 1, SINGLE_CONTEXT, device)
+    m = {mode: measure_step(model, cache, batch, mode) for mode in MODES}
+    wb = weight_bytes(model)
+    base = {"kind": "single", "model": "llama-3.2-1b-random", "dtype": "bfloat16", "batch": 1,
+            "context": SINGLE_CONTEXT}
+    floor = decode_floor_s(wb, 0, bw)["total_s"] * 1e3
+    results.add(BENCHMARK, base, "token_ms", m["fused"]["step_ms"], "unfused", m["unfused"]["step_ms"],
+                fraction_of_ceiling=floor / m["fused"]["step_ms"], note="CUDA graph replay of one decode step")
+    results.add(BENCHMARK, base, "eager_token_ms", m["fused"]["eager_step_ms"], "unfused",
+                m["unfused"]["eager_step_ms"])
+    results.add(BENCHMARK, base, "floor_ms", floor, note=f"weights ({wb / 1e9:.2f} GB) once at the copy bandwidth")
+    ctx["artifact"]["single"] = {**base, "floor_ms": floor, **{mode: m[mode] for mode in MODES}}
+    print(f"  [{BENCHMARK}] 1B single request: fused {m['fused']['step_ms']:.3f} ms/token, unfused "
+          f"{m['unfused']['step_ms']:.3f}, floor {floor:.3f}", flush=True)
+    model.fused_decode = None
+    del model, cache
+    free_memory()
+
+
+# == part 4: the offline workload =================================================================
+
+def part_offline(results: Results, ctx: dict) -> None:
+    from minillm.experiments import ch09_engine_benchmark as bench
+
+    device = ctx["device"]
+    model, tokenizer = random_model("llama-280m", device)
+    spec = bench.WorkloadSpec(OFFLINE_REQUESTS, (32, 256), (32, 256), seed=0)
+    workload = bench.make_workload(spec, model.config.vocab_size)
+    warm = bench.make_workload(bench.WorkloadSpec(BATCH, (32, 256), (8, 16), seed=1), model.config.vocab_size)
+    base = {"kind": "offline", "model": "llama-280m-random", "dtype": "bfloat16", "num_requests": OFFLINE_REQUESTS,
+            "concurrency": BATCH, "prompt_len": "32-256", "output_len": "32-256"}
+    out = {}
+    for mode in ("unfused", "fused"):
+        engine = bench.build_engine(model=model, tokenizer=tokenizer,
+                                    config=bench.bench_engine_config(BATCH, device="cuda", max_model_len=1024,
+                                                                     fused_decode="on" if mode == "fused" else "off"))
+        assert engine.fused_decode == (mode == "fused")
+        bench.run_offline(engine, warm, use_tqdm=False)
+        out[mode] = bench.run_offline(engine, workload, mode=mode, use_tqdm=False)
+        del engine
+        free_memory()
+        print(f"  [{BENCHMARK}] offline {mode}: {out[mode].output_tokens_per_s:,.0f} out tok/s, decode step "
+              f"{out[mode].decode_step_ms} ms", flush=True)
+    f, u = out["fused"], out["unfused"]
+    results.add(BENCHMARK, base, "output_tokens_per_s", f.output_tokens_per_s, "unfused", u.output_tokens_per_s)
+    results.add(BENCHMARK, base, "decode_step_ms", f.decode_step_ms, "unfused", u.decode_step_ms,
+                note="median wall time of full (64-sequence) pure-decode engine steps")
+    model.fused_decode = None
+    if ctx["left"]() < 90:
+        results.add(BENCHMARK, {**base, "peer": "hf_static_batching"}, "skipped", None, note="no time left")
+        return
+    path = bench.build_random_llama("llama-280m", dtype="bfloat16", device="cuda")
+    del model
+    free_memory()
+    hf = bench.load_hf_model(path, device, DTYPE)
+    bench.run_hf_static(hf, workload[:BATCH], BATCH, use_tqdm=False)     # warm-up, untimed
+    peer = bench.run_hf_static(hf, workload, BATCH, use_tqdm=False)
+    results.add(BENCHMARK, base, "output_tokens_per_s", f.output_tokens_per_s, "hf_static_batching",
+                peer.output_tokens_per_s, note="the peer: transformers generate, batches of 64, after a warm-up")
+    print(f"  [{BENCHMARK}] offline hf_static_batching: {peer.output_tokens_per_s:,.0f} out tok/s", flush=True)
+    del hf
+    free_memory()
+
+
+# == the run ======================================================================================
+
+def run(results: Results, device) -> None:
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise RuntimeError("the Chapter 10 benchmark runs on a CUDA device")
+    start = time.perf_counter()
+    ceilings = results.ceilings or {}
+    if "copy_TBps" not in ceilings:
+        from bench.common import measure_ceilings
+        ceilings = measure_ceilings(device)
+    ctx = {"device": device, "bandwidth": ceilings["copy_TBps"] * 1e12, "artifact": {},
+           "left": lambda: BUDGET_S - (time.perf_counter() - start)}
+    try:
+        ctx["empty_kernel_us"] = empty_kernel_us(device)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        ctx["empty_kernel_us"] = float("nan")
+        results.add(BENCHMARK, {"part": "empty_kernel"}, "error", None, note=f"{type(e).__name__}: {e}"[:300])
+    for name, part, need_s in (("step", part_step, 30), ("single", part_single, 30), ("kernels", part_kernels, 20),
+                               ("offline", part_offline, 60)):
+        if ctx["left"]() < need_s:
+            results.add(BENCHMARK, {"part": name}, "skipped", None, note=f"time budget ({BUDGET_S:.0f} s) spent")
+            continue
+        t0 = time.perf_counter()
+        try:
+            part(results, ctx)
+        except Exception as e:  # noqa: BLE001 - one part's failure must not stop the others
+            traceback.print_exc()
+            results.add(BENCHMARK, {"part": name}, "error", None, note=f"{type(e).__name__}: {e}"[:300])
+            free_memory()
+        print(f"  [{BENCHMARK}] part {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    _save_artifact(results, ctx["artifact"])
+
+
+def _save_artifact(results: Results, artifact: dict) -> None:
+    folder = os.environ.get("MINILLM_ARTIFACTS")
+    if folder and artifact:
+        path = Path(folder) / f"{results.slug}.ch10_profile.json"
+        path.write_text(json.dumps(artifact, separators=(",", ":"), default=float) + "\n")
+        print(f"  [{BENCHMARK}] profile and timeline -> {path}", flush=True)
+
+
+def summary(results: Results | dict) -> str:
+    """Each row: params that matter, metric, ours, the peer and the ratio."""
+    from minillm.results import rows as select
+
+    data = results.to_dict() if isinstance(results, Results) else results
+    lines = [f"{'kind':8s} {'what':32s} {'metric':18s} {'ours':>10} {'peer':>14} {'peer value':>10} {'ratio':>6}"]
+    for r in select(data, BENCHMARK):
+        p = r["params"]
+        if r["metric"].endswith(("_kernels", "_us")) and p.get("kind") == "step" and "mode" in p:
+            continue  # the category table lives in the artifact
+        what = " ".join(str(p.get(k)) for k in ("kernel", "shape", "mode", "model", "part") if p.get(k) is not None)
+        lines.append(f"{str(p.get('kind', '')):8s} {what[:32]:32s} {r['metric'][:18]:18s} {_g(r['ours']):>10} "
+                     f"{str(r['peer'] or ''):>14} {_g(r['peer_value']):>10} {_g(r['ratio']):>6}")
+    return "\n".join(lines)
+
+
+def _g(x) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:.3g}"
+    return str(x)
+
+
+if __name__ == "__main__":
+    from bench.run import main
+
+    raise SystemExit(main(["--only", BENCHMARK]))

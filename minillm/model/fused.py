@@ -1,0 +1,166 @@
+"""Chapter 10: the fused decode path of `LlamaForCausalLM.forward_paged`.
+
+The same model, the same weights, the same paged cache and attention kernels; fewer, larger
+kernels per layer (the notebook ``chapters/10_fused_decode.ipynb`` measures why that matters):
+
+================================  =====================================  ==========================
+torch model (per layer)           fused path                             kernels
+================================  =====================================  ==========================
+RMSNorm, residual add             `add_rmsnorm` (add, norm, one pass)    1
+q, k, v projections               one GEMM on the merged ``W_qkv``       1 (Chapter 8's dispatch)
+rotary of q and k, cache write    `rope_write_kv`                        1
+attention                         unchanged (Chapters 4, 5, 7)           —
+o projection                      unchanged                              —
+residual add, RMSNorm             `add_rmsnorm`                          1
+gate and up projections           one GEMM on the merged ``W_gate_up``   1
+SiLU, multiply                    `silu_mul`                             1
+down projection                   unchanged                              —
+================================  =====================================  ==========================
+
+The kernels are `minillm.kernels.ch10_fused_decode`. The merged weights are built once, at
+`enable_fused_decode`, and the original ``q_proj.weight`` (etc.) become views of the merged
+tensor: no memory is added, and the torch path (``forward``, the contiguous cache, the
+unfused ``forward_paged``) keeps working on the very same numbers.
+
+The residual stream is carried separately from the block outputs, as vLLM's layers do:
+``h, residual = add_rmsnorm(block_out, residual, w)`` replaces ``x = x + block_out; h =
+norm(x)``. Logits are computed for the rows that sample only (each sequence's last new token,
+``last_only``), after the final norm of those rows alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minillm.model.paged import PagedBatch, PagedKVCache, paged_attention
+
+__all__ = ["FUSED_MODES", "FusedDecode", "enable_fused_decode", "supports_fused_decode"]
+
+#: ``EngineConfig.fused_decode``: ``"auto"`` (on CUDA with the Triton attention kernels),
+#: ``"on"`` (force; on a CPU the kernels run in Triton's interpreter), ``"off"``.
+FUSED_MODES = ("auto", "on", "off")
+
+
+@dataclass
+class _LayerWeights:
+    qkv: torch.Tensor                  # [(H + 2 Hkv) D, hidden]
+    qkv_bias: torch.Tensor | None
+    gate_up: torch.Tensor              # [2 I, hidden]
+    gate_up_bias: torch.Tensor | None
+
+
+def _merge(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of ``linears`` along the output rows, and make each
+    layer's own parameters views of their rows of the result (so memory is not doubled). A
+    second call, with the parameters unchanged since, returns the same merged tensors."""
+    cached = getattr(linears[0], "_fused_merge", None)
+    if cached is not None and cached[2] == [id(lin.weight) for lin in linears]:
+        return cached[0], cached[1]
+    merged = []
+    for attr in ("weight", "bias"):
+        params = [getattr(lin, attr) for lin in linears]
+        if params[0] is None:
+            merged.append(None)
+            continue
+        with torch.no_grad():
+            full = torch.cat([p.detach() for p in params]).contiguous()
+        start = 0
+        for lin, p in zip(linears, params):
+            setattr(lin, attr, nn.Parameter(full[start:start + p.shape[0]], requires_grad=False))
+            start += p.shape[0]
+        merged.append(full)
+    linears[0]._fused_merge = (merged[0], merged[1], [id(lin.weight) for lin in linears])
+    return merged[0], merged[1]
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What `minillm.model.torch_model.Linear` does with a weight of its own: Chapter 8's
+    dispatcher on CUDA in fp16/bf16, ``F.linear`` elsewhere."""
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype:
+        from minillm.model.torch_model import _flat_gemm_linear
+
+        dispatch = _flat_gemm_linear()
+        if dispatch is not None:
+            return dispatch(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def supports_fused_decode(model) -> bool:
+    """Whether ``model`` can run the fused path: a single-process Llama/Qwen2
+    `LlamaForCausalLM` (not MLA, rotary over the whole head) and importable kernels."""
+    from minillm.model.torch_model import LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM) or hasattr(model, "make_runner"):
+        return False
+    c = model.config
+    if getattr(c, "is_mla", False) or c.rope_dim != c.head_dim or c.head_dim % 2:
+        return False
+    try:
+        import minillm.kernels.ch10_fused_decode  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class FusedDecode:
+    """``fused(batch, cache, last_only) -> logits``: `LlamaForCausalLM.forward_paged` with
+    the fused kernels (installed as ``model.fused_decode`` by `enable_fused_decode`)."""
+
+    def __init__(self, model):
+        from minillm.kernels import ch10_fused_decode as kernels
+
+        self.model, self.k = model, kernels
+        self.weights = []
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv, qkv_b = _merge([a.q_proj, a.k_proj, a.v_proj])
+            gate_up, gate_up_b = _merge([m.gate_proj, m.up_proj])
+            self.weights.append(_LayerWeights(qkv, qkv_b, gate_up, gate_up_b))
+
+    def __call__(self, batch: PagedBatch, cache: PagedKVCache, last_only: bool = False) -> torch.Tensor:
+        from minillm.model.torch_model import rope_cos_sin
+
+        model, c, k = self.model, self.model.config, self.k
+        H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        x = model.model.embed_tokens(batch.input_ids)                                   # [N, hidden]
+        N = x.shape[0]
+        cos, sin = rope_cos_sin(batch.positions, D, c.rope_theta, x.dtype)              # [N, D], once a step
+        residual = None
+        for i, (layer, w) in enumerate(zip(model.model.layers, self.weights)):
+            ln = layer.input_layernorm
+            h, residual = k.add_rmsnorm(x, residual, ln.weight, ln.eps)
+            qkv = _linear(h, w.qkv, w.qkv_bias)                                         # [N, (H + 2Hkv) D]
+            q = qkv[:, :H * D].view(N, H, D)
+            kk = qkv[:, H * D:(H + Hkv) * D].view(N, Hkv, D)
+            v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
+            q = k.rope_write_kv(q, kk, v, cos, sin, cache.k[i], cache.v[i], batch.slot_mapping)
+            out = paged_attention(q, cache, i, batch, scale=D ** -0.5)                  # [N, H, D]
+            x = layer.self_attn.o_proj(out.reshape(N, H * D))
+            ln = layer.post_attention_layernorm
+            h, residual = k.add_rmsnorm(x, residual, ln.weight, ln.eps)
+            x = layer.mlp.down_proj(k.silu_mul(_linear(h, w.gate_up, w.gate_up_bias)))
+        if last_only:  # only the rows that sample: the final norm and lm_head on [batch, hidden]
+            rows = batch.last_token_rows
+            x, residual = x[rows], residual[rows]
+        norm = model.model.norm
+        h, _ = k.add_rmsnorm(x, residual, norm.weight, norm.eps)
+        return model.lm_head(h)
+
+
+def enable_fused_decode(model, cache: PagedKVCache, mode: str = "auto") -> bool:
+    """Install (or remove) the fused path on ``model`` for steps over ``cache``; returns
+    whether it is on. ``"auto"``: on when the cache is on CUDA with the Triton attention
+    kernels and the model supports it (`supports_fused_decode`); ``"on"``: on wherever the
+    model supports it (raises ``ValueError`` otherwise); ``"off"``: the torch path."""
+    if mode not in FUSED_MODES:
+        raise ValueError(f"fused_decode must be one of {FUSED_MODES}, got {mode!r}")
+    supported = supports_fused_decode(model)
+    if mode == "on" and not supported:
+        raise ValueError("fused_decode='on' needs a single-process Llama/Qwen2 model (not MLA) and Triton")
+    on = supported and (mode == "on" or (mode == "auto" and cache.pool.is_cuda and cache.kernels is not None))
+    if supported or hasattr(model, "fused_decode"):
+        model.fused_decode = FusedDecode(model) if on else None
+    return on

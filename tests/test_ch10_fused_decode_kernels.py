@@ -1,0 +1,176 @@
+"""Chapter 10's fused kernels (`minillm.kernels.ch10_fused_decode`) against their NumPy
+references (`minillm.reference.ch10_fused_decode`) and against the torch model's own ops.
+
+CPU: the interpreter, fp32 and fp16; GPU: fp32, fp16 and bf16 (`minillm.testing.kernel_dtypes`).
+Outputs are poisoned (NaN) before the launch; the caches are NaN except the slots written, so
+a write to a wrong slot, or one that is missing, shows.
+"""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minillm.kernels.ch10_fused_decode import add_rmsnorm, rope_write_kv, silu_mul
+from minillm.model.torch_model import RMSNorm, apply_rope, rope_cos_sin
+from minillm.reference import ch10_fused_decode as ref
+from minillm.testing import (assert_close, default_device, fresh_seed, kernel_dtypes, poisoned, random_tensor,
+                             to_numpy)
+
+DEVICE = default_device()
+DTYPES = kernel_dtypes(DEVICE)
+
+
+def ulps(dtype) -> float:
+    """One unit in the last place at 1.0 (the slack of "the same rounding, a different order")."""
+    return torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,hidden", [(1, 64), (5, 96), (3, 1000)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rmsnorm_matches_reference(dtype, T, hidden, with_residual):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    x = random_tensor((T, hidden), dtype, DEVICE, gen)
+    r = random_tensor((T, hidden), dtype, DEVICE, gen) if with_residual else None
+    w = random_tensor((hidden,), dtype, DEVICE, gen, scale=0.5) + 1
+    out = poisoned((T, hidden), dtype, DEVICE)
+    res_out = poisoned((T, hidden), dtype, DEVICE) if with_residual else None
+    y, new_r = add_rmsnorm(x, r, w, 1e-5, out=out, residual_out=res_out)
+    want_y, want_r = ref.add_rmsnorm(to_numpy(x), None if r is None else to_numpy(r), to_numpy(w), 1e-5)
+    assert y is out
+    assert_close(y, want_y, dtype, "y", seed)
+    assert_close(new_r, want_r, dtype, "residual", seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rmsnorm_rounds_as_the_model(dtype):
+    """The fused kernel equals ``RMSNorm(x + r)`` of the torch model to within an ulp."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    T, hidden = 7, 256
+    x, r = random_tensor((T, hidden), dtype, DEVICE, gen), random_tensor((T, hidden), dtype, DEVICE, gen)
+    norm = RMSNorm(hidden, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(random_tensor((hidden,), dtype, DEVICE, gen, scale=0.3) + 1)
+        s = x + r
+        want = norm(s)
+    y, new_r = add_rmsnorm(x, r, norm.weight.detach(), 1e-6)
+    assert torch.equal(new_r, s)
+    torch.testing.assert_close(y, want, atol=2 * ulps(dtype), rtol=2 * ulps(dtype))
+
+
+def test_add_rmsnorm_in_place_residual_and_strided_rows():
+    gen = torch.Generator().manual_seed(fresh_seed())
+    big = random_tensor((4, 2, 64), torch.float32, DEVICE, gen)
+    x = big[:, 0]                                       # rows two apart
+    r = random_tensor((4, 64), torch.float32, DEVICE, gen)
+    w = torch.ones(64, device=DEVICE)
+    want_y, want_r = ref.add_rmsnorm(to_numpy(x), to_numpy(r), to_numpy(w), 1e-5)
+    y, new_r = add_rmsnorm(x, r, w, 1e-5, residual_out=r)
+    assert new_r is r
+    assert_close(r, want_r, torch.float32, "residual")
+    assert_close(y, want_y, torch.float32, "y")
+    with pytest.raises(ValueError):
+        add_rmsnorm(x, r, torch.ones(63, device=DEVICE), 1e-5)
+
+
+def _merged_qkv(T, H, Hkv, D, dtype, gen):
+    """q, k, v as strided views of one ``[T, (H + 2 Hkv) D]`` tensor: the merged projection's
+    output, exactly what the fused model hands the kernel."""
+    qkv = random_tensor((T, (H + 2 * Hkv) * D), dtype, DEVICE, gen)
+    q = qkv[:, :H * D].view(T, H, D)
+    k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
+    v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+    return qkv, q, k, v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,Hkv,D,block_size", [(1, 4, 2, 16, 4), (6, 4, 1, 64, 16), (5, 6, 3, 24, 3)])
+def test_rope_write_kv_matches_reference(dtype, T, H, Hkv, D, block_size):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    num_blocks = T + 3
+    qkv, q, k, v = _merged_qkv(T, H, Hkv, D, dtype, gen)
+    positions = torch.as_tensor(rng.integers(0, 4000, T), device=DEVICE)
+    cos, sin = rope_cos_sin(positions, D, 10000.0, dtype)
+    slots = rng.permutation(num_blocks * block_size)[:T]
+    if T > 2:
+        slots[1] = -1                                    # padding: nothing written
+    slot_mapping = torch.as_tensor(slots, device=DEVICE, dtype=torch.int64)
+    k_cache = poisoned((num_blocks, block_size, Hkv, D), dtype, DEVICE)
+    v_cache = poisoned((num_blocks, block_size, Hkv, D), dtype, DEVICE)
+    q_before = qkv.clone()
+    q_out = rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    assert torch.equal(qkv, q_before), "the inputs must not change"
+    want_q, want_k, want_v = ref.rope_write_kv(to_numpy(q), to_numpy(k), to_numpy(v), to_numpy(cos), to_numpy(sin),
+                                               to_numpy(k_cache), to_numpy(v_cache), slots)
+    assert q_out.shape == (T, H, D) and q_out.is_contiguous()
+    assert_close(q_out, want_q, dtype, "q", seed)
+    written = [s for s in slots if s >= 0]
+    flat_k, flat_v = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
+    assert_close(flat_k[written], want_k.reshape(-1, Hkv, D)[written], dtype, "k cache", seed)
+    assert_close(flat_v[written], want_v.reshape(-1, Hkv, D)[written], dtype, "v cache", seed)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[written] = False
+    assert torch.isnan(flat_k[untouched.to(DEVICE)]).all() and torch.isnan(flat_v[untouched.to(DEVICE)]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_matches_the_models_rotary_and_cache_write(dtype):
+    """Against the model's own ``apply_rope`` and `write_kv` (HF's rotate-half layout, the
+    model's rope_theta): equal up to an ulp (the angles are the same tensor)."""
+    from minillm.model.paged import write_kv
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    T, H, Hkv, D, bs = 5, 8, 2, 32, 4
+    _, q, k, v = _merged_qkv(T, H, Hkv, D, dtype, gen)
+    positions = torch.arange(100, 100 + T, device=DEVICE)
+    cos, sin = rope_cos_sin(positions, D, 500000.0, dtype)
+    want_q, want_k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
+
+    class Pool:  # the two attributes write_kv reads
+        kernels = None
+        k = [torch.zeros(3, bs, Hkv, D, device=DEVICE, dtype=dtype)]
+        v = [torch.zeros(3, bs, Hkv, D, device=DEVICE, dtype=dtype)]
+    slots = torch.tensor([0, 5, 6, 11, 2], device=DEVICE)
+    write_kv(Pool, 0, want_k, v, slots)
+    k_cache, v_cache = torch.zeros_like(Pool.k[0]), torch.zeros_like(Pool.v[0])
+    got_q = rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
+    tol = dict(atol=2 * ulps(dtype), rtol=2 * ulps(dtype))
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(k_cache, Pool.k[0], **tol)
+    assert torch.equal(v_cache, Pool.v[0])
+
+
+def test_rope_write_kv_in_place_and_checks():
+    gen = torch.Generator().manual_seed(fresh_seed())
+    T, H, Hkv, D = 3, 2, 1, 8
+    q = random_tensor((T, H, D), torch.float32, DEVICE, gen)
+    k = random_tensor((T, Hkv, D), torch.float32, DEVICE, gen)
+    cos, sin = rope_cos_sin(torch.arange(T, device=DEVICE), D, 10000.0, torch.float32)
+    cache = torch.zeros(2, 4, Hkv, D, device=DEVICE)
+    want = ref.rotary(to_numpy(q), to_numpy(cos), to_numpy(sin))
+    out = rope_write_kv(q, k, k.clone(), cos, sin, cache, cache.clone(), torch.tensor([0, 1, 2], device=DEVICE),
+                        q_out=q)
+    assert out is q
+    assert_close(q, want, torch.float32, "q in place")
+    with pytest.raises(ValueError):
+        rope_write_kv(q, k, k, cos[:, :4], sin, cache, cache, torch.zeros(T, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,inter", [(1, 64), (4, 352), (3, 2500)])
+def test_silu_mul_matches_reference_and_the_model(dtype, T, inter):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = random_tensor((T, 2 * inter), dtype, DEVICE, gen, scale=2.0)
+    out = poisoned((T, inter), dtype, DEVICE)
+    got = silu_mul(gate_up, out=out)
+    assert got is out
+    assert_close(got, ref.silu_mul(to_numpy(gate_up)), dtype, "silu_mul", seed)
+    g, u = gate_up.chunk(2, dim=-1)
+    want = F.silu(g) * u
+    torch.testing.assert_close(got, want, atol=2 * ulps(dtype), rtol=2 * ulps(dtype))

@@ -1,0 +1,176 @@
+"""Chapter 10: the fused decode path (`minillm.model.fused`) computes what the torch layers do.
+
+CPU: tiny random Llama and Qwen2 models in float32, the fused kernels in Triton's interpreter
+(forced with ``fused_decode="on"``): teacher-forced logits of prefill and decode steps within
+fp32 tolerance, and the engine's greedy tokens identical. GPU (``make gpu``): the bundled model
+in bf16 and fp16, eager and under CUDA graphs: teacher-forced logits within a half-precision
+tolerance, and every token the fused engine chose greedy for the torch model.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from minillm.engine import BUNDLED_MODEL, EngineConfig, LLMEngine, SamplingParams
+from minillm.engine.model_runner import ModelRunner
+from minillm.model import LlamaForCausalLM, ModelConfig, load_model, load_tokenizer
+from minillm.model.fused import FusedDecode, enable_fused_decode, supports_fused_decode
+from minillm.model.paged import PagedBatch
+from minillm.paged import BlockManager
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB = 256
+TOKENIZER = load_tokenizer(BUNDLED_MODEL)[0]
+
+
+def tiny_model(family: str = "llama", seed: int = 0) -> LlamaForCausalLM:
+    config = ModelConfig(model_type=family, vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=512, qkv_bias=family == "qwen2", rope_theta=1e6)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.5 if "embed" in name else 0.1)
+    return model
+
+
+def teacher_forced_logits(model, fused: bool, prompts, steps: int, graphs: bool = False) -> list[torch.Tensor]:
+    """Prefill ``prompts`` in one step, then ``steps`` decode steps feeding fixed tokens; the
+    logits ``[seqs, vocab]`` of every step (through a `ModelRunner`, with CUDA graphs if asked)."""
+    device = model.lm_head.weight.device
+    cache = model.new_paged_cache(64, 4)
+    enable_fused_decode(model, cache, "on" if fused else "off")
+    manager = BlockManager(64, 4, enable_prefix_caching=False)
+    runner = ModelRunner(model, cache)
+    if graphs:
+        assert runner.capture_cuda_graphs(8, 128, 0) > 0
+    ids = list(range(len(prompts)))
+    for i, p in zip(ids, prompts):
+        manager.allocate(i, p)
+    out = [runner.forward(PagedBatch.from_manager(manager, ids, [len(p) for p in prompts], device=device)).clone()]
+    for step in range(steps):
+        manager.append_slots(ids, [(7 * step + 3 * i) % VOCAB for i in ids])
+        out.append(runner.forward(PagedBatch.from_manager(manager, ids, 1, device=device)).clone())
+    if graphs:
+        assert runner.num_replays == steps
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_teacher_forced_logits_match_on_cpu(family):
+    model = tiny_model(family)
+    prompts = [[1, 2, 3, 4, 5], [9, 8], [100, 101, 102, 103, 104, 105, 106, 107, 108]]
+    want = teacher_forced_logits(model, False, prompts, steps=3)
+    got = teacher_forced_logits(model, True, prompts, steps=3)
+    for step, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, atol=2e-4, rtol=2e-4, msg=lambda m: f"step {step}: {m}")
+
+
+def test_merged_weights_are_views_and_the_torch_path_is_unchanged():
+    model = tiny_model("qwen2")
+    x = torch.randint(0, VOCAB, (2, 6))
+    with torch.no_grad():
+        before = model(x)
+    fused = FusedDecode(model)
+    attn = model.model.layers[0].self_attn
+    w = fused.weights[0]
+    assert attn.k_proj.weight.data_ptr() == w.qkv.data_ptr() + attn.q_proj.weight.numel() * w.qkv.element_size()
+    assert w.qkv_bias is not None and w.gate_up.shape == (2 * 96, 64)
+    assert FusedDecode(model).weights[0].qkv is w.qkv, "merging twice must reuse the merged tensor"
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, atol=0, rtol=0)
+
+
+def test_engine_fused_greedy_tokens_equal_unfused_on_cpu():
+    model = tiny_model()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB, int(n)).tolist() for n in (3, 11, 6)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run(fused):
+        engine = LLMEngine(model, TOKENIZER, EngineConfig(num_blocks=128, block_size=4, max_num_seqs=4, max_n=4,
+                                                          seed=0, fused_decode=fused))
+        assert engine.fused_decode == (fused == "on")
+        ids = [engine.add_request(p, params) for p in prompts]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        return [done[i].outputs[0].token_ids for i in ids]
+
+    assert run("on") == run("off")
+
+
+def test_auto_is_off_on_cpu_and_mla_or_foreign_models_are_refused():
+    model = tiny_model()
+    cache = model.new_paged_cache(8, 4)
+    assert not enable_fused_decode(model, cache, "auto") and model.fused_decode is None
+    assert enable_fused_decode(model, cache, "on") and model.fused_decode is not None
+    assert not enable_fused_decode(model, cache, "off") and model.fused_decode is None
+    assert not supports_fused_decode(object())
+    with pytest.raises(ValueError):
+        enable_fused_decode(object(), cache, "on")
+    with pytest.raises(ValueError):
+        EngineConfig(fused_decode="yes")
+
+
+def test_device_draw_follows_the_distribution():
+    from minillm.decoding.sampling import draw_on_device
+
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.25, 0.25])
+    gen = torch.Generator().manual_seed(0)
+    counts = np.bincount([draw_on_device(probs, gen) for _ in range(4000)], minlength=5)
+    assert counts[0] == counts[2] == 0
+    np.testing.assert_allclose(counts / 4000, probs.numpy(), atol=0.03)
+
+
+# --- GPU -------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_fused_teacher_forced_logits_within_tolerance(dtype, graphs):
+    model, _ = load_model(BUNDLED_MODEL, device="cuda", dtype=dtype)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, VOCAB, int(n)).tolist() for n in (5, 17, 40, 2, 9)]
+    want = teacher_forced_logits(model, False, prompts, steps=6, graphs=graphs)
+    got = teacher_forced_logits(model, True, prompts, steps=6, graphs=graphs)
+    tol = 0.1 if dtype == torch.bfloat16 else 0.03
+    for step, (g, w) in enumerate(zip(got, want)):
+        g, w = g.float(), w.float()
+        err = (g - w).abs().max().item()
+        assert err <= tol * max(1.0, w.abs().max().item()), f"step {step}: max |fused - unfused| = {err:.3g}"
+        assert (g.argmax(-1) == w.argmax(-1)).float().mean().item() >= 0.8, f"step {step}: greedy choices differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graphs", ["all", "off"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])   # fp16: the teacher-forced test above
+def test_gpu_fused_engine_decodes_greedily_and_samples_on_device(dtype, cuda_graphs):
+    """The fused engine is the default on CUDA; every greedy token must be a greedy choice of the
+    torch model within a logit tolerance (teacher forcing); a sampled request runs too (its
+    logits stay on the GPU)."""
+    model, _ = load_model(BUNDLED_MODEL, device="cuda", dtype=dtype)
+    engine = LLMEngine(model, TOKENIZER, EngineConfig(num_blocks=256, max_num_seqs=16, cuda_graphs=cuda_graphs))
+    assert engine.fused_decode and model.fused_decode is not None
+    prompts = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed any further, hear me speak."]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts * 3]
+    sampled = engine.add_request(prompts[0], SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16,
+                                                            ignore_eos=True, seed=5))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert (engine.runner.num_replays > 0) == (cuda_graphs == "all")
+    assert len(done[sampled].outputs[0].token_ids) == 16
+    model.fused_decode = None          # the torch path as the oracle
+    for rid in ids:
+        out = done[rid]
+        got = out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([out.prompt_token_ids + got], device="cuda"))[0].float()
+        rows = logits[len(out.prompt_token_ids) - 1:-1]
+        chosen = rows.gather(1, torch.tensor(got, device="cuda")[:, None])[:, 0]
+        assert bool((chosen >= rows.max(-1).values - 0.25).all()), "a token the fused engine chose is not greedy"
