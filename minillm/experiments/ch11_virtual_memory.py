@@ -28,6 +28,7 @@ mapped after the last request leaves.
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -328,59 +329,76 @@ def replay_allocations(trace: AllocationTrace, *, stitching: bool) -> dict:
     Without stitching (a caching allocator over ordinary ``cudaMalloc`` segments), an
     allocation needs a *run* of consecutive free pages: the first run that fits, else the
     line is extended (by the deficit, when a free run ends it). With stitching (GMLake), any
-    free pages, wherever they are, are mapped into one new virtual range, so the line grows
-    only when the free pages in total are too few.
+    free pages, wherever they are, are mapped into one new virtual range (lowest runs first),
+    so the line grows only when the free pages in total are too few.
 
     Returns ``{"peak_reserved_pages", "peak_live_pages", "fragmentation" (1 − live/reserved at
     the peak), "stitched" (allocations made of more than one run), "mean_runs" (runs per
     stitched allocation)}``.
     """
-    free = np.zeros(0, dtype=bool)  # free[p]: page p is free
-    owner: dict[int, np.ndarray] = {}
-    live = peak_live = 0
-    stitched = runs_total = 0
+    runs: list[list[int]] = []  # free runs [start, length], sorted by start, never adjacent
+    end = 0                      # pages reserved so far (the line's length)
+    owner: dict[int, list[tuple[int, int]]] = {}
+    live = peak_live = stitched = runs_total = 0
     for a, pages in trace.events:
         if pages == 0:
-            idx = owner.pop(a)
-            free[idx] = True
-            live -= len(idx)
+            for piece in owner.pop(a):
+                _give_back(runs, *piece)
+                live -= piece[1]
             continue
-        idx = _take(free, pages, stitching)
-        if idx is None:
-            deficit = pages - (_trailing_free(free) if not stitching else int(free.sum()))
-            free = np.concatenate([free, np.ones(deficit, dtype=bool)])
-            idx = _take(free, pages, stitching)
-        free[idx] = False
-        owner[a] = idx
-        if stitching:
-            runs = 1 + int((np.diff(idx) != 1).sum())
-            if runs > 1:
-                stitched += 1
-                runs_total += runs
+        free_total = sum(r[1] for r in runs)
+        fits = any(r[1] >= pages for r in runs) if not stitching else free_total >= pages
+        if not fits:  # extend the line, continuing a free run that ends it
+            tail = runs[-1][1] if runs and runs[-1][0] + runs[-1][1] == end else 0
+            grow = pages - (free_total if stitching else tail)
+            _give_back(runs, end, grow)
+            end += grow
+        pieces = _take_pieces(runs, pages, stitching)
+        owner[a] = pieces
+        if len(pieces) > 1:
+            stitched += 1
+            runs_total += len(pieces)
         live += pages
         peak_live = max(peak_live, live)
-    reserved = len(free)
-    return {"peak_reserved_pages": reserved, "peak_live_pages": peak_live,
-            "fragmentation": 1 - peak_live / reserved if reserved else 0.0,
+    return {"peak_reserved_pages": end, "peak_live_pages": peak_live,
+            "fragmentation": 1 - peak_live / end if end else 0.0,
             "stitched": stitched, "mean_runs": runs_total / stitched if stitched else 1.0}
 
 
-def _take(free: np.ndarray, pages: int, stitching: bool) -> np.ndarray | None:
-    """Pages to allocate, or None. Stitching: the lowest free pages. Else: the first run of
-    ``pages`` consecutive free pages."""
-    if stitching:
-        idx = np.flatnonzero(free)
-        return idx[:pages] if len(idx) >= pages else None
-    if len(free) < pages:
-        return None
-    run = np.convolve(free.astype(np.int64), np.ones(pages, dtype=np.int64), mode="valid")
-    hits = np.flatnonzero(run == pages)
-    return np.arange(hits[0], hits[0] + pages) if len(hits) else None
+def _take_pieces(runs: list[list[int]], pages: int, stitching: bool) -> list[tuple[int, int]]:
+    """Cut ``pages`` pages out of the free runs: from the first run that fits, or (stitching)
+    from the lowest runs, as many as needed."""
+    if not stitching:
+        k = next(i for i, r in enumerate(runs) if r[1] >= pages)
+        start = runs[k][0]
+        runs[k][0] += pages
+        runs[k][1] -= pages
+        if runs[k][1] == 0:
+            del runs[k]
+        return [(start, pages)]
+    pieces = []
+    while pages:
+        start, length = runs[0]
+        n = min(length, pages)
+        pieces.append((start, n))
+        pages -= n
+        if n == length:
+            del runs[0]
+        else:
+            runs[0][0] += n
+            runs[0][1] -= n
+    return pieces
 
 
-def _trailing_free(free: np.ndarray) -> int:
-    """Free pages at the end of the line (an extension continues that run)."""
-    if not len(free) or not free[-1]:
-        return 0
-    used = np.flatnonzero(~free)
-    return len(free) - (used[-1] + 1 if len(used) else 0)
+def _give_back(runs: list[list[int]], start: int, length: int) -> None:
+    """Return ``[start, start + length)`` to the free runs, merging with its neighbours."""
+    if length <= 0:
+        return
+    k = bisect.bisect_left(runs, [start, 0])
+    runs.insert(k, [start, length])
+    if k + 1 < len(runs) and runs[k][0] + runs[k][1] == runs[k + 1][0]:
+        runs[k][1] += runs[k + 1][1]
+        del runs[k + 1]
+    if k > 0 and runs[k - 1][0] + runs[k - 1][1] == runs[k][0]:
+        runs[k - 1][1] += runs[k][1]
+        del runs[k]

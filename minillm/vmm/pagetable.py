@@ -193,24 +193,31 @@ class PageTable:
         self._slot_of[req] = slot
         self.tokens[slot] = 0
         if tokens or ahead:
-            self.grow(req, tokens, ahead)
+            try:
+                self.grow(req, tokens, ahead)
+            except OutOfPages:  # admission fails as a whole: the slot is idle again
+                del self._slot_of[req]
+                self._idle.add(slot)
+                raise
         return slot
 
     def grow(self, req: Hashable, tokens: int, ahead: int = 0) -> int:
         """Make room for ``tokens`` tokens (the request's new length), and map ``ahead`` more
         tokens' pages in advance (capped at ``max_len``); returns how many (tensor, page)
-        mappings it made. Raises `OutOfPages` when the pool runs dry."""
+        mappings it made. Raises `OutOfPages` when the pool runs dry, having undone the
+        mappings of this call (pages reclaimed from other slots stay free)."""
         g = self.geometry
         slot = self._slot_of[req]
         if tokens > g.max_len:
             raise ValueError(f"{tokens} tokens: more than max_len={g.max_len}")
         need = g.pages_for(min(tokens + ahead, g.max_len))
-        made = 0
+        made, start = 0, self.mapped_pages[slot]
         while self.mapped_pages[slot] < need:
             page = self.mapped_pages[slot]
             if len(self._free_phys) < g.num_tensors:
                 self.reclaim(g.num_tensors - len(self._free_phys), keep=slot)
             if len(self._free_phys) < g.num_tensors:
+                self._shrink(slot, start)  # all or nothing: undo this call's mappings
                 raise OutOfPages(f"request {req!r} needs page {page} of {g.num_tensors} tensors; "
                                  f"{len(self._free_phys)} physical pages free and nothing to reclaim")
             for t in range(g.num_tensors):

@@ -1,0 +1,311 @@
+"""Chapter 11 benchmark: unmodified contiguous kernels on a KV cache in virtual memory, against
+the paged kernels of Chapters 5 and 7 on the same tokens.
+
+The cache is `minillm.vmm.VirtualKVCache` (one layer's K and V; 2 MB pages mapped through
+``cuMemMap``; each request a contiguous ``[L, kv_heads, head_dim]`` stretch of a
+``[B, max_len, kv_heads, head_dim]`` virtual tensor). Shapes: bf16, 32 query heads, 8 KV
+heads of 128 (Llama-3-8B), batch 1, 8, 32, context L = 4k, 32k (every sequence at L). The
+paged peers read the same tokens from a pool of blocks of 16 in shuffled order
+(`bench.common.paged_cache`).
+
+- **decode** (one query per sequence). Ours: Chapter 7's `flash_decode_attention` on the
+  virtual cache seen as a pool with *one block per sequence* (`contiguous_as_paged`: block
+  size ``max_len``, table ``[[0], [1], …]``): with a single block, its table lookup is one
+  load per sequence and every tile is a contiguous run of rows, which is exactly a contiguous
+  split-K decode kernel (FA2 with ``q_len = 1`` would also run, but reads K and V once per
+  *query* head: 4x the bytes under GQA 4:1). Peers: the same kernel on the paged pool
+  (``paged_flash_decoding``), Chapter 5's `paged_decode_attention` on the pool
+  (``paged_ch05``), SDPA (PyTorch's backend choice) on the virtual cache (``sdpa_virtual``),
+  and Chapter 7's kernel on an ordinary ``torch.empty`` copy of the cache (``torch_memory``:
+  whether mapped memory reads as fast as the caching allocator's).
+- **prefill** (the whole prompt, causal). Ours: Chapter 4's `flash_attention` on the virtual
+  cache (K/V views ``[B, kv_heads, L, head_dim]`` with the cache's strides). Peers:
+  Chapter 5's `paged_prefill_attention` on the pool (``paged_prefill``), and
+  `flash_attention` on the ``torch.empty`` copy (``torch_memory``). Points with ``B · L``
+  above ``MAX_PREFILL_TOKENS`` are skipped (a note says so).
+- **memory**: mapped bytes of the virtual cache against the pool's allocated blocks, and the
+  bytes of each that hold no token.
+- **host work per step**: ``STEPS`` decode steps of every sequence from L: the virtual cache's
+  `grow` for each sequence (mapping a page for K and for V when a sequence crosses a 2 MB
+  boundary) against the paged `BlockManager`'s ``append_slots`` plus the padded block table
+  copied to the GPU (what an engine does per step). One layer: a model of N layers maps N
+  times as many pages (the block table does not grow with layers).
+- **mapping latency**: host time of ``cuMemCreate``, ``cuMemMap`` + ``cuMemSetAccess`` and
+  ``cuMemUnmap`` of one page (2 MB), medians over ``MAP_PAGES`` pages.
+
+Rows (``params``: kind, batch, context, q_heads, kv_heads, head_dim, dtype, page_bytes, block_size):
+
+======================  =====================================================================
+``time_ms``             median ``triton.testing.do_bench`` time (cold L2), one row per peer
+``TFLOPs``              prefill: `minillm.costs.attention_head_flops` · q_heads · B / time
+``bandwidth_TBps``      decode: `minillm.costs.decode_attention_bytes` / time, fraction of copy
+``rel_err``             ours against ``paged_flash_decoding`` / ``paged_prefill`` (fp32 norms)
+``mapped_bytes``        physical bytes behind the cache; ``wasted_bytes``: of which no token
+``host_step_us``        host time per decode step (median over ``STEPS`` steps)
+``create_us``, ``map_us``, ``unmap_us``   one 2 MB page, median (kind "mapping")
+======================  =====================================================================
+
+Imports without a GPU; `run` needs CUDA and ``cuda-bindings``. Stops starting points after
+``MINILLM_CH11_BUDGET_S`` seconds (default 240).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from minillm.costs import attention_head_flops, decode_attention_bytes
+from minillm.kernels.ch04_flash_attention import flash_attention
+from minillm.kernels.ch05_paged_attention import contiguous_as_paged, paged_decode_attention, paged_prefill_attention
+from minillm.kernels.ch07_flash_decoding import flash_decode_attention
+
+from bench.common import (
+    Results, attempt, cuda_device, dtype_name, fraction, free_memory, paged_cache, rel_err, sequence_kv, sweep_start,
+    time_sdpa,
+)
+
+BENCHMARK = "ch11_virtual_memory"
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+BATCHES = (1, 8, 32)
+CONTEXTS = (4096, 32768)
+BLOCK_SIZE = 16
+DTYPE = torch.bfloat16
+MAX_PREFILL_TOKENS = 262_144
+STEPS = 64
+MAP_PAGES = 256
+SEED = 11
+WARMUP_MS, REP_MS = 25, 100
+
+
+def budget_s() -> float:
+    """Seconds after which no new point is started: ``MINILLM_CH11_BUDGET_S`` (default 240)."""
+    return float(os.environ.get("MINILLM_CH11_BUDGET_S", "240"))
+
+
+def run(results: Results, device) -> None:
+    """The sweep on ``device`` (CUDA, with ``cuda-bindings``)."""
+    from minillm.vmm import MISSING, available
+
+    device = cuda_device(device, "the Chapter 11 benchmark")
+    ok, why = available()
+    if not ok:
+        raise RuntimeError(f"the Chapter 11 benchmark cannot run here ({why}). {MISSING}")
+    sweep(results, device)
+
+
+def sweep(results: Results, device, batches=BATCHES, contexts=CONTEXTS, q_heads: int = Q_HEADS,
+          kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM, block_size: int = BLOCK_SIZE,
+          dtype: torch.dtype = DTYPE, timer: Callable[[Callable[[], Any]], float] | None = None) -> None:
+    timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, budget_s(), timer, WARMUP_MS, REP_MS)
+    t0 = time.perf_counter()
+    mapping_latency(results, device)
+    print(f"  [{BENCHMARK}] mapping latency: {time.perf_counter() - t0:.1f} s", flush=True)
+    ceilings = results.ceilings or {}
+    for context in contexts:
+        for batch in batches:
+            if out_of_time():
+                return
+            t0 = time.perf_counter()
+            _point(results, device, gen, batch, context, q_heads, kv_heads, head_dim, block_size, dtype, ceilings,
+                   timer)
+            free_memory()
+            print(f"  [{BENCHMARK}] batch={batch} L={context}: {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def mapping_latency(results: Results, device, pages: int = MAP_PAGES) -> dict[str, float]:
+    """Median host microseconds of cuMemCreate, cuMemMap + cuMemSetAccess, and cuMemUnmap
+    of one page (the granularity), over ``pages`` pages of one reserved range."""
+    from minillm.vmm import driver as drv
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    drv.ensure_context(index)
+    prop, descs = drv.allocation_prop(index), drv.access_descs(index)
+    page = drv.granularity(prop)
+    free0, _ = drv.mem_info()
+    base = drv.reserve(pages * page, page)
+    create, mapping, unmapping, handles = [], [], [], []
+    try:
+        for i in range(pages):
+            t = time.perf_counter()
+            handles.append(drv.create(page, prop))
+            create.append(time.perf_counter() - t)
+        for i, h in enumerate(handles):
+            t = time.perf_counter()
+            drv.map_page(base + i * page, page, h, descs)
+            mapping.append(time.perf_counter() - t)
+        torch.cuda.synchronize(device)
+        for i in range(pages):
+            t = time.perf_counter()
+            drv.unmap(base + i * page, page)
+            unmapping.append(time.perf_counter() - t)
+    finally:
+        for h in handles:
+            drv.release(h)
+        drv.free_range(base, pages * page)
+    out = {"create_us": statistics.median(create) * 1e6, "map_us": statistics.median(mapping) * 1e6,
+           "unmap_us": statistics.median(unmapping) * 1e6}
+    params = {"kind": "mapping", "page_bytes": page, "pages": pages}
+    note = f"p90 map {sorted(mapping)[int(0.9 * len(mapping))] * 1e6:.1f} us; free memory before {free0 / 2**30:.1f} GiB"
+    for metric, value in out.items():
+        results.add(BENCHMARK, params, metric, value, note=note if metric == "map_us" else None)
+    return out
+
+
+def _point(results, device, gen, batch, context, q_heads, kv_heads, head_dim, block_size, dtype, ceilings, timer):
+    from minillm.paged import BlockManager, padded_block_tables
+    from minillm.vmm import VirtualKVCache
+
+    base = {"batch": batch, "context": context, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
+            "dtype": dtype_name(dtype), "block_size": block_size}
+    max_len = context + STEPS
+    made, status = attempt(lambda: paged_cache(SEED, batch, kv_heads, context, head_dim, block_size, dtype, device, gen))
+    if made is None:
+        results.add(BENCHMARK, {**base, "kind": "decode"}, "oom", True, note=f"paged pool: {status}")
+        return
+    k_pool, v_pool, tables = made
+    cache = VirtualKVCache(1, kv_heads, head_dim, batch, max_len, dtype=dtype, device=device)
+    try:
+        page = cache.page_bytes
+        base["page_bytes"] = page
+        for b in range(batch):  # the same tokens, contiguous per sequence
+            cache.admit(b, context)
+            kb, vb = sequence_kv(b, SEED, context, kv_heads, head_dim, dtype, device)
+            cache.k[0][b, :context].copy_(kb)
+            cache.v[0][b, :context].copy_(vb)
+        k_virt, v_virt = cache.k[0], cache.v[0]                  # [B, max_len, Hkv, D]
+        k_torch, v_torch = k_virt[:, :context].clone(), v_virt[:, :context].clone()  # ordinary memory
+        _decode(results, {**base, "kind": "decode"}, device, gen, batch, context, q_heads, kv_heads, head_dim, dtype,
+                k_virt, v_virt, k_torch, v_torch, k_pool, v_pool, tables, ceilings.get("copy_TBps"), timer)
+        if batch * context <= MAX_PREFILL_TOKENS:
+            _prefill(results, {**base, "kind": "prefill"}, device, gen, batch, context, q_heads, head_dim, dtype,
+                     k_virt, v_virt, k_torch, v_torch, k_pool, v_pool, tables, ceilings.get("bf16_matmul_TFLOPs"),
+                     timer)
+        else:
+            results.add(BENCHMARK, {**base, "kind": "prefill"}, "time_ms", None,
+                        note=f"skipped: B·L = {batch * context} > {MAX_PREFILL_TOKENS} tokens")
+        del k_torch, v_torch
+
+        # memory: what is mapped / allocated, and how much of it holds no token
+        used = 2 * batch * context * kv_heads * head_dim * dtype.itemsize
+        mapped = cache.table.mapped_bytes()
+        pool_bytes = 2 * tables.numel() * block_size * kv_heads * head_dim * dtype.itemsize
+        mem = {**base, "kind": "memory"}
+        results.add(BENCHMARK, mem, "mapped_bytes", mapped, peer="paged_blocks", peer_value=pool_bytes)
+        results.add(BENCHMARK, mem, "wasted_bytes", mapped - used, peer="paged_blocks", peer_value=pool_bytes - used,
+                    note="every sequence at exactly L tokens: pages and blocks both end full; the length "
+                         "distributions are the notebook's simulation")
+
+        # host work per decode step
+        mgr = BlockManager(batch * -(-max_len // block_size), block_size, enable_prefix_caching=False)
+        for b in range(batch):
+            mgr.allocate(b, [1] * context)
+        width = -(-max_len // block_size)
+        ids = list(range(batch))
+        vmm_steps, paged_steps = [], []
+        for s in range(1, STEPS + 1):
+            t = time.perf_counter()
+            for b in ids:
+                cache.grow(b, context + s)
+            vmm_steps.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            mgr.append_slots(ids, [1] * batch)
+            padded_block_tables([mgr.block_table(b) for b in ids], width, device=device)
+            paged_steps.append(time.perf_counter() - t)
+        maps = cache.table.map_calls
+        results.add(BENCHMARK, {**base, "kind": "host", "steps": STEPS}, "host_step_us",
+                    statistics.median(vmm_steps) * 1e6, peer="paged_block_table",
+                    peer_value=statistics.median(paged_steps) * 1e6,
+                    note=f"virtual: grow() per sequence, max step {max(vmm_steps) * 1e6:.0f} us; paged: append_slots "
+                         f"+ padded table to GPU, max {max(paged_steps) * 1e6:.0f} us; {maps} page mappings in all")
+    finally:
+        torch.cuda.synchronize(device)
+        cache.close()
+
+
+def _decode(results, params, device, gen, batch, context, q_heads, kv_heads, head_dim, dtype, k_virt, v_virt,
+            k_torch, v_torch, k_pool, v_pool, tables, copy_tbps, timer):
+    add = lambda *a, **kw: results.add(BENCHMARK, params, *a, **kw)  # noqa: E731
+    q = torch.randn(batch, q_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    kv_pool, one_block = contiguous_as_paged(k_virt)  # [B, max_len, Hkv, D] = B blocks of max_len
+    vv_pool, _ = contiguous_as_paged(v_virt)
+    kt_pool, _ = contiguous_as_paged(k_torch)
+    vt_pool, _ = contiguous_as_paged(v_torch)
+    outs = {name: torch.empty(batch, q_heads, head_dim, device=device, dtype=dtype) for name in ("v", "p", "c", "t")}
+    lse = torch.empty(batch, q_heads, device=device, dtype=torch.float32)
+    calls = {
+        "ours": lambda: flash_decode_attention(q, kv_pool, vv_pool, one_block, lens, max_seq_len=context,
+                                               out=outs["v"], lse=lse),
+        "paged_flash_decoding": lambda: flash_decode_attention(q, k_pool, v_pool, tables, lens, max_seq_len=context,
+                                                               out=outs["p"], lse=lse),
+        "paged_ch05": lambda: paged_decode_attention(q, k_pool, v_pool, tables, lens, out=outs["c"], lse=lse),
+        "torch_memory": lambda: flash_decode_attention(q, kt_pool, vt_pool, one_block, lens, max_seq_len=context,
+                                                       out=outs["t"], lse=lse),
+    }
+    ms = {}
+    for name, fn in calls.items():
+        fn()
+        ms[name] = timer(fn)
+    sdpa_ms, _ = attempt(lambda: time_sdpa(q, k_virt[:, :context].transpose(1, 2), v_virt[:, :context].transpose(1, 2),
+                                           None, timer)[0], allow_errors=True)
+    ms["sdpa_virtual"] = sdpa_ms
+    n_bytes = decode_attention_bytes([context] * batch, q_heads, kv_heads, head_dim, dtype.itemsize)
+    tbps = lambda t: n_bytes / (t * 1e-3) / 1e12 if t else None  # noqa: E731
+    for peer in ("paged_flash_decoding", "paged_ch05", "sdpa_virtual", "torch_memory"):
+        add("time_ms", ms["ours"], peer=peer, peer_value=ms[peer])
+    add("bandwidth_TBps", tbps(ms["ours"]), peer="paged_flash_decoding", peer_value=tbps(ms["paged_flash_decoding"]),
+        fraction_of_ceiling=fraction(tbps(ms["ours"]), copy_tbps))
+    add("rel_err", rel_err(outs["v"], outs["p"]), peer="paged_ch05", peer_value=rel_err(outs["c"], outs["p"]),
+        note="against paged_flash_decoding on the same tokens")
+
+
+def _prefill(results, params, device, gen, batch, context, q_heads, head_dim, dtype, k_virt, v_virt, k_torch,
+             v_torch, k_pool, v_pool, tables, matmul_tflops, timer):
+    add = lambda *a, **kw: results.add(BENCHMARK, params, *a, **kw)  # noqa: E731
+    made, status = attempt(lambda: torch.randn(batch * context, q_heads, head_dim, device=device, dtype=dtype,
+                                               generator=gen))
+    if made is None:
+        add("oom", True, note=f"prefill queries: {status}")
+        return
+    q_packed = made                                               # [B·L, Hq, D]
+    q4 = q_packed.view(batch, context, q_heads, head_dim).transpose(1, 2)  # [B, Hq, L, D]
+    kv = (k_virt[:, :context].transpose(1, 2), v_virt[:, :context].transpose(1, 2))   # [B, Hkv, L, D] views
+    kt = (k_torch.transpose(1, 2), v_torch.transpose(1, 2))
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    cu = torch.arange(0, (batch + 1) * context, context, dtype=torch.int32, device=device)
+    out_v = torch.empty(batch, q_heads, context, head_dim, device=device, dtype=dtype)
+    out_p = torch.empty_like(q_packed)
+    out_t = torch.empty_like(out_v)
+    calls = {
+        "ours": lambda: flash_attention(q4, *kv, causal=True, out=out_v),
+        "paged_prefill": lambda: paged_prefill_attention(q_packed, cu, k_pool, v_pool, tables, lens, context,
+                                                         causal=True, out=out_p),
+        "torch_memory": lambda: flash_attention(q4, *kt, causal=True, out=out_t),
+    }
+    ms = {}
+    for name, fn in calls.items():
+        fn()
+        ms[name] = timer(fn)
+    flops = attention_head_flops(context, context, head_dim, causal=True) * q_heads * batch
+    tflops = lambda t: flops / (t * 1e-3) / 1e12 if t else None  # noqa: E731
+    for peer in ("paged_prefill", "torch_memory"):
+        add("time_ms", ms["ours"], peer=peer, peer_value=ms[peer])
+    add("TFLOPs", tflops(ms["ours"]), peer="paged_prefill", peer_value=tflops(ms["paged_prefill"]),
+        fraction_of_ceiling=fraction(tflops(ms["ours"]), matmul_tflops))
+    add("rel_err", rel_err(out_v.transpose(1, 2).reshape(out_p.shape), out_p), note="against paged_prefill")
+
+
+def summary(results: Results) -> str:
+    lines = [f"{BENCHMARK}: ours = contiguous kernels on the virtual-memory cache"]
+    for r in results.rows:
+        if r["benchmark"] != BENCHMARK or r["metric"] not in ("time_ms", "map_us", "host_step_us"):
+            continue
+        p = r["params"]
+        where = f"{p.get('kind')} B={p.get('batch', '-')} L={p.get('context', '-')}"
+        ours = f"{r['ours']:.4g}" if isinstance(r["ours"], (int, float)) else str(r["ours"])
+        peer = f" vs {r['peer']} {r['peer_value']:.4g}" if isinstance(r.get("peer_value"), (int, float)) else ""
+        lines.append(f"  {where:28s} {r['metric']:13s} {ours}{peer}")
+    return "\n".join(lines)
