@@ -25,6 +25,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from minillm.kernels.base import interpreting  # noqa: E402
 from minillm.model import CheckpointError, load_model  # noqa: E402
 from minillm.model.config import ModelConfig  # noqa: E402
 from minillm.model.paged import PagedBatch  # noqa: E402
@@ -112,6 +113,7 @@ def test_engine_greedy_matches_transformers(checkpoint):
         assert out.outputs[0].token_ids == expected
 
 
+@pytest.mark.skipif(not interpreting(), reason="runs the Triton kernels on CPU tensors, in the interpreter")
 @pytest.mark.parametrize("variant", ["v2-lite-like", "v3"])
 def test_paged_kernels_match_contiguous(variant, tmp_path):
     """The kernel path of the paged model: a fresh prefill of two prompts (FlashAttention-2 on
