@@ -937,11 +937,32 @@ def vmm_bytes_per_token_layer(kv_heads: int, head_dim: int, dtype_bytes: int = 2
     return kv_heads * head_dim * dtype_bytes
 
 
+def vmm_pages_per_tensor(tokens, bytes_per_token: int, page_bytes: int) -> np.ndarray:
+    """Pages of one virtual tensor that ``tokens`` (an int or an array) tokens touch:
+    ``ceil(tokens · bytes_per_token / page_bytes)``."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    return -(-tokens * bytes_per_token // page_bytes)
+
+
+def vmm_slot_bytes(max_len: int, bytes_per_token: int, page_bytes: int) -> int:
+    """Virtual bytes of one request's slot: room for ``max_len`` tokens, rounded up to whole
+    pages (so that two requests never share a physical page)."""
+    return int(vmm_pages_per_tensor(max_len, bytes_per_token, page_bytes)) * page_bytes
+
+
+def vmm_mapped_waste_bytes(tokens, bytes_per_token: int, page_bytes: int) -> np.ndarray:
+    """Mapped bytes that hold no token, per request and tensor: the unused tail of the last
+    page, ``pages · page_bytes − tokens · bytes_per_token`` (less than one page)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    return vmm_pages_per_tensor(tokens, bytes_per_token, page_bytes) * page_bytes - tokens * bytes_per_token
+
+
 def vmm_pages_needed(tokens: int, kv_heads: int, head_dim: int, page_bytes: int, dtype_bytes: int = 2,
                      layers: int = 1) -> int:
     """Physical pages a request of ``tokens`` tokens holds: ``ceil(tokens · b / page_bytes)``
     per virtual tensor (``b`` = `vmm_bytes_per_token_layer`), times ``2 · layers`` tensors."""
-    per_tensor = -(-tokens * vmm_bytes_per_token_layer(kv_heads, head_dim, dtype_bytes) // page_bytes)
+    per_tensor = int(vmm_pages_per_tensor(tokens, vmm_bytes_per_token_layer(kv_heads, head_dim, dtype_bytes),
+                                          page_bytes))
     return 2 * layers * per_tensor
 
 
@@ -951,7 +972,8 @@ def vmm_tokens_per_page(kv_heads: int, head_dim: int, page_bytes: int, dtype_byt
     return page_bytes / vmm_bytes_per_token_layer(kv_heads, head_dim, dtype_bytes)
 
 
-__all__ += ["vmm_bytes_per_token_layer", "vmm_pages_needed", "vmm_tokens_per_page"]  # Chapter 11
+__all__ += ["vmm_bytes_per_token_layer", "vmm_pages_per_tensor", "vmm_slot_bytes", "vmm_mapped_waste_bytes",
+            "vmm_pages_needed", "vmm_tokens_per_page"]  # Chapter 11
 
 
 # --------------------------------------------------------------------------- Chapter 13: tensor parallelism

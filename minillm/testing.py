@@ -13,8 +13,12 @@ What it checks, and why:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import socket
+import threading
+import time
 
 import numpy as np
 import torch
@@ -197,3 +201,26 @@ class PagedPool:
     def numpy(self):
         """``(k, v, tables)`` as NumPy, for the references."""
         return to_numpy(self.k), to_numpy(self.v), self.tables.cpu().numpy()
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, log_level: str = "critical", timeout_s: float = 30.0):
+    """Serve the ASGI ``app`` with uvicorn on a free port of 127.0.0.1, in a daemon thread;
+    yields the base URL (``http://127.0.0.1:PORT``) and stops the server on exit."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not server.started:
+        raise RuntimeError("the test server did not start")
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout_s)

@@ -35,7 +35,7 @@ def test_block_hashes_are_the_engines_keys():
     assert len(keys) == 2
     assert keys[0] == chain_hash(None, tokens[:16]) and keys[1] == chain_hash(keys[0], tokens[16:32])
     manager = BlockManager(num_blocks=8, block_size=16, enable_prefix_caching=True)
-    assert manager._prefix_hits(tokens)[0] == keys   # the very keys the engine's cache files blocks under
+    assert manager.prefix_hits(tokens)[0] == keys   # the very keys the engine's cache files blocks under
     assert block_hashes(tokens[:15], 16) == []
     with pytest.raises(ValueError):
         block_hashes(tokens, 0)

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import torch
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -27,34 +24,14 @@ from minillm.engine import BUNDLED_MODEL, LLM, EngineConfig, LLMEngine, Sampling
 from minillm.model.loader import render_chat  # noqa: E402
 from minillm.server import create_app  # noqa: E402
 from minillm.server.launch import banner  # noqa: E402
+from minillm.testing import serve_in_thread  # noqa: E402
 
 NUM_BLOCKS = 32        # 512 token slots: 200 concurrent streams must preempt
 API_KEY = "sekret"
 PROMPT = "ROMEO:\nBut soft, what light"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread for the module (see conftest's ``one_torch_thread``), also for the
-    module-scoped fixtures below and the engine thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def start_server(app) -> tuple[uvicorn.Server, threading.Thread, str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    for _ in range(600):
-        if server.started:
-            break
-        time.sleep(0.05)
-    assert server.started, "the server did not start"
-    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one torch thread for the module
 
 
 def make_engine(num_blocks: int) -> LLMEngine:
@@ -66,10 +43,8 @@ def live():
     """``(engine, app, base_url)`` of the server the tests share."""
     engine = make_engine(NUM_BLOCKS)
     app = create_app(engine)
-    server, thread, url = start_server(app)
-    yield engine, app, url
-    server.should_exit = True
-    thread.join(30)
+    with serve_in_thread(app, log_level="warning") as url:
+        yield engine, app, url
 
 
 @pytest.fixture(scope="module")
@@ -336,8 +311,7 @@ def test_malformed_json_and_too_long(live, http, client):
 
 def test_api_key():
     engine = make_engine(16)
-    server, thread, url = start_server(create_app(engine, api_key=API_KEY))
-    try:
+    with serve_in_thread(create_app(engine, api_key=API_KEY), log_level="warning") as url:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
             r = httpx.post(url + "/v1/completions", json=P, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
@@ -347,9 +321,6 @@ def test_api_key():
         good = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
         assert good.completions.create(model="shakespeare", prompt="ROMEO:", max_tokens=3).usage.completion_tokens == 3
         assert "Authorization: Bearer $API_KEY" in banner(engine, "127.0.0.1", 8000, with_key=True)
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def test_banner_shows_curl_and_openai(live):

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import threading
 import time
 
 import httpx
 import pytest
-import torch
 
 hypothesis = pytest.importorskip("hypothesis")
 uvicorn = pytest.importorskip("uvicorn")
@@ -27,17 +25,13 @@ from hypothesis import strategies as st  # noqa: E402
 
 from minillm.engine import BUNDLED_MODEL, EngineConfig, LLMEngine  # noqa: E402
 from minillm.server import create_app  # noqa: E402
+from minillm.testing import serve_in_thread  # noqa: E402
 
 PROMPT = "ROMEO:\nBut soft, what light"
 BYSTANDER = {"prompt": PROMPT, "max_tokens": 32, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one torch thread for the module
 
 
 @pytest.fixture(scope="module")
@@ -45,18 +39,8 @@ def live():
     engine = LLMEngine.from_pretrained(BUNDLED_MODEL, EngineConfig(device="cpu", num_blocks=48, max_model_len=128,
                                                                     seed=0))
     app = create_app(engine, max_body_bytes=2**20)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield engine, app, f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(30)
+    with serve_in_thread(app) as url:
+        yield engine, app, url
 
 
 # == strategies ==================================================================================

@@ -28,41 +28,22 @@ from minillm.engine import BUNDLED_MODEL, EngineConfig, LLMEngine  # noqa: E402
 from minillm.engine.engine import LLMEngine as EngineClass  # noqa: E402
 from minillm.server import create_app  # noqa: E402
 from minillm.server.tokens import PromptBound, max_token_bytes  # noqa: E402
+from minillm.testing import serve_in_thread  # noqa: E402
 
 PROMPT = "ROMEO:\nBut soft, what light"
 MESSAGES = [{"role": "user", "content": "Hail."}]
 POISON = 666   # the seed of the requests whose sampling is made to raise
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def start_server(app):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one torch thread for the module
 
 
 @pytest.fixture(scope="module")
 def live():
     engine = LLMEngine.from_pretrained(BUNDLED_MODEL, EngineConfig(device="cpu", num_blocks=64, seed=0))
     app = create_app(engine)
-    server, thread, url = start_server(app)
-    yield engine, app, url
-    server.should_exit = True
-    thread.join(30)
+    with serve_in_thread(app) as url:
+        yield engine, app, url
 
 
 @pytest.fixture(scope="module")
@@ -258,25 +239,23 @@ def test_huge_prompt_under_a_big_limit_is_refused_before_tokenizing():
     engine = LLMEngine.from_pretrained(BUNDLED_MODEL, EngineConfig(device="cpu", num_blocks=32, seed=0))
     spy = CountingTokenizer(engine.tokenizer)
     app = create_app(engine, max_body_bytes=64 * 2**20)
-    server, thread, url = start_server(app)
-    try:
-        engine.tokenizer = spy
-        with httpx.Client(base_url=url, timeout=60) as http:
-            for endpoint, body in (("completions", {"prompt": "é" * 25_000_000, "max_tokens": 2}),
-                                   ("chat/completions", {"messages": [{"role": "user", "content": "a" * 50_000_000}]})):
-                start = time.perf_counter()
-                r = http.post(f"/v1/{endpoint}", json=body)
-                seconds = time.perf_counter() - start
-                error = assert_envelope(r, 400)
-                assert error["code"] == "context_length_exceeded", error
-                assert seconds < 15, f"{endpoint}: {seconds:.1f} s"
-            assert all(n < 100_000 for n in spy.chars), spy.chars
-            r = http.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 2})
-            assert r.status_code == 200
-    finally:
-        engine.tokenizer = spy.wrapped
-        server.should_exit = True
-        thread.join(30)
+    with serve_in_thread(app) as url:
+        try:
+            engine.tokenizer = spy
+            with httpx.Client(base_url=url, timeout=60) as http:
+                for endpoint, body in (("completions", {"prompt": "é" * 25_000_000, "max_tokens": 2}),
+                                       ("chat/completions", {"messages": [{"role": "user", "content": "a" * 50_000_000}]})):
+                    start = time.perf_counter()
+                    r = http.post(f"/v1/{endpoint}", json=body)
+                    seconds = time.perf_counter() - start
+                    error = assert_envelope(r, 400)
+                    assert error["code"] == "context_length_exceeded", error
+                    assert seconds < 15, f"{endpoint}: {seconds:.1f} s"
+                assert all(n < 100_000 for n in spy.chars), spy.chars
+                r = http.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 2})
+                assert r.status_code == 200
+        finally:
+            engine.tokenizer = spy.wrapped
 
 
 def test_short_request_latency_while_big_prompts_are_refused(live, http):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
@@ -23,12 +22,7 @@ PROMPT = "ROMEO:\nBut soft, what light"
 OTHER = "JULIET:\nO Romeo, Romeo"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one torch thread for the module
 
 
 @pytest.fixture(scope="module")

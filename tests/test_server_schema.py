@@ -11,8 +11,6 @@ so the whole file takes well under a minute on two CPU cores.
 """
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import pytest
@@ -25,6 +23,7 @@ from hypothesis.errors import Unsatisfiable  # noqa: E402
 
 from minillm.engine import BUNDLED_MODEL, EngineConfig, LLMEngine  # noqa: E402
 from minillm.server import create_app  # noqa: E402
+from minillm.testing import serve_in_thread  # noqa: E402
 
 try:
     from schemathesis.specs.openapi.checks import positive_data_acceptance
@@ -39,18 +38,8 @@ def url():
     engine = LLMEngine.from_pretrained(BUNDLED_MODEL, EngineConfig(device="cpu", num_blocks=32, max_model_len=48,
                                                                     max_n=4, max_num_seqs=16, seed=0))
     app = create_app(engine, max_body_bytes=2**20)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(30)
+    with serve_in_thread(app) as url:
+        yield url
     torch.set_num_threads(before)
 
 

@@ -264,7 +264,7 @@ class BlockManager:
             num_tokens, hits = operator.index(request), []
         except TypeError:
             tokens = self._check_tokens(request, "ask about")
-            num_tokens, hits = len(tokens), self._prefix_hits(tokens)[1]
+            num_tokens, hits = len(tokens), self.prefix_hits(tokens)[1]
         if num_tokens < 1:
             raise ValueError(f"a request needs at least one token, got {num_tokens}")
         needed = self.blocks_needed(num_tokens)
@@ -275,7 +275,7 @@ class BlockManager:
     def num_cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """Leading tokens of ``token_ids`` that `allocate` would find in the prefix cache now: a
         multiple of ``block_size``, less than ``len(token_ids)``. Changes nothing."""
-        return len(self._prefix_hits(self._check_tokens(token_ids, "look up"))[1]) * self.block_size
+        return len(self.prefix_hits(self._check_tokens(token_ids, "look up"))[1]) * self.block_size
 
     def can_append(self, seq_ids: Iterable, num_tokens: int = 1) -> bool:
         """Whether every sequence in ``seq_ids`` can take ``num_tokens`` more tokens now."""
@@ -316,7 +316,7 @@ class BlockManager:
         tokens = self._check_tokens(token_ids, "allocate")
         if not tokens:
             raise ValueError(f"cannot allocate sequence {seq_id!r}: the prompt is empty")
-        keys, hits = self._prefix_hits(tokens)
+        keys, hits = self.prefix_hits(tokens)
         needed = self.blocks_needed(len(tokens))
         if needed > self.num_blocks:
             raise RequestTooLong(len(tokens), self.block_size, needed, self.num_blocks)
@@ -439,7 +439,7 @@ class BlockManager:
             raise ValueError(f"cannot {action}: token ids must lie in [0, 2**31), got {bad[:5]}")
         return tokens
 
-    def _prefix_hits(self, tokens: list[int]) -> tuple[list[bytes], list[Block]]:
+    def prefix_hits(self, tokens: list[int]) -> tuple[list[bytes], list[Block]]:
         """The keys of the prompt's full blocks, and the leading blocks the cache holds.
 
         Hits stop at the first miss (a block is only usable with all of its prefix), and never

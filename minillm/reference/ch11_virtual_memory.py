@@ -16,26 +16,15 @@ from __future__ import annotations
 
 import numpy as np
 
+# The byte and page counts are cost formulas, defined once in minillm.costs; this module names
+# them as the page table uses them.
+from minillm.costs import vmm_bytes_per_token_layer as bytes_per_token
+from minillm.costs import vmm_mapped_waste_bytes as mapped_waste_bytes
+from minillm.costs import vmm_pages_per_tensor as pages_needed
+from minillm.costs import vmm_slot_bytes as slot_bytes
+
 __all__ = ["bytes_per_token", "pages_needed", "slot_bytes", "token_offsets", "translate", "pages_to_map",
            "mapped_waste_bytes"]
-
-
-def bytes_per_token(kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """Bytes of one token in one virtual tensor (K or V of one layer)."""
-    return kv_heads * head_dim * dtype_bytes
-
-
-def pages_needed(tokens, bytes_per_token: int, page_bytes: int) -> np.ndarray:
-    """Pages of one virtual tensor that ``tokens`` (an int or array) tokens touch:
-    ``ceil(tokens · bytes_per_token / page_bytes)``."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    return -(-tokens * bytes_per_token // page_bytes)
-
-
-def slot_bytes(max_len: int, bytes_per_token: int, page_bytes: int) -> int:
-    """Virtual bytes of one slot: room for ``max_len`` tokens, rounded up to whole pages (so
-    that two requests never share a physical page)."""
-    return int(pages_needed(max_len, bytes_per_token, page_bytes)) * page_bytes
 
 
 def token_offsets(slots, tokens, slot_bytes_: int, bytes_per_token: int) -> np.ndarray:
@@ -63,9 +52,3 @@ def pages_to_map(old_tokens, new_tokens, bytes_per_token: int, page_bytes: int) 
     return (pages_needed(new_tokens, bytes_per_token, page_bytes)
             - pages_needed(old_tokens, bytes_per_token, page_bytes))
 
-
-def mapped_waste_bytes(tokens, bytes_per_token: int, page_bytes: int) -> np.ndarray:
-    """Mapped bytes that hold no token, per request and tensor: the unused tail of the last
-    page, ``pages_needed · page_bytes − tokens · bytes_per_token`` (less than one page)."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    return pages_needed(tokens, bytes_per_token, page_bytes) * page_bytes - tokens * bytes_per_token
