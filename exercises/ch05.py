@@ -24,9 +24,7 @@ import numpy as np
 import torch
 
 # First, before Triton: without a GPU, this selects Triton's interpreter.
-from minillm.kernels.base import interpreting  # noqa: F401, I001
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from minillm.kernels.base import interpreting, tl, triton  # Triton as this machine runs it (no GPU: the interpreter)
 from minillm.paged import Admission
 from minillm.paged.errors import DuplicateSequence, OutOfBlocks, RequestTooLong, UnknownSequence
 

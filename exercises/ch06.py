@@ -21,9 +21,7 @@ import numpy as np
 import torch
 
 # First, before Triton: without a GPU, this selects Triton's interpreter.
-from minillm.kernels.base import interpreting  # noqa: F401, I001
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from minillm.kernels.base import tl, triton  # Triton as this machine runs it (no GPU: the interpreter)
 
 
 # == Exercise 6.1: fork and copy-on-write bookkeeping ===========================================

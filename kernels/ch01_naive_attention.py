@@ -19,11 +19,8 @@ any strides are accepted (no copies). GQA/MQA: query head ``h`` reads KV head
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-
 # (importing base also sets the interpreter switch, before any @triton.jit)
-from minillm.kernels.base import block_d, dot_precision, scale_and_window
+from minillm.kernels.base import block_d, dot_precision, scale_and_window, tl, triton
 
 
 # ----------------------------------------------------------------------------------------

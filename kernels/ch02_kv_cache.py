@@ -28,10 +28,8 @@ Shapes are documented per function; any strides are accepted (no copies are made
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-
-from minillm.kernels.base import (  # (and the interpreter switch, before any @triton.jit)
+from minillm.kernels.base import (  # Triton as this machine runs it, and the shared helpers
+    tl, triton,
     LN2_C, LOG2E, block_d, dot_precision, online_softmax_update, scale_and_window,
 )
 

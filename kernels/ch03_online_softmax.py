@@ -26,10 +26,8 @@ The second half of the module is attention in FlashAttention-1's loop order
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-
-from minillm.kernels.base import (  # (and the interpreter switch)
+from minillm.kernels.base import (  # Triton as this machine runs it, and the shared helpers
+    tl, triton,
     LN2_C, LOG2E, block_d, dot_precision, online_softmax_update, scale_and_window,
 )
 

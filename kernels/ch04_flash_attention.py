@@ -63,10 +63,8 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
-
 from minillm.kernels.base import (  # shared by every chapter's attention kernels
+    tl, triton,
     LN2_C, LOG2E, LOG2E_C, block_d, dot_precision, head_dim_offsets, interpreting, online_softmax_update,
     scale_and_window,
 )

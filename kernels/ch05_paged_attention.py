@@ -88,10 +88,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
-
 from minillm.kernels.base import (
+    tl, triton,
     LN2_C, LOG2E, block_d, dot_precision, head_dim_offsets, interpreting, launch, online_softmax_update,
     scale_and_window,
 )

@@ -32,10 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from minillm.kernels.base import interpreting  # noqa: F401  (first: no GPU -> the interpreter)
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from minillm.kernels.base import tl, triton  # Triton as this machine runs it (no GPU: the interpreter)
 
 __all__ = ["copy_blocks", "check_pairs", "copy_block_size"]
 

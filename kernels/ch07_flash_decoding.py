@@ -35,10 +35,8 @@ import math
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
-
 from minillm.kernels.base import (
+    tl, triton,
     CPU_NUM_SMS, LN2_C, LOG2E, LOG2E_C, block_d, dot_precision, head_dim_offsets, launch, num_sms,
     scale_and_window,
 )

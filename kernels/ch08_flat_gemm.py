@@ -106,10 +106,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
-
-from minillm.kernels.base import dot_precision, interpreting, launch, num_sms
+from minillm.kernels.base import dot_precision, interpreting, launch, num_sms, tl, triton
 
 __all__ = ["gemv", "flat_gemm", "linear", "choose_kernel", "find_inflection_points", "DispatchTable", "DEFAULT_TABLE", "TileConfig",
            "pick_config", "rows_bucket", "split_k_for", "GEMV_TILES", "FLAT_GEMM_TILES", "DEFAULT_THRESHOLDS", "KERNELS"]

@@ -34,10 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.kernels.base import head_dim_offsets, interpreting, launch  # noqa: F401  (first: the interpreter switch)
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from minillm.kernels.base import head_dim_offsets, launch, tl, triton
 
 __all__ = ["add_rmsnorm", "rope_write_kv", "silu_mul"]
 

@@ -38,10 +38,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
-
 from minillm.kernels.base import (
+    tl, triton,
     LN2_C, LOG2E, block_d, dot_precision, head_dim_offsets, interpreting, launch, num_sms, online_softmax_update,
 )
 from minillm.kernels.ch05_paged_attention import blocks_per_tile, tile_rows  # Chapter 5's paged tiles

@@ -4,6 +4,9 @@ by 16, constexpr defaults), and under CUDA-graph capture. And the helpers every 
 shares: the host-side checks and sizes, the head-dim offsets, and the online-softmax update
 (tile by tile, masked and unmasked, it must give NumPy's softmax statistics)."""
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -183,3 +186,36 @@ def test_head_dim_offsets(head_dim, device):
     cols = torch.arange(bd)
     assert offs.cpu().tolist() == torch.clamp(cols, max=head_dim - 1).tolist()
     assert ok.cpu().tolist() == (cols < head_dim).int().tolist()
+
+
+# --- the interpreter switch, in a plain process (no conftest) ----------------------------------------
+
+def _plain_python(code: str, cwd) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter that inherits nothing of pytest's set-up (no TRITON_INTERPRET)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter switch only acts without a GPU")
+def test_kernels_run_in_a_plain_process_without_a_gpu(tmp_path):
+    """Importing a chapter's kernels is enough: the base decides on the interpreter before
+    Triton is imported (a student's script or a notebook needs no set-up of its own)."""
+    proc = _plain_python("import torch\n"
+                         "from minillm.kernels.ch03_online_softmax import online_softmax\n"
+                         "out, lse = online_softmax(torch.randn(3, 100))\n"
+                         "assert torch.allclose(out.sum(-1), torch.ones(3)), out.sum(-1)\n"
+                         "from solutions.ch01 import row_softmax\n"
+                         "assert torch.allclose(row_softmax(torch.randn(2, 37)).sum(-1), torch.ones(2))\n", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter switch only acts without a GPU")
+def test_triton_imported_first_gets_a_clear_warning(tmp_path):
+    proc = _plain_python("import warnings, triton\n"
+                         "with warnings.catch_warnings(record=True) as w:\n"
+                         "    warnings.simplefilter('always')\n"
+                         "    import minillm.kernels.base\n"
+                         "assert any('imported before minillm' in str(x.message) for x in w), [str(x.message) for x in w]\n",
+                         tmp_path)
+    assert proc.returncode == 0, proc.stderr
