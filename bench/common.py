@@ -269,7 +269,8 @@ class Results:
 
     Saving merges with an existing file for the same GPU: the rows of every benchmark that
     has rows in this collector replace that benchmark's old rows; other benchmarks' rows are
-    kept, so re-running one chapter never erases another's measurements.
+    kept, so re-running one chapter never erases another's measurements. A benchmark that
+    re-runs only some of its parts says which old rows to keep with `keep_previous`.
     """
 
     def __init__(self, device_name: str, ceilings: dict[str, float] | None = None,
@@ -280,6 +281,13 @@ class Results:
         self.env = environment() if env is None else dict(env)
         self.rows: list[dict] = []
         self.status: dict[str, str] = {}  # benchmark -> "complete" / "partial" / "failed: ..."
+        self.keep: dict[str, tuple[Callable[[dict], bool], str]] = {}  # benchmark -> (old row -> keep?, why)
+
+    def keep_previous(self, benchmark: str, keep: Callable[[dict], bool], why: str = "") -> None:
+        """On saving, keep the old rows of ``benchmark`` for which ``keep(row)`` is true, next to
+        this collector's (a partial re-run: the parts not re-run keep their earlier rows). The
+        file's ``runs[benchmark]["kept"]`` then says how many rows are older, from which run."""
+        self.keep[benchmark] = (keep, why)
 
     def add(self, benchmark: str, params: dict, metric: str, ours: Any,
             peer: str | None = None, peer_value: Any = None,
@@ -332,15 +340,25 @@ class Results:
         old_rows = [r for r in existing.get("rows", []) if isinstance(r, dict)]
         order = list(dict.fromkeys([r.get("benchmark") for r in old_rows] + new_benches))
         merged: list[dict] = []
+        kept: dict[str, int] = {}
         for bench in order:
+            if bench in new_benches and bench in self.keep:
+                old = [r for r in old_rows if r.get("benchmark") == bench and self.keep[bench][0](r)]
+                kept[bench] = len(old)
+                merged.extend(old)
             source = self.rows if bench in new_benches else old_rows
             merged.extend(r for r in source if r.get("benchmark") == bench)
 
         runs = dict(existing.get("runs") or {})
         for bench in new_benches:
+            previous = runs.get(bench) or {}
             runs[bench] = {"date": date, "torch": self.env.get("torch"), "triton": self.env.get("triton"),
                            "cuda": self.env.get("cuda"), "ceilings": self.ceilings,
                            "status": self.status.get(bench, "complete")}
+            if kept.get(bench):
+                earlier = previous.get("kept", {}).get("runs", []) + [
+                    {k: previous.get(k) for k in ("date", "torch", "triton", "cuda", "ceilings", "status")}]
+                runs[bench]["kept"] = {"rows": kept[bench], "why": self.keep[bench][1], "runs": earlier}
         return {
             "schema": SCHEMA,
             "device": self.device,
@@ -412,6 +430,10 @@ def render_markdown(data: dict) -> str:
         if run:
             lines.append(f"Run {run.get('date')}, status {run.get('status')}, torch {run.get('torch')}, "
                          f"triton {run.get('triton')}.")
+            kept = run.get("kept") or {}
+            if kept.get("rows"):
+                lines[-1] += (f" {kept['rows']} rows kept from the earlier run of "
+                              f"{(kept.get('runs') or [{}])[-1].get('date')} ({kept.get('why') or 'parts not re-run'}).")
             lines.append("")
         lines.append(markdown_table(brows))
     return "\n".join(lines)

@@ -109,3 +109,27 @@ def test_paged_latent_decode(block_size, seed):
         np.testing.assert_allclose(out[b], o[0], rtol=1e-12)
         np.testing.assert_allclose(lse[b], l[0], rtol=1e-12)
     assert np.all(out[-1] == 0) and np.all(lse[-1] == -np.inf)
+
+
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "rotate-half"])
+def test_latent_cache_write(interleave, seed):
+    """The cache write stores `project`'s latent rows ``[c_kv ; k_rope]`` (normed, rotated)
+    at the tokens' slots, skips slot -1 and leaves every other row (and its input) as it was."""
+    rng = np.random.default_rng(seed)
+    d = _dims(rng, q_lora=False, interleave=interleave)
+    w = ref.random_weights(d, rng)
+    n, num_blocks, block_size = 7, 5, 3
+    x = rng.standard_normal((n, d.hidden_size))
+    positions = rng.integers(0, 300, n)
+    cache = np.full((num_blocks, block_size, 1, d.latent_dim), np.nan)
+    slots = rng.permutation(num_blocks * block_size)[:n]
+    slots[rng.integers(0, n)] = -1
+    cos, sin = ref.rope_tables(positions, d.qk_rope_head_dim, d.rope_theta)
+    out = ref.latent_cache_write(cache, x @ w["kv_a_proj_with_mqa"].T, slots, d.kv_lora_rank, cos, sin,
+                                 w["kv_a_layernorm"], d.rms_norm_eps, interleave)
+    _, _, c_kv, k_rope = ref.project(x, w, d, positions)
+    flat, keep = out.reshape(-1, d.latent_dim), slots >= 0
+    np.testing.assert_allclose(flat[slots[keep]], ref.latent_cache(c_kv, k_rope)[keep], rtol=1e-12, atol=1e-12,
+                               err_msg=f"seed={seed}")
+    untouched = np.setdiff1d(np.arange(flat.shape[0]), slots[keep])
+    assert np.isnan(flat[untouched]).all() and np.isnan(cache).all(), f"seed={seed}"

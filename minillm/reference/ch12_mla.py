@@ -46,7 +46,7 @@ import numpy as np
 
 __all__ = ["MLADims", "random_weights", "rms_norm", "rope_tables", "apply_rope", "project", "decompress",
            "absorb_query", "latent_cache", "mla_naive", "mla_absorbed", "latent_attention",
-           "paged_latent_decode", "latent_output", "split_kv_b"]
+           "paged_latent_decode", "latent_output", "split_kv_b", "latent_cache_write"]
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,26 @@ def absorb_query(q_nope: np.ndarray, q_rope: np.ndarray, w: dict, d: MLADims) ->
 def latent_cache(c_kv: np.ndarray, k_rope: np.ndarray) -> np.ndarray:
     """The cache rows ``[S, r + d_R]``: ``[c_kv ; k_rope]`` per token."""
     return np.concatenate([c_kv, k_rope], axis=-1)
+
+
+def latent_cache_write(cache: np.ndarray, kv: np.ndarray, slot_mapping, kv_lora_rank: int, cos: np.ndarray,
+                       sin: np.ndarray, norm_weight: np.ndarray, eps: float = 1e-6,
+                       interleave: bool = True) -> np.ndarray:
+    """The paged latent cache after new tokens are written: a float64 copy of ``cache:
+    [num_blocks, block_size, (1,) r + d_R]`` in which token ``t``'s row ``kv[t] = [c_raw ;
+    k_raw]`` (``kv_a_proj_with_mqa``'s output) is stored at slot ``s = slot_mapping[t]``
+    (block ``s // block_size``, row ``s % block_size``) as ``[RMSNorm(c_raw)·norm_weight ;
+    RoPE(k_raw)]``, the rotary key rotated with ``cos, sin: [tokens, d_R/2]`` into the
+    rotate-half layout (`apply_rope`). Slot -1 writes nothing; every other row is unchanged."""
+    out = np.array(cache, dtype=np.float64, copy=True)
+    pool = out.reshape(-1, out.shape[-1])                                          # row s = slot s
+    kv = np.asarray(kv, dtype=np.float64)
+    rows = latent_cache(rms_norm(kv[:, :kv_lora_rank], norm_weight, eps),
+                        apply_rope(kv[:, kv_lora_rank:], cos, sin, interleave))
+    slots = np.asarray(slot_mapping)
+    keep = slots >= 0
+    pool[slots[keep]] = rows[keep]
+    return out
 
 
 def _causal_softmax(scores: np.ndarray, causal: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from minillm.reference import ch12_mla as ref
-from minillm.testing import assert_close, random_tensor, skip_fp32_on_gpu, to_numpy
+from minillm.testing import assert_close, poisoned, random_tensor, skip_fp32_on_gpu, to_numpy
 
 absorbed_ex = pytest.mark.exercise(id="12.1", title="Attention over the latent cache (absorbed form)", points=3)
 scores_kernel_ex = pytest.mark.exercise(id="12.2", title="The absorbed scores in Triton", points=3, kind="triton")
+cache_write_ex = pytest.mark.exercise(id="12.3", title="The latent cache write in Triton", points=3, kind="triton")
 
 
 def _layer(rng, q_lora: bool):
@@ -87,3 +88,60 @@ def test_absorbed_scores_strided(impl, device, gen, seed):
     rows, q = wide[:, :40], random_tensor((6, 48), dtype, device, gen)[:, 8:]
     got = impl.absorbed_scores(q, rows, 32, 0.2, block_n=32)
     assert_close(got, to_numpy(q) @ to_numpy(rows).T * 0.2, dtype, "scores", seed)
+
+
+# --- 12.3 ------------------------------------------------------------------------------------
+
+def _write_case(r, rope, block_size, num_blocks, n, dtype, device, gen, rng, pool_shape=None):
+    """A NaN pool with a NaN guard block on each side, new tokens' raw rows (one latent tiny,
+    where ``eps`` matters), shuffled slots with some -1, the norm weight and fp32 RoPE tables."""
+    guarded = poisoned((num_blocks + 2, block_size) + (pool_shape or (1, r + rope)), dtype, device)
+    kv = random_tensor((n, r + rope), dtype, device, gen)
+    kv[int(rng.integers(0, n)), :r] *= 1e-3
+    weight = (1 + 0.1 * random_tensor((r,), torch.float64, "cpu", gen)).to(device, dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:n]
+    slots[torch.from_numpy(rng.choice(n, size=max(1, n // 4), replace=False))] = -1
+    cos, sin = ref.rope_tables(rng.integers(0, 500, n), rope, 10000.0)           # [n, rope/2]
+    return guarded, kv, weight, slots, cos, sin
+
+
+def _check_written(guarded, kv, weight, slots, cos, sin, r, interleave, dtype, seed):
+    width, bs = kv.shape[1], guarded.shape[1]
+    rows = guarded.reshape(-1, guarded.shape[-1])                                 # guard block first
+    expected = ref.latent_cache_write(np.full((guarded.shape[0] - 2, bs, width), np.nan), to_numpy(kv), slots.numpy(),
+                                      r, cos, sin, to_numpy(weight), 1e-6, interleave).reshape(-1, width)
+    done = slots[slots >= 0]
+    assert_close(rows[done + bs, :width], expected[done], dtype, "written rows [c_kv normed ; k_pe rotated]", seed)
+    others = sorted(set(range(rows.shape[0])) - set((done + bs).tolist()))
+    assert torch.isnan(rows[others]).all() and torch.isnan(rows[:, width:]).all(), \
+        f"seed={seed}: a row without a new token (slot -1, another slot, outside the pool) or a padding was written"
+
+
+@cache_write_ex
+@pytest.mark.parametrize("r,rope,block_size,num_blocks,n,interleave",
+                         [(24, 8, 4, 6, 9, True), (13, 6, 3, 7, 11, True), (5, 2, 1, 12, 7, False),
+                          (40, 16, 16, 2, 5, False)])
+def test_latent_cache_write_kernel(impl, r, rope, block_size, num_blocks, n, interleave, dtype, device, gen, seed):
+    """Odd widths, interleaved and rotate-half input pairs, blocks of 1 to 16, shuffled slots
+    with some -1: the written rows equal the reference, every other row (the guard blocks
+    around the pool included) stays NaN."""
+    skip_fp32_on_gpu(dtype, device)
+    rng = np.random.default_rng(seed)
+    guarded, kv, weight, slots, cos, sin = _write_case(r, rope, block_size, num_blocks, n, dtype, device, gen, rng)
+    impl.latent_cache_write(guarded[1:-1], kv, slots.to(device), r, torch.from_numpy(cos).to(device),
+                            torch.from_numpy(sin).to(device), weight, 1e-6, interleave)
+    _check_written(guarded, kv, weight, slots, cos, sin, r, interleave, dtype, seed)
+
+
+@cache_write_ex
+def test_latent_cache_write_strided_pool(impl, device, gen, seed):
+    """A 3-D pool whose rows are padded (row stride W + 5, as a view of a wider buffer): the
+    kernel must address rows with the strides it is given; the padding stays NaN."""
+    dtype = torch.float16
+    rng = np.random.default_rng(seed)
+    r, rope, block_size, num_blocks, n = 19, 4, 5, 4, 8
+    guarded, kv, weight, slots, cos, sin = _write_case(r, rope, block_size, num_blocks, n, dtype, device, gen, rng,
+                                                       pool_shape=(r + rope + 5,))
+    impl.latent_cache_write(guarded[1:-1, :, :r + rope], kv, slots.to(device), r, torch.from_numpy(cos).to(device),
+                            torch.from_numpy(sin).to(device), weight, 1e-6, True)
+    _check_written(guarded, kv, weight, slots, cos, sin, r, True, dtype, seed)
