@@ -224,3 +224,39 @@ def serve_in_thread(app, log_level: str = "critical", timeout_s: float = 30.0):
     finally:
         server.should_exit = True
         thread.join(timeout_s)
+
+
+# ----------------------------------------------------------------------------------------
+# Tiny DeepSeek-V2/V3 (multi-head latent attention) models for the tests of Chapter 12
+# ----------------------------------------------------------------------------------------
+#: A tiny dense MLA config (every layer dense: ``first_k_dense_replace = num_hidden_layers``);
+#: its latent row is ``kv_lora_rank + qk_rope_head_dim = 28`` wide.
+TINY_MLA_SIZES = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=3,
+                      kv_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, first_k_dense_replace=2,
+                      max_position_embeddings=256)
+
+
+def tiny_mla_model(version: str = "v3", seed: int = 0, **overrides):
+    """A random transformers ``DeepseekV2ForCausalLM`` (``version="v2"``) or
+    ``DeepseekV3ForCausalLM`` of `TINY_MLA_SIZES` (``overrides`` on top), in eval mode, with
+    sharper weights than its init (greedy choices not near ties) and no EOS in its generation
+    config (``generate`` makes every token asked for, as the engine does with ``ignore_eos``).
+    Save it with ``save_pretrained(path)`` for minillm to load."""
+    import transformers
+
+    if version == "v2":
+        config, cls = transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM
+    else:
+        config, cls = transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config(**{**TINY_MLA_SIZES, **overrides})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+            else:
+                p.normal_(0, 1.0 if "embed" in name else 1.0 / math.sqrt(p.shape[-1]))
+    model.generation_config.eos_token_id = None
+    return model

@@ -18,7 +18,6 @@ saved with ``save_pretrained`` and loaded by minillm:
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -31,40 +30,18 @@ from minillm.model.config import ModelConfig  # noqa: E402
 from minillm.model.paged import PagedBatch  # noqa: E402
 from minillm.model.torch_model import generate  # noqa: E402
 from minillm.paged import BlockManager  # noqa: E402
+from minillm.testing import TINY_MLA_SIZES as SIZES  # noqa: E402
+from minillm.testing import tiny_mla_model as hf_model  # noqa: E402  (random DeepSeek model, sharpened weights)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-VOCAB = 97
-SIZES = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=3,
-             kv_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, first_k_dense_replace=2,
-             max_position_embeddings=256)
+VOCAB = SIZES["vocab_size"]
 VARIANTS = {
     "v2-lite-like": ("v2", dict(q_lora_rank=None)),
     "v2-q-lora-bias": ("v2", dict(q_lora_rank=16, attention_bias=True)),
     "v3": ("v3", dict(q_lora_rank=24)),
     "v3-rotate-half": ("v3", dict(q_lora_rank=None, rope_interleave=False, v_head_dim=14)),
 }
-
-
-def hf_model(version: str, seed: int = 0, **overrides):
-    """A random transformers DeepSeek model with sharper weights than its init (greedy choices
-    not near ties)."""
-    if version == "v2":
-        config, cls = transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM
-    else:
-        config, cls = transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM
-    torch.manual_seed(seed)
-    model = cls(config(**{**SIZES, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.1)
-            else:
-                p.normal_(0, 1.0 if "embed" in name else 1.0 / math.sqrt(p.shape[-1]))
-    model.generation_config.eos_token_id = None  # generate every token asked for (the engine ignores EOS too)
-    return model
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
