@@ -5,7 +5,7 @@ Models: random-weight Llamas built in memory (`minillm.model.LlamaForCausalLM`, 
 weights, bf16) in the shapes of `minillm.experiments.ch09_engine_benchmark.PRESETS`:
 ``llama-280m`` (24 layers, hidden 1024, 16/4 heads of 64, SwiGLU 2816) and ``llama-3.2-1b``
 (16 layers, hidden 2048, 32/8 heads of 64, SwiGLU 8192, tied embeddings), vocabulary 4096 (the
-bundled tokenizer's). Four parts, each in its own ``try`` (a failure records an ``error`` row):
+bundled tokenizer's). Six parts, each in its own ``try`` (a failure records an ``error`` row):
 
 1. **kernels** (kind ``kernel``): each fused kernel of `minillm.kernels.ch10_fused_decode`
    against the torch ops the unfused model runs (``torch_eager``; for the rotary this includes
@@ -27,6 +27,26 @@ bundled tokenizer's). Four parts, each in its own ``try`` (a failure records an 
    requests, prompts and outputs of 32-256 tokens, 64 at once), the engine fused against
    unfused (``output_tokens_per_s``, ``decode_step_ms``), and transformers' static batching
    as the peer when time is left (`minillm.experiments.ch09_engine_benchmark.run_hf_static`).
+5. **offline, eager** (part ``offline_eager``, kind ``offline``, ``cuda_graphs: "off"``): the same
+   workload on the engine without CUDA graphs, fused and unfused (rows ``mode`` ``"fused eager"``,
+   ``"unfused eager"``), against the same transformers static-batching peer measured in this run
+   (shared with part 4 when both run).
+6. **static-cache decode** (part ``hf_static``, kind ``decode``): time per output token
+   (``tpot_ms``: one decode step, i.e. per token of each sequence; ``(T(N) - T(1)) / (N - 1)``
+   of the wall times of whole generations of ``N`` = ``NEW_TOKENS`` and of 1 new token, so
+   the prefill cancels) of the 1B model at batches ``DECODE_BATCHES``, prompts of
+   ``SINGLE_CONTEXT`` random tokens: minillm's engine (fused, CUDA graphs) against transformers
+   ``generate`` with a `StaticCache` (same shape, random weights, sdpa attention), eager
+   (peer ``hf_static``, generate's own compilation disabled) and with
+   ``model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``
+   (peer ``hf_static_compile``; compile and CUDA-graph recording happen in untimed warm-up
+   runs, whose time is in the row's note, as are the CUDA-graph skips inductor reported).
+
+``MINILLM_CH10_PARTS`` (comma-separated part names: ``step, single, kernels, offline,
+offline_eager, hf_static``; default all) runs only some parts; the saved file then keeps the
+earlier rows of the other parts (`row_part`, `bench.common.Results.keep_previous`).
+``MINILLM_CH10_BUDGET_S`` (default 300) is the time budget of the whole run: a part, or a
+step of one, that would not fit records a ``skipped`` row.
 
 The profiler's category table and a timeline (start, duration, category of each kernel of one
 captured step) are written to ``$MINILLM_ARTIFACTS/<gpu-slug>.ch10_profile.json`` when that
@@ -55,6 +75,10 @@ BUDGET_S = float(os.environ.get("MINILLM_CH10_BUDGET_S", 300))
 DTYPE = torch.bfloat16
 MODES = ("unfused", "fused")
 CATEGORIES = ("gemm", "attention", "norms", "rotary", "elementwise", "sampling", "other")
+#: The parts in run order (`run`); ``MINILLM_CH10_PARTS`` selects some.
+PARTS = ("step", "single", "kernels", "offline", "offline_eager", "hf_static")
+NEW_TOKENS = int(os.environ.get("MINILLM_CH10_NEW_TOKENS", 256))
+DECODE_BATCHES = (1, 8)
 
 
 # == models ========================================================================================
@@ -446,12 +470,7 @@ def part_offline(results: Results, ctx: dict) -> None:
     from minillm.experiments import ch09_engine_benchmark as bench
 
     device = ctx["device"]
-    model, tokenizer = random_model("llama-280m", device)
-    spec = bench.WorkloadSpec(OFFLINE_REQUESTS, (32, 256), (32, 256), seed=0)
-    workload = bench.make_workload(spec, model.config.vocab_size)
-    warm = bench.make_workload(bench.WorkloadSpec(BATCH, (32, 256), (8, 16), seed=1), model.config.vocab_size)
-    base = {"kind": "offline", "model": "llama-280m-random", "dtype": "bfloat16", "num_requests": OFFLINE_REQUESTS,
-            "concurrency": BATCH, "prompt_len": "32-256", "output_len": "32-256"}
+    model, tokenizer, workload, warm, base = offline_setup(device)
     out = {}
     for mode in ("unfused", "fused"):
         engine = bench.build_engine(model=model, tokenizer=tokenizer,
@@ -469,28 +488,373 @@ def part_offline(results: Results, ctx: dict) -> None:
     results.add(BENCHMARK, base, "decode_step_ms", f.decode_step_ms, "unfused", u.decode_step_ms,
                 note="median wall time of full (64-sequence) pure-decode engine steps")
     model.fused_decode = None
-    if ctx["left"]() < 90:
+    if "hf_static_batching" not in ctx and ctx["left"]() < 90:
         results.add(BENCHMARK, {**base, "peer": "hf_static_batching"}, "skipped", None, note="no time left")
         return
-    path = bench.build_random_llama("llama-280m", dtype="bfloat16", device="cuda")
     del model
     free_memory()
-    hf = bench.load_hf_model(path, device, DTYPE)
-    bench.run_hf_static(hf, workload[:BATCH], BATCH, use_tqdm=False)     # warm-up, untimed
-    peer = bench.run_hf_static(hf, workload, BATCH, use_tqdm=False)
+    peer = hf_static_batching(ctx, workload)
     results.add(BENCHMARK, base, "output_tokens_per_s", f.output_tokens_per_s, "hf_static_batching",
                 peer.output_tokens_per_s, note="the peer: transformers generate, batches of 64, after a warm-up")
-    print(f"  [{BENCHMARK}] offline hf_static_batching: {peer.output_tokens_per_s:,.0f} out tok/s", flush=True)
+
+
+def offline_setup(device):
+    """Part 4's model, workload, warm-up workload and row params (part 5 shares them)."""
+    from minillm.experiments import ch09_engine_benchmark as bench
+
+    model, tokenizer = random_model("llama-280m", device)
+    spec = bench.WorkloadSpec(OFFLINE_REQUESTS, (32, 256), (32, 256), seed=0)
+    workload = bench.make_workload(spec, model.config.vocab_size)
+    warm = bench.make_workload(bench.WorkloadSpec(BATCH, (32, 256), (8, 16), seed=1), model.config.vocab_size)
+    base = {"kind": "offline", "model": "llama-280m-random", "dtype": "bfloat16", "num_requests": OFFLINE_REQUESTS,
+            "concurrency": BATCH, "prompt_len": "32-256", "output_len": "32-256"}
+    return model, tokenizer, workload, warm, base
+
+
+def hf_static_batching(ctx: dict, workload):
+    """Transformers' static batching on the offline workload (the 280M checkpoint), measured
+    once per run (after an untimed warm-up) and kept in ``ctx`` for the parts that compare
+    with it."""
+    from minillm.experiments import ch09_engine_benchmark as bench
+
+    if "hf_static_batching" not in ctx:
+        device = ctx["device"]
+        path = bench.build_random_llama("llama-280m", dtype="bfloat16", device="cuda")
+        hf = bench.load_hf_model(path, device, DTYPE)
+        bench.run_hf_static(hf, workload[:BATCH], BATCH, use_tqdm=False)     # warm-up, untimed
+        ctx["hf_static_batching"] = bench.run_hf_static(hf, workload, BATCH, use_tqdm=False)
+        print(f"  [{BENCHMARK}] offline hf_static_batching: "
+              f"{ctx['hf_static_batching'].output_tokens_per_s:,.0f} out tok/s", flush=True)
+        del hf
+        free_memory()
+    return ctx["hf_static_batching"]
+
+
+# == part 5: the offline workload on the eager engine ==============================================
+
+def part_offline_eager(results: Results, ctx: dict) -> None:
+    """The engine without CUDA graphs (fused and unfused) on part 4's workload, against
+    transformers' static batching."""
+    from minillm.experiments import ch09_engine_benchmark as bench
+
+    device = ctx["device"]
+    model, tokenizer, workload, warm, base = offline_setup(device)
+    out = {}
+    for mode in ("unfused", "fused"):
+        engine = bench.build_engine(model=model, tokenizer=tokenizer,
+                                    config=bench.bench_engine_config(BATCH, device="cuda", max_model_len=1024,
+                                                                     fused_decode="on" if mode == "fused" else "off",
+                                                                     cuda_graphs="off"))
+        assert engine.fused_decode == (mode == "fused")
+        bench.run_offline(engine, warm, use_tqdm=False)
+        r = out[mode] = bench.run_offline(engine, workload, mode=f"{mode} eager", use_tqdm=False)
+        del engine
+        free_memory()
+        results.add(BENCHMARK, {**base, "mode": f"{mode} eager", "cuda_graphs": "off"}, "decode_step_ms",
+                    r.decode_step_ms, note=f"engine without CUDA graphs ({r.eager_steps} of {r.steps} steps eager); "
+                    "median wall time of full (64-sequence) pure-decode steps")
+        print(f"  [{BENCHMARK}] offline {mode} eager: {r.output_tokens_per_s:,.0f} out tok/s, decode step "
+              f"{r.decode_step_ms} ms", flush=True)
+    f, u = out["fused"], out["unfused"]
+    results.add(BENCHMARK, {**base, "mode": "fused eager", "cuda_graphs": "off"}, "output_tokens_per_s",
+                f.output_tokens_per_s, "unfused eager", u.output_tokens_per_s)
+    model.fused_decode = None
+    del model
+    free_memory()
+    if "hf_static_batching" not in ctx and ctx["left"]() < 45:
+        results.add(BENCHMARK, {**base, "mode": "eager", "cuda_graphs": "off", "peer": "hf_static_batching"},
+                    "skipped", None, note="no time left")
+        return
+    peer = hf_static_batching(ctx, workload)
+    for mode in ("fused", "unfused"):
+        results.add(BENCHMARK, {**base, "mode": f"{mode} eager", "cuda_graphs": "off"}, "output_tokens_per_s",
+                    out[mode].output_tokens_per_s, "hf_static_batching", peer.output_tokens_per_s,
+                    note="the engine without CUDA graphs against transformers generate, batches of 64, "
+                         "both after a warm-up")
+
+
+# == part 6: static-cache decode against transformers (eager and torch.compile) ====================
+
+def hf_random_model(preset: str, device, vocab_size: int, dtype=DTYPE, seed: int = 0):
+    """A transformers `LlamaForCausalLM` of a `PRESETS` shape with random weights (its own
+    initialisation), built in memory on ``device``; end-of-sequence disabled."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from minillm.experiments.ch09_engine_benchmark import PRESETS
+
+    config = LlamaConfig(vocab_size=vocab_size, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=0, eos_token_id=0,
+                         **{"tie_word_embeddings": False, **PRESETS[preset]})
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_static_cache(model, batch: int, max_len: int):
+    """A transformers `StaticCache` of ``max_len`` positions (5.x: shapes taken lazily from
+    the first update; 4.x: given here)."""
+    from transformers import StaticCache
+
+    try:
+        return StaticCache(config=model.config, max_cache_len=max_len)
+    except TypeError:  # transformers 4.x
+        return StaticCache(config=model.config, max_batch_size=batch, max_cache_len=max_len, device=model.device,
+                           dtype=model.dtype)
+
+
+def hf_generate(model, ids, new: int, cache) -> None:
+    """Greedy ``generate`` of exactly ``new`` tokens after ``ids`` into ``cache`` (reset
+    first), generate's own compilation disabled (a compiled ``model.forward`` is used as is)."""
+    from transformers import GenerationConfig
+
+    cache.reset()
+    config = GenerationConfig(max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None,
+                              disable_compile=True)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                         generation_config=config)
+    if out.shape[1] - ids.shape[1] != new:
+        raise RuntimeError(f"transformers generated {out.shape[1] - ids.shape[1]} tokens, expected {new}")
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _wall_s(fn, device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def tpot_ms(generate, new: int, device, reps: int = 2) -> tuple[float, float, float]:
+    """``(ms per output token, s of a generation of new tokens, s of one of 1 token)``:
+    ``generate(n)`` runs one whole generation of ``n`` new tokens; medians of ``reps``."""
+    full = _median([_wall_s(lambda: generate(new), device) for _ in range(reps)])
+    first = _median([_wall_s(lambda: generate(1), device) for _ in range(reps)])
+    return (full - first) / (new - 1) * 1e3, full, first
+
+
+@contextlib.contextmanager
+def cudagraph_skips():
+    """The CUDA-graph skips inductor reports inside the block: a list, filled on exit with
+    its messages (or their count when the messages cannot be read)."""
+    found: list[str] = []
+    try:
+        from torch._dynamo.utils import counters
+        from torch._inductor import cudagraph_utils as cu
+        log, before = cu.cudagraphs_log, counters["inductor"]["cudagraph_skips"]
+    except Exception:  # noqa: BLE001 - diagnostics only
+        yield found
+        return
+    messages: list[str] = []
+    log.warning = lambda msg, *a, **kw: messages.append(str(msg % a if a else msg)[:200])
+    try:
+        yield found
+    finally:
+        del log.warning
+        n = counters["inductor"]["cudagraph_skips"] - before
+        found.extend(dict.fromkeys(messages) or ([f"{n} graphs (no message: not on CUDA)"] if n else []))
+
+
+def measure_engine_decode(model, tokenizer, prompts: list[list[int]], new: int, device, fused: bool, reps: int = 3):
+    """minillm's engine (CUDA graphs on CUDA, prefix caching off) generating ``new`` tokens for
+    each prompt at once: ``(tpot_ms, warm-up s, median engine decode step ms, eager steps)``."""
+    from minillm.experiments import ch09_engine_benchmark as bench
+
+    device = torch.device(device)
+    config = bench.bench_engine_config(len(prompts), device=device.type, max_model_len=len(prompts[0]) + new + 16,
+                                       fused_decode="on" if fused else "off", enable_prefix_caching=False)
+    engine = bench.build_engine(model=model, tokenizer=tokenizer, config=config)
+    work = lambda n: [bench.BenchRequest(list(p), n) for p in prompts]  # noqa: E731
+    t0 = time.perf_counter()
+    bench.run_offline(engine, work(16), use_tqdm=False)
+    bench.run_offline(engine, work(1), use_tqdm=False)
+    warm_s = time.perf_counter() - t0
+    runs = []
+
+    def generate(n):
+        runs.append(bench.run_offline(engine, work(n), use_tqdm=False))
+
+    tpot = tpot_ms(generate, new, device, reps)[0]
+    full = [r for r in runs if r.output_tokens == len(prompts) * new]
+    step = _median([r.decode_step_ms for r in full if r.decode_step_ms is not None] or [float("nan")])
+    del engine
+    free_memory()
+    return tpot, warm_s, step, sum(r.eager_steps or 0 for r in full)
+
+
+def measure_hf_decode(model, ids, new: int, compiled: bool, reps: int = 2) -> dict:
+    """Transformers' static-cache decode of ``ids`` (one batch): ``{"tpot_ms", "warm_s",
+    "skips", "graphs"}``; with ``compiled`` the forward is ``torch.compile``'d
+    (``mode="reduce-overhead", fullgraph=True``) for the measurement and restored after."""
+    device = ids.device
+    cache = hf_static_cache(model, ids.shape[0], ids.shape[1] + new)
+    hf_generate(model, ids, 1, cache)  # eager: the cache's tensors are created (and marked static) outside tracing
+    out = {"skips": [], "graphs": None}
+    _sync(device)
+    t0 = time.perf_counter()
+    try:
+        if compiled:
+            from torch._dynamo.utils import counters
+
+            torch._dynamo.reset()
+            graphs0 = counters["stats"]["unique_graphs"]
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        with cudagraph_skips() as skips:
+            prev = None
+            for _ in range(8 if compiled else 1):  # compile, record the graphs, warm up until steady (2 in 10%)
+                t = _wall_s(lambda: hf_generate(model, ids, new if compiled else min(8, new), cache), device)
+                hf_generate(model, ids, 1, cache)
+                if prev is not None and abs(t - prev) <= 0.1 * prev:
+                    break
+                prev = t
+            _sync(device)
+            out["warm_s"] = time.perf_counter() - t0
+            out["tpot_ms"] = tpot_ms(lambda n: hf_generate(model, ids, n, cache), new, device, reps)[0]
+        out["skips"] = skips
+        if compiled:
+            out["graphs"] = counters["stats"]["unique_graphs"] - graphs0
+    finally:
+        if compiled:
+            model.__dict__.pop("forward", None)
+    del cache
+    free_memory()
+    return out
+
+
+def part_hf_static(results: Results, ctx: dict) -> None:
+    """Time per output token of the 1B model at batch 1 and 8: minillm's engine against
+    transformers' static cache, eager and compiled. ``ctx`` may override ``decode_preset``,
+    ``decode_batches``, ``new_tokens``, ``prompt_len``, ``fused``, ``compile`` and ``reps``
+    (the CPU test runs a tiny model through the same bookkeeping)."""
+    device = torch.device(ctx["device"])
+    preset = ctx.get("decode_preset", "llama-3.2-1b")
+    batches = ctx.get("decode_batches", DECODE_BATCHES)
+    new, plen = ctx.get("new_tokens", NEW_TOKENS), ctx.get("prompt_len", SINGLE_CONTEXT)
+    fused, do_compile, reps = ctx.get("fused", True), ctx.get("compile", True), ctx.get("reps", 2)
+    dtype = ctx.get("dtype", DTYPE)
+    left = ctx["left"]
+    model, tokenizer = random_model(preset, device, dtype=dtype)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompts = {b: torch.randint(0, vocab, (b, plen), generator=gen) for b in batches}
+    bases = {b: {"kind": "decode", "model": f"{preset}-random", "dtype": str(dtype).removeprefix("torch."),
+                 "batch": b, "prompt_len": plen, "new_tokens": new} for b in batches}
+    what = (f"time per output token = one decode step, (T({new}) - T(1)) / {new - 1} of whole generations "
+            f"(prefill cancels), medians of {reps}")
+    ours: dict[int, float | None] = {}
+    engine_notes: dict[int, str] = {}
+    for b in batches:
+        if left() < 20:
+            results.add(BENCHMARK, {**bases[b], "system": "minillm"}, "skipped", None, note="no time left")
+            ours[b] = None
+            continue
+        try:
+            tpot, warm_s, step, eager = measure_engine_decode(model, tokenizer, prompts[b].tolist(), new, device, fused,
+                                                              reps=max(reps, 3))
+            ours[b] = tpot
+            engine_notes[b] = (f"minillm engine ({'fused' if fused else 'unfused'}, "
+                               f"{'CUDA graphs' if device.type == 'cuda' else 'no CUDA graphs (CPU)'}, "
+                                                     f"warm-up {warm_s:.1f} s excluded, median engine decode step "
+                                                     f"{step:.3f} ms, {eager} eager steps)")
+            results.add(BENCHMARK, bases[b], "tpot_ms", tpot, note=f"{what}; {engine_notes[b]}")
+            print(f"  [{BENCHMARK}] decode {preset} x {b}: minillm {tpot:.3f} ms/token", flush=True)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            ours[b] = None
+            results.add(BENCHMARK, {**bases[b], "system": "minillm"}, "error", None,
+                        note=f"{type(e).__name__}: {e}"[:300])
+            free_memory()
+    model.fused_decode = None
+    del model
+    free_memory()
+    hf = hf_random_model(preset, device, vocab, dtype=dtype)
+    attn = getattr(hf.config, "_attn_implementation", None)
+    import transformers
+
+    for peer, compiled, need_s in (("hf_static", False, 20), ("hf_static_compile", True, 100)):
+        for b in batches:
+            params = bases[b]
+            if compiled and not do_compile:
+                results.add(BENCHMARK, {**params, "peer": peer}, "skipped", None, note="compile not asked for")
+                continue
+            if left() < need_s:  # (after the first compilation: 1.2 x its warm-up time)
+                results.add(BENCHMARK, {**params, "peer": peer}, "skipped", None,
+                            note=f"time budget ({BUDGET_S:.0f} s) spent")
+                continue
+            try:
+                m = measure_hf_decode(hf, prompts[b].to(device), new, compiled, reps)
+            except Exception as e:  # noqa: BLE001 - e.g. torch.compile failing: recorded, not fatal
+                traceback.print_exc()
+                results.add(BENCHMARK, {**params, "peer": peer}, "error", None,
+                            note=f"transformers {transformers.__version__}: {type(e).__name__}: {e}"[:300])
+                free_memory()
+                continue
+            note = (f"{what}; transformers {transformers.__version__} generate, StaticCache, attention {attn}, "
+                    + ("torch.compile(model.forward, mode='reduce-overhead', fullgraph=True); compile + graph "
+                       f"recording warm-up {m['warm_s']:.1f} s excluded, {m['graphs']} graphs compiled"
+                       if compiled else f"eager (generate's compilation disabled); warm-up {m['warm_s']:.1f} s")
+                    + (f"; CUDA graphs skipped: {'; '.join(m['skips'])}" if m["skips"] else "")
+                    + f"; ours: {engine_notes.get(b, 'not measured')}")
+            results.add(BENCHMARK, params, "tpot_ms", ours[b], peer, m["tpot_ms"], note=note[:600])
+            if compiled:
+                need_s = max(need_s, 1.2 * m["warm_s"] + 10)
+            print(f"  [{BENCHMARK}] decode {preset} x {b}: {peer} {m['tpot_ms']:.3f} ms/token (warm-up "
+                  f"{m['warm_s']:.1f} s){' skips: ' + str(m['skips']) if m['skips'] else ''}", flush=True)
     del hf
     free_memory()
 
 
 # == the run ======================================================================================
 
+def selected_parts(spec: str | None = None) -> tuple[str, ...]:
+    """The parts ``MINILLM_CH10_PARTS`` (or ``spec``) names, comma-separated, in run order; all
+    when empty. An unknown name is a ``ValueError``."""
+    spec = os.environ.get("MINILLM_CH10_PARTS", "") if spec is None else spec
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(PARTS))
+    if unknown:
+        raise ValueError(f"MINILLM_CH10_PARTS: unknown parts {unknown}; the parts are {list(PARTS)}")
+    return tuple(p for p in PARTS if p in names) if names else PARTS
+
+
+def row_part(row: dict) -> str | None:
+    """The part that wrote a row of this benchmark (``None`` if it cannot say)."""
+    p = row.get("params") or {}
+    if "part" in p:  # error and skipped rows of a whole part (the empty-kernel probe belongs to "step")
+        return "step" if p["part"] == "empty_kernel" else p["part"]
+    kind = p.get("kind")
+    if kind == "offline" and p.get("cuda_graphs") == "off":
+        return "offline_eager"
+    return {"kernel": "kernels", "step": "step", "single": "single", "offline": "offline",
+            "decode": "hf_static"}.get(kind)
+
+
+def keep_unselected_parts(results: Results, parts: tuple[str, ...]) -> None:
+    """A partial re-run (``parts`` short of `PARTS`): the saved file keeps the earlier rows of
+    the parts not re-run (and of rows no part claims); the re-run parts' rows are replaced."""
+    if set(parts) != set(PARTS):
+        results.keep_previous(BENCHMARK, lambda row: row_part(row) not in parts,
+                              why=f"MINILLM_CH10_PARTS={','.join(parts)}: the other parts' rows")
+        print(f"  [{BENCHMARK}] parts {list(parts)}; the others keep their earlier rows", flush=True)
+
+
 def run(results: Results, device) -> None:
     device = torch.device(device)
+    parts = selected_parts()
     if device.type != "cuda":
         raise RuntimeError("the Chapter 10 benchmark runs on a CUDA device")
+    keep_unselected_parts(results, parts)
     start = time.perf_counter()
     ceilings = results.ceilings or {}
     if "copy_TBps" not in ceilings:
@@ -499,13 +863,16 @@ def run(results: Results, device) -> None:
     ctx = {"device": device, "bandwidth": ceilings["copy_TBps"] * 1e12, "artifact": {},
            "left": lambda: BUDGET_S - (time.perf_counter() - start)}
     try:
-        ctx["empty_kernel_us"] = empty_kernel_us(device)
+        ctx["empty_kernel_us"] = empty_kernel_us(device) if "step" in parts else float("nan")
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         ctx["empty_kernel_us"] = float("nan")
         results.add(BENCHMARK, {"part": "empty_kernel"}, "error", None, note=f"{type(e).__name__}: {e}"[:300])
     for name, part, need_s in (("step", part_step, 30), ("single", part_single, 30), ("kernels", part_kernels, 20),
-                               ("offline", part_offline, 60)):
+                               ("offline", part_offline, 60), ("offline_eager", part_offline_eager, 45),
+                               ("hf_static", part_hf_static, 60)):
+        if name not in parts:
+            continue
         if ctx["left"]() < need_s:
             results.add(BENCHMARK, {"part": name}, "skipped", None, note=f"time budget ({BUDGET_S:.0f} s) spent")
             continue
@@ -538,7 +905,8 @@ def summary(results: Results | dict) -> str:
         p = r["params"]
         if r["metric"].endswith(("_kernels", "_us")) and p.get("kind") == "step" and "mode" in p:
             continue  # the category table lives in the artifact
-        what = " ".join(str(p.get(k)) for k in ("kernel", "shape", "mode", "model", "part") if p.get(k) is not None)
+        what = " ".join(str(p.get(k)) for k in ("kernel", "shape", "mode", "model", "batch", "peer", "part")
+                        if p.get(k) is not None)
         lines.append(f"{str(p.get('kind', '')):8s} {what[:32]:32s} {r['metric'][:18]:18s} {_g(r['ours']):>10} "
                      f"{str(r['peer'] or ''):>14} {_g(r['peer_value']):>10} {_g(r['ratio']):>6}")
     return "\n".join(lines)

@@ -433,7 +433,8 @@ def render_markdown(data: dict) -> str:
             kept = run.get("kept") or {}
             if kept.get("rows"):
                 lines[-1] += (f" {kept['rows']} rows kept from the earlier run of "
-                              f"{(kept.get('runs') or [{}])[-1].get('date')} ({kept.get('why') or 'parts not re-run'}).")
+                              f"{(kept.get('runs') or [{}])[-1].get('date')} "
+                              f"({kept.get('why') or 'parts not re-run'}).")
             lines.append("")
         lines.append(markdown_table(brows))
     return "\n".join(lines)
