@@ -66,8 +66,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import platform
-import re
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -78,6 +76,7 @@ from bench.common import DEFAULT_OUT, Results, cpu_time_ms, environment, gpu_slu
 from minillm import costs
 from minillm.model.config import ModelConfig
 from minillm.model.torch_model import LlamaForCausalLM
+from minillm.results import cpu_model_name
 
 BENCHMARK = "ch02_generation"
 #: The GPU side uses bench.run's measured ceilings for the roofline rows.
@@ -253,22 +252,6 @@ def run(results: Results, device) -> None:
 
 
 # --------------------------------------------------------------------------- CPU entry point
-def cpu_model_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``, else ``platform.processor()``), without the
-    "(R)", "(TM)", "CPU", "Processor" noise: e.g. ``"Intel Xeon @ 2.50GHz"``."""
-    name = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    name = name or platform.processor() or platform.machine() or "unknown"
-    name = re.sub(r"\((R|TM|tm|r)\)|\bCPU\b|\bProcessor\b", " ", name)
-    return re.sub(r"\s+", " ", name).strip()
-
-
 def cpu_device_name(threads: int | None = None) -> str:
     """``"CPU: <model>, <n> threads"``, the ``device`` of the CPU results file."""
     threads = threads or torch.get_num_threads()

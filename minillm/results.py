@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import re
 from pathlib import Path
 from typing import Any, Iterable
@@ -193,3 +194,19 @@ def _read(path: Path) -> dict | None:
     except (OSError, json.JSONDecodeError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``, else ``platform.processor()``), without the
+    "(R)", "(TM)", "CPU", "Processor" noise: e.g. ``"Intel Xeon @ 2.50GHz"``."""
+    name = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine() or "unknown"
+    name = re.sub(r"\((R|TM|tm|r)\)|\bCPU\b|\bProcessor\b", " ", name)
+    return re.sub(r"\s+", " ", name).strip()

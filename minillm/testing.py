@@ -260,3 +260,21 @@ def tiny_mla_model(version: str = "v3", seed: int = 0, **overrides):
                 p.normal_(0, 1.0 if "embed" in name else 1.0 / math.sqrt(p.shape[-1]))
     model.generation_config.eos_token_id = None
     return model
+
+
+def run_to_completion(engine, prompts, params, max_steps: int = 10_000) -> list:
+    """Add every prompt to ``engine`` (an `LLMEngine`) at once and step until all finish; the
+    final `RequestOutput` of each, in prompt order. ``params``: one `SamplingParams` for all,
+    or a list with one per prompt. Checks that the finished requests freed every block."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert not engine.has_unfinished_requests(), f"not finished after {max_steps} steps"
+    assert engine.manager.num_used_blocks == 0, "finished requests must free every block"
+    return [done[i] for i in ids]

@@ -20,6 +20,7 @@ from minillm.engine import (
     BUNDLED_MODEL, ContextLengthExceeded, EngineConfig, InvalidRequest, LLMEngine, SamplingParams,
 )
 from minillm.model import LlamaForCausalLM, ModelConfig, load_model, load_tokenizer
+from minillm.testing import run_to_completion as run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -44,19 +45,7 @@ def make_engine(model, **config) -> LLMEngine:
     return LLMEngine(model, TOKENIZER, EngineConfig(**config))
 
 
-def run(engine: LLMEngine, prompts, params) -> list:
-    """Every prompt in one go; the final outputs in prompt order."""
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    done = {}
-    for _ in range(10_000):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert engine.manager.num_used_blocks == 0, "finished requests must free every block"
-    return [done[i] for i in ids]
+
 
 
 def tokens(outs) -> list[list[list[int]]]:

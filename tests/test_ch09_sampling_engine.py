@@ -16,6 +16,7 @@ from minillm.decoding.sampling import completion_generator, sample_token
 from minillm.engine import BUNDLED_MODEL, EngineConfig, InvalidRequest, LLMEngine, SamplingParams
 from minillm.model import load_model, load_tokenizer
 from minillm.reference.ch09_sampling import process_logits
+from minillm.testing import run_to_completion as run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -28,16 +29,7 @@ def engine():
     return LLMEngine(model, load_tokenizer(BUNDLED_MODEL)[0], EngineConfig(device="cpu", num_blocks=128, seed=0))
 
 
-def run(engine, prompts, params):
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert engine.manager.num_used_blocks == 0
-    return [done[i] for i in ids]
+
 
 
 def one(engine, prompt, **params):

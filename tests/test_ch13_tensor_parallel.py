@@ -35,6 +35,7 @@ from minillm.distributed.worker import describe_rank
 from minillm.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from minillm.model import ModelConfig, load_model
 from minillm.model.loader import NoTokenizer, load_state_dict
+from minillm.testing import run_to_completion as run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -57,15 +58,7 @@ def save_tiny(path, family: str = "llama", heads: int = 4, kv_heads: int = 2, vo
     return path
 
 
-def run(engine: LLMEngine, prompts, params) -> list:
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert engine.manager.num_used_blocks == 0
-    return [done[i] for i in ids]
+
 
 
 def prompts_with_shared_prefix(vocab: int, n: int = 6, shared: int = 9, seed: int = 0) -> list[list[int]]:
@@ -229,6 +222,12 @@ def test_torchrun_launch(tmp_path):
         while engine.has_unfinished_requests():
             outs = engine.step()
         print("TOKENS", json.dumps(outs[0].outputs[0].token_ids), flush=True)
+        from minillm.distributed.driver import shutdown
+        shutdown()  # end the world (rank 1 returns from serving and exits)
+        # Gloo's threads sometimes abort the interpreter's own teardown under torchrun
+        # ("terminate called without an active exception"); the launch itself is what is tested.
+        import os
+        os._exit(0)
     """))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for attempt in range(2):  # a second try only if another process took the free port first

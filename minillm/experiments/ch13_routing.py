@@ -49,6 +49,7 @@ import numpy as np
 
 from minillm import BUNDLED_MODEL
 from minillm.experiments.ch06_prefix_workload import PrefixWorkload
+from minillm.results import cpu_model_name
 
 __all__ = ["POLICIES", "PolicyResult", "RoutingWorkload", "compare_routing", "format_table", "result_rows",
            "run_policy"]
@@ -314,17 +315,7 @@ def result_rows(result: dict, device: str) -> list[dict]:
 
 def cpu_device_name() -> str:
     """``"CPU: <model>, <n> cores"`` (the ``device`` of the results file)."""
-    name = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    name = re.sub(r"\((R|TM|tm|r)\)|\bCPU\b|\bProcessor\b", " ", name or platform.processor() or "unknown")
-    name = re.sub(r"\s+", " ", name).strip()
-    return f"CPU: {name}, {os.cpu_count()} cores"
+    return f"CPU: {cpu_model_name()}, {os.cpu_count()} cores"
 
 
 def main(argv: list[str] | None = None) -> int:
