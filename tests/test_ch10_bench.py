@@ -40,7 +40,6 @@ def test_labelled_model_computes_the_same_on_both_paths():
 # -- the parts: selection, partial re-runs that keep the other parts' rows, dry runs on the CPU --
 
 import json
-import shutil
 import types
 from pathlib import Path
 
