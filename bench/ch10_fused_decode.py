@@ -467,22 +467,9 @@ def part_single(results: Results, ctx: dict) -> None:
 # == part 4: the offline workload =================================================================
 
 def part_offline(results: Results, ctx: dict) -> None:
-    from minillm.experiments import ch09_engine_benchmark as bench
-
     device = ctx["device"]
     model, tokenizer, workload, warm, base = offline_setup(device)
-    out = {}
-    for mode in ("unfused", "fused"):
-        engine = bench.build_engine(model=model, tokenizer=tokenizer,
-                                    config=bench.bench_engine_config(BATCH, device="cuda", max_model_len=1024,
-                                                                     fused_decode="on" if mode == "fused" else "off"))
-        assert engine.fused_decode == (mode == "fused")
-        bench.run_offline(engine, warm, use_tqdm=False)
-        out[mode] = bench.run_offline(engine, workload, mode=mode, use_tqdm=False)
-        del engine
-        free_memory()
-        print(f"  [{BENCHMARK}] offline {mode}: {out[mode].output_tokens_per_s:,.0f} out tok/s, decode step "
-              f"{out[mode].decode_step_ms} ms", flush=True)
+    out = offline_runs(model, tokenizer, workload, warm)
     f, u = out["fused"], out["unfused"]
     results.add(BENCHMARK, base, "output_tokens_per_s", f.output_tokens_per_s, "unfused", u.output_tokens_per_s)
     results.add(BENCHMARK, base, "decode_step_ms", f.decode_step_ms, "unfused", u.decode_step_ms,
@@ -511,6 +498,28 @@ def offline_setup(device):
     return model, tokenizer, workload, warm, base
 
 
+def offline_runs(model, tokenizer, workload, warm, **config) -> dict:
+    """The engine on ``workload`` unfused, then fused (each after an untimed run of ``warm``),
+    with the Chapter 9 bench configuration plus ``config``: ``{"unfused": result, "fused": result}``."""
+    from minillm.experiments import ch09_engine_benchmark as bench
+
+    label = " eager" if config.get("cuda_graphs") == "off" else ""
+    out = {}
+    for mode in ("unfused", "fused"):
+        engine = bench.build_engine(model=model, tokenizer=tokenizer,
+                                    config=bench.bench_engine_config(BATCH, device="cuda", max_model_len=1024,
+                                                                     fused_decode="on" if mode == "fused" else "off",
+                                                                     **config))
+        assert engine.fused_decode == (mode == "fused")
+        bench.run_offline(engine, warm, use_tqdm=False)
+        out[mode] = r = bench.run_offline(engine, workload, mode=mode + label, use_tqdm=False)
+        del engine
+        free_memory()
+        print(f"  [{BENCHMARK}] offline {mode}{label}: {r.output_tokens_per_s:,.0f} out tok/s, decode step "
+              f"{r.decode_step_ms} ms", flush=True)
+    return out
+
+
 def hf_static_batching(ctx: dict, workload):
     """Transformers' static batching on the offline workload (the 280M checkpoint), measured
     once per run (after an untimed warm-up) and kept in ``ctx`` for the parts that compare
@@ -535,26 +544,13 @@ def hf_static_batching(ctx: dict, workload):
 def part_offline_eager(results: Results, ctx: dict) -> None:
     """The engine without CUDA graphs (fused and unfused) on part 4's workload, against
     transformers' static batching."""
-    from minillm.experiments import ch09_engine_benchmark as bench
-
     device = ctx["device"]
     model, tokenizer, workload, warm, base = offline_setup(device)
-    out = {}
-    for mode in ("unfused", "fused"):
-        engine = bench.build_engine(model=model, tokenizer=tokenizer,
-                                    config=bench.bench_engine_config(BATCH, device="cuda", max_model_len=1024,
-                                                                     fused_decode="on" if mode == "fused" else "off",
-                                                                     cuda_graphs="off"))
-        assert engine.fused_decode == (mode == "fused")
-        bench.run_offline(engine, warm, use_tqdm=False)
-        r = out[mode] = bench.run_offline(engine, workload, mode=f"{mode} eager", use_tqdm=False)
-        del engine
-        free_memory()
+    out = offline_runs(model, tokenizer, workload, warm, cuda_graphs="off")
+    for mode, r in out.items():
         results.add(BENCHMARK, {**base, "mode": f"{mode} eager", "cuda_graphs": "off"}, "decode_step_ms",
                     r.decode_step_ms, note=f"engine without CUDA graphs ({r.eager_steps} of {r.steps} steps eager); "
                     "median wall time of full (64-sequence) pure-decode steps")
-        print(f"  [{BENCHMARK}] offline {mode} eager: {r.output_tokens_per_s:,.0f} out tok/s, decode step "
-              f"{r.decode_step_ms} ms", flush=True)
     f, u = out["fused"], out["unfused"]
     results.add(BENCHMARK, {**base, "mode": "fused eager", "cuda_graphs": "off"}, "output_tokens_per_s",
                 f.output_tokens_per_s, "unfused eager", u.output_tokens_per_s)
