@@ -9,9 +9,7 @@ exits with status 0 either way, within a bounded time.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,40 +18,21 @@ import time
 import httpx
 import pytest
 
+from minillm import BUNDLED_MODEL
+from minillm.router.launch import InstanceProcess
+
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
 LONG = {"prompt": "ROMEO:", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``minillm serve`` in a subprocess (killed at the end if it is still alive)."""
+class Server(InstanceProcess):
+    """``minillm serve`` with the bundled model in a subprocess (killed at the end if it is
+    still alive); the router's instance process, plus signals."""
 
     def __init__(self, *flags: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "minillm", "serve", "--device", "cpu", "--num-blocks", "128", "--port",
-             str(self.port), "--log-level", "warning", *flags],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.log: list[str] = []
-        threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "".join(self.log)
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError("the server did not start:\n" + "".join(self.log))
+        super().__init__(BUNDLED_MODEL, ["--device", "cpu", "--num-blocks", "128", *flags])
+        self.wait_ready(60)
 
     def signal(self, sig) -> None:
         self.proc.send_signal(sig)
@@ -65,9 +44,7 @@ class Server:
             raise AssertionError(f"the server did not exit within {timeout} s:\n" + "".join(self.log)) from None
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        self.kill()
 
 
 @pytest.fixture
