@@ -5,7 +5,7 @@ Models: random-weight Llamas built in memory (`minillm.model.LlamaForCausalLM`, 
 weights, bf16) in the shapes of `minillm.experiments.ch09_engine_benchmark.PRESETS`:
 ``llama-280m`` (24 layers, hidden 1024, 16/4 heads of 64, SwiGLU 2816) and ``llama-3.2-1b``
 (16 layers, hidden 2048, 32/8 heads of 64, SwiGLU 8192, tied embeddings), vocabulary 4096 (the
-bundled tokenizer's). Six parts, each in its own ``try`` (a failure records an ``error`` row):
+bundled tokenizer's). Seven parts, each in its own ``try`` (a failure records an ``error`` row):
 
 1. **kernels** (kind ``kernel``): each fused kernel of `minillm.kernels.ch10_fused_decode`
    against the torch ops the unfused model runs (``torch_eager``; for the rotary this includes
@@ -27,11 +27,22 @@ bundled tokenizer's). Six parts, each in its own ``try`` (a failure records an `
    requests, prompts and outputs of 32-256 tokens, 64 at once), the engine fused against
    unfused (``output_tokens_per_s``, ``decode_step_ms``), and transformers' static batching
    as the peer when time is left (`minillm.experiments.ch09_engine_benchmark.run_hf_static`).
-5. **offline, eager** (part ``offline_eager``, kind ``offline``, ``cuda_graphs: "off"``): the same
+5. **sampling** (part ``sampling``): the sampler of `minillm.decoding.gpu_sampling` (kind
+   ``sampler``: temperature 0.8, top-k 50, top-p 0.9 and the draw on ``[B, vocab]`` float32
+   logits, ``B`` in ``SAMPLER_BATCHES``, vocab in ``SAMPLER_VOCABS``; ``time_us`` per call inside
+   a CUDA graph) against the same operation in torch (``torch_eager``: temperature, a sort,
+   the top-k and top-p masks, a softmax, and the exponential race with ``Tensor.exponential_``)
+   and ``torch.compile`` of it (``torch_compile``, one compilation per shape while the budget
+   allows); and the engine on sampled requests (kind ``sampled``: the 280M model, ``BATCH``
+   requests of 64 output tokens at temperature 0.8, top-p 0.9) with the tokens drawn inside the
+   CUDA graph against the same fused engine drawing each sequence's token on the device with
+   a host round trip per sequence (`minillm.decoding.sampling.draw_on_device`):
+   ``decode_step_ms`` and ``output_tokens_per_s``.
+6. **offline, eager** (part ``offline_eager``, kind ``offline``, ``cuda_graphs: "off"``): the same
    workload on the engine without CUDA graphs, fused and unfused (rows ``mode`` ``"fused eager"``,
    ``"unfused eager"``), against the same transformers static-batching peer measured in this run
    (shared with part 4 when both run).
-6. **static-cache decode** (part ``hf_static``, kind ``decode``): time per output token
+7. **static-cache decode** (part ``hf_static``, kind ``decode``): time per output token
    (``tpot_ms``: one decode step, i.e. per token of each sequence; ``(T(N) - T(1)) / (N - 1)``
    of the wall times of whole generations of ``N`` = ``NEW_TOKENS`` and of 1 new token, so
    the prefill cancels) of the 1B model at batches ``DECODE_BATCHES``, prompts of
@@ -42,10 +53,10 @@ bundled tokenizer's). Six parts, each in its own ``try`` (a failure records an `
    (peer ``hf_static_compile``; compile and CUDA-graph recording happen in untimed warm-up
    runs, whose time is in the row's note, as are the CUDA-graph skips inductor reported).
 
-``MINILLM_CH10_PARTS`` (comma-separated part names: ``step, single, kernels, offline,
+``MINILLM_CH10_PARTS`` (comma-separated part names: ``step, single, kernels, sampling, offline,
 offline_eager, hf_static``; default all) runs only some parts; the saved file then keeps the
 earlier rows of the other parts (`row_part`, `bench.common.Results.keep_previous`).
-``MINILLM_CH10_BUDGET_S`` (default 300) is the time budget of the whole run: a part, or a
+``MINILLM_CH10_BUDGET_S`` (default 420) is the time budget of the whole run: a part, or a
 step of one, that would not fit records a ``skipped`` row.
 
 The profiler's category table and a timeline (start, duration, category of each kernel of one
@@ -71,14 +82,16 @@ BATCH = 64
 CONTEXT = int(os.environ.get("MINILLM_CH10_CONTEXT", 256))
 SINGLE_CONTEXT = 128
 OFFLINE_REQUESTS = int(os.environ.get("MINILLM_CH10_REQUESTS", 64))
-BUDGET_S = float(os.environ.get("MINILLM_CH10_BUDGET_S", 300))
+BUDGET_S = float(os.environ.get("MINILLM_CH10_BUDGET_S", 420))
 DTYPE = torch.bfloat16
 MODES = ("unfused", "fused")
 CATEGORIES = ("gemm", "attention", "norms", "rotary", "elementwise", "sampling", "other")
 #: The parts in run order (`run`); ``MINILLM_CH10_PARTS`` selects some.
-PARTS = ("step", "single", "kernels", "offline", "offline_eager", "hf_static")
+PARTS = ("step", "single", "kernels", "sampling", "offline", "offline_eager", "hf_static")
 NEW_TOKENS = int(os.environ.get("MINILLM_CH10_NEW_TOKENS", 256))
 DECODE_BATCHES = (1, 8)
+SAMPLER_BATCHES = (1, 8, 64)
+SAMPLER_VOCABS = (4096, 32000)
 
 
 # == models ========================================================================================
@@ -191,12 +204,130 @@ def part_kernels(results: Results, ctx: dict) -> None:
               + (f", compile {t_comp:7.2f} us" if t_comp else ""), flush=True)
 
 
+# == part: sampling ================================================================================
+
+def torch_sampler(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                  ) -> torch.Tensor:
+    """The peer: temperature, top-k, top-p and a draw on ``[B, vocab]`` in plain torch, as
+    gpt-fast and vLLM's torch fallback write it (one sort; the exponential race with
+    ``Tensor.exponential_`` for the draw, no host synchronisation). ``[B]`` int64."""
+    x = logits.float() / temperature[:, None]
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    kth = sorted_x.gather(1, (top_k - 1)[:, None])
+    sorted_x = sorted_x.masked_fill(sorted_x < kth, -torch.inf)
+    p = torch.softmax(sorted_x, dim=-1)
+    sorted_x = sorted_x.masked_fill(p.cumsum(-1) - p >= top_p[:, None], -torch.inf)
+    probs = torch.softmax(sorted_x, dim=-1)
+    choice = (probs / torch.empty_like(probs).exponential_()).argmax(-1, keepdim=True)
+    return order.gather(1, choice)[:, 0]
+
+
+def _sampler_time_us(fn) -> tuple[float, str]:
+    """``fn``'s time per call inside a CUDA graph, or, if it cannot be captured, with
+    launches (`bench.common.time_ms`); with a word saying which."""
+    try:
+        return graph_time_ms(fn) * 1e3, "CUDA graph"
+    except Exception:  # noqa: BLE001 - e.g. an op that cannot be captured
+        torch.cuda.synchronize()
+        return time_ms(fn) * 1e3, "launched (could not be captured)"
+
+
+def part_sampling(results: Results, ctx: dict) -> None:
+    from minillm.decoding.gpu_sampling import SamplingTensors, sample
+    from minillm.decoding.sampling import SamplingParams
+
+    device = ctx["device"]
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9)
+    for vocab in SAMPLER_VOCABS:
+        for B in SAMPLER_BATCHES:
+            g = torch.Generator(device=device).manual_seed(B)
+            logits = torch.randn(B, vocab, device=device, generator=g) * 3
+            rows = SamplingTensors.from_params([params] * B, range(B), [100] * B, device)
+            t, k, p = rows.temperature.clone(), rows.top_k.clone(), rows.top_p.clone()
+            base = {"kind": "sampler", "batch": B, "vocab": vocab, "temperature": 0.8, "top_k": 50, "top_p": 0.9}
+            ours, how = _sampler_time_us(lambda: sample(logits, rows))
+            eager, how_eager = _sampler_time_us(lambda: torch_sampler(logits, t, k, p))
+            results.add(BENCHMARK, base, "time_us", ours, "torch_eager", eager,
+                        note=f"per call; ours {how}, torch {how_eager}")
+            comp = None
+            if ctx["left"]() > 60:
+                try:
+                    compiled = torch.compile(torch_sampler, dynamic=False)
+                    compiled(logits, t, k, p)
+                    comp, how_comp = _sampler_time_us(lambda: compiled(logits, t, k, p))
+                    results.add(BENCHMARK, base, "time_us", ours, "torch_compile", comp,
+                                note=f"per call; ours {how}, torch.compile (one compilation per shape) {how_comp}")
+                except Exception as e:  # noqa: BLE001 - torch.compile may not run here
+                    results.add(BENCHMARK, {**base, "peer": "torch_compile"}, "error", None,
+                                note=f"torch.compile: {type(e).__name__}: {e}"[:300])
+            else:
+                results.add(BENCHMARK, {**base, "peer": "torch_compile"}, "skipped", None,
+                            note=f"time budget ({BUDGET_S:.0f} s) spent")
+            print(f"  [{BENCHMARK}] sampler B={B:3d} vocab={vocab}: ours {ours:7.2f} us, eager {eager:7.2f} us"
+                  + (f", compile {comp:7.2f} us" if comp else ""), flush=True)
+    if ctx["left"]() < 60:
+        results.add(BENCHMARK, {"kind": "sampled", "part": "sampling"}, "skipped", None, note="no time left")
+        return
+    sampled_engine(results, ctx)
+
+
+def sampled_engine(results: Results, ctx: dict) -> None:
+    """The fused engine on ``BATCH`` sampled requests, the tokens drawn inside the step's CUDA
+    graph against drawn per sequence with a host round trip each."""
+    from minillm.engine import SamplingParams
+    from minillm.experiments import ch09_engine_benchmark as bench
+
+    device = ctx["device"]
+    model, tokenizer = random_model("llama-280m", device)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, model.config.vocab_size, (int(n),), generator=g).tolist()
+               for n in torch.randint(32, 128, (BATCH,), generator=g)]
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=64, ignore_eos=True, seed=0)
+    base = {"kind": "sampled", "model": "llama-280m-random", "dtype": "bfloat16", "requests": BATCH,
+            "output_len": 64, "temperature": 0.8, "top_p": 0.9}
+    out = {}
+    for mode, in_graph in (("host draws", False), ("in graph", True)):
+        config = bench.bench_engine_config(BATCH, device=device.type, max_model_len=512, fused_decode="on",
+                                           cuda_graphs="off", record_steps=True)
+        engine = bench.build_engine(model=model, tokenizer=tokenizer, config=config)
+        engine.sample_on_device = in_graph      # before the capture: the graphs end with the sampler or not
+        engine.runner.capture_cuda_graphs(BATCH, engine.max_model_len, 0, sample_tokens=in_graph)
+        for warm in (True, False):
+            engine.steps.clear()
+            _sync(device)
+            t0 = time.perf_counter()
+            ids = [engine.add_request(p, params) for p in prompts]
+            done = {}
+            while engine.has_unfinished_requests():
+                done.update({o.request_id: o for o in engine.step() if o.finished})
+            _sync(device)
+            wall = time.perf_counter() - t0
+        tokens = sum(len(c.token_ids) for i in ids for c in done[i].outputs)
+        steps = [s.end - s.start for s in engine.steps
+                 if len(s.tokens) == BATCH and all(n == 1 for n in s.tokens.values())]
+        out[mode] = (tokens / wall, _median(steps) * 1e3 if steps else None, engine.runner.num_replays)
+        print(f"  [{BENCHMARK}] sampled engine, {mode}: {out[mode][0]:,.0f} out tok/s, decode step "
+              f"{out[mode][1]} ms", flush=True)
+        del engine
+        free_memory()
+    note = ("fused engine, CUDA graphs (decode); 'host draws': the graph returns logits and each "
+            "sequence's token is drawn on the GPU and read back one at a time (a synchronisation per "
+            "sequence per step); 'in graph': the graph ends with the batched sampler, one copy of the ids")
+    results.add(BENCHMARK, {**base, "mode": "in graph"}, "decode_step_ms", out["in graph"][1], "host draws",
+                out["host draws"][1], note=note + "; median wall time of full pure-decode engine steps")
+    results.add(BENCHMARK, {**base, "mode": "in graph"}, "output_tokens_per_s", out["in graph"][0], "host draws",
+                out["host draws"][0], note=note + "; second of two runs (the first warms up)")
+    model.fused_decode = None
+    del model
+    free_memory()
+
+
 # == profiling ====================================================================================
 
 def categorize(name: str) -> str:
     """A kernel's category from its name (used where no annotation says: inside a graph)."""
     n = name.lower()
-    if any(s in n for s in ("argmax", "softmax", "multinomial", "sort", "topk", "cumsum")):
+    if any(s in n for s in ("argmax", "softmax", "multinomial", "sort", "topk", "cumsum", "exponential_race")):
         return "sampling"
     if any(s in n for s in ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "matmul", "splitk")):
         return "gemm"
@@ -833,7 +964,7 @@ def row_part(row: dict) -> str | None:
     if kind == "offline" and p.get("cuda_graphs") == "off":
         return "offline_eager"
     return {"kernel": "kernels", "step": "step", "single": "single", "offline": "offline",
-            "decode": "hf_static"}.get(kind)
+            "decode": "hf_static", "sampler": "sampling", "sampled": "sampling"}.get(kind)
 
 
 def keep_unselected_parts(results: Results, parts: tuple[str, ...]) -> None:
@@ -865,7 +996,8 @@ def run(results: Results, device) -> None:
         ctx["empty_kernel_us"] = float("nan")
         results.add(BENCHMARK, {"part": "empty_kernel"}, "error", None, note=f"{type(e).__name__}: {e}"[:300])
     for name, part, need_s in (("step", part_step, 30), ("single", part_single, 30), ("kernels", part_kernels, 20),
-                               ("offline", part_offline, 60), ("offline_eager", part_offline_eager, 45),
+                               ("sampling", part_sampling, 30), ("offline", part_offline, 60),
+                               ("offline_eager", part_offline_eager, 45),
                                ("hf_static", part_hf_static, 60)):
         if name not in parts:
             continue
@@ -901,7 +1033,7 @@ def summary(results: Results | dict) -> str:
         p = r["params"]
         if r["metric"].endswith(("_kernels", "_us")) and p.get("kind") == "step" and "mode" in p:
             continue  # the category table lives in the artifact
-        what = " ".join(str(p.get(k)) for k in ("kernel", "shape", "mode", "model", "batch", "peer", "part")
+        what = " ".join(str(p.get(k)) for k in ("kernel", "shape", "mode", "model", "batch", "vocab", "peer", "part")
                         if p.get(k) is not None)
         lines.append(f"{str(p.get('kind', '')):8s} {what[:32]:32s} {r['metric'][:18]:18s} {_g(r['ours']):>10} "
                      f"{str(r['peer'] or ''):>14} {_g(r['peer_value']):>10} {_g(r['ratio']):>6}")

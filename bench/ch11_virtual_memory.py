@@ -45,8 +45,39 @@ Rows (``params``: kind, batch, context, q_heads, kv_heads, head_dim, dtype, page
 ``create_us``, ``map_us``, ``unmap_us``   one 2 MB page, median (kind "mapping")
 ======================  =====================================================================
 
-Imports without a GPU; `run` needs CUDA and ``cuda-bindings``. Stops starting points after
-``MINILLM_CH11_BUDGET_S`` seconds (default 240).
+- **engine** (kind ``engine``): the engine of Chapter 9 on its own workload
+  (`bench.ch09_engine`: the random-weight ``llama-280m`` in bf16, prompts and outputs of
+  32-512 tokens, 64 requests at once, CUDA graphs for every step), once with
+  ``kv_cache="paged"`` and once with ``kv_cache="virtual"`` (`minillm.vmm.manager`), one
+  after the other in this process. Each engine first runs the warm-up workload of Chapter 9
+  (compiles, captures, and in virtual mode maps the pages of the slots it uses), then
+  ``ENGINE_REPEATS`` timed runs of ``ENGINE_REQUESTS`` requests. The paged engine keeps
+  Chapter 9's settings (prefix caching on: random prompts share nothing); the virtual one has
+  no prefix cache.
+
+Rows of the engine part (``params``: kind "engine", mode, model, dtype, num_requests,
+concurrency, prompt_len, output_len, max_num_batched_tokens, repeats; virtual rows add
+page_bytes and slot_tokens):
+
+==========================  ===================================================================
+``output_tokens_per_s``     mean of the timed runs; mode virtual: ours, peer ``paged`` (ratio =
+                            virtual / paged); mode paged: the paged engine alone
+``decode_step_ms``          median wall time of a full (64-sequence) pure-decode step, as above
+``elapsed_s``, ``steps``    of the timed runs (mean), as above
+``map_calls``               (tensor, page) mappings during the timed runs (mean per run);
+                            ``map_calls_per_step`` the same per engine step;
+                            ``map_calls_warmup`` during the warm-up run; ``map_ms`` host time
+                            of the timed runs' ``cuMemMap`` + ``cuMemSetAccess`` (mean per run)
+``kv_mapped_bytes``         after the timed runs: bytes of mapped pages (virtual; nothing is
+                            unmapped under deferred reclamation unless the pool runs short)
+                            against the paged pool's peak blocks in use (peer ``paged``)
+``kv_used_bytes``           the most bytes the live sequences' tokens held in one step
+==========================  ===================================================================
+
+Imports without a GPU; `run` needs CUDA and ``cuda-bindings``. Stops starting kernel points
+after ``MINILLM_CH11_BUDGET_S`` seconds (default 240). ``MINILLM_CH11_PARTS`` (``kernels``,
+``engine``; comma-separated, default both) runs only some parts; the saved file then keeps the
+earlier rows of the others. ``MINILLM_CH11_ENGINE_REQUESTS`` sets ``ENGINE_REQUESTS``.
 """
 from __future__ import annotations
 
@@ -85,15 +116,45 @@ def budget_s() -> float:
     return float(os.environ.get("MINILLM_CH11_BUDGET_S", "240"))
 
 
+#: The parts in run order (`run`); ``MINILLM_CH11_PARTS`` selects some.
+PARTS = ("kernels", "engine")
+ENGINE_REQUESTS = int(os.environ.get("MINILLM_CH11_ENGINE_REQUESTS", 128))
+ENGINE_REPEATS = 2
+
+
+def selected_parts(spec: str | None = None) -> tuple[str, ...]:
+    """The parts ``MINILLM_CH11_PARTS`` (or ``spec``) names, in run order; all when empty."""
+    spec = os.environ.get("MINILLM_CH11_PARTS", "") if spec is None else spec
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(PARTS))
+    if unknown:
+        raise ValueError(f"MINILLM_CH11_PARTS: unknown parts {unknown}; the parts are {list(PARTS)}")
+    return tuple(p for p in PARTS if p in names) if names else PARTS
+
+
+def row_part(row: dict) -> str:
+    """The part that wrote a row of this benchmark."""
+    return "engine" if (row.get("params") or {}).get("kind") == "engine" else "kernels"
+
+
 def run(results: Results, device) -> None:
-    """The sweep on ``device`` (CUDA, with ``cuda-bindings``)."""
+    """The selected parts on ``device`` (CUDA, with ``cuda-bindings``)."""
     from minillm.vmm import MISSING, available
 
     device = cuda_device(device, "the Chapter 11 benchmark")
     ok, why = available()
     if not ok:
         raise RuntimeError(f"the Chapter 11 benchmark cannot run here ({why}). {MISSING}")
-    sweep(results, device)
+    parts = selected_parts()
+    if set(parts) != set(PARTS):
+        results.keep_previous(BENCHMARK, lambda row: row_part(row) not in parts,
+                              why=f"MINILLM_CH11_PARTS={','.join(parts)}: the other parts' rows")
+        print(f"  [{BENCHMARK}] parts {list(parts)}; the others keep their earlier rows", flush=True)
+    if "kernels" in parts:
+        sweep(results, device)
+    if "engine" in parts:
+        free_memory()
+        engine_part(results, device)
 
 
 def sweep(results: Results, device, batches=BATCHES, contexts=CONTEXTS, q_heads: int = Q_HEADS,
@@ -298,13 +359,115 @@ def _prefill(results, params, device, gen, batch, context, q_heads, head_dim, dt
     add("rel_err", rel_err(out_v.transpose(1, 2).reshape(out_p.shape), out_p), note="against paged_prefill")
 
 
+# == the engine on the virtual cache ==============================================================
+
+def engine_part(results: Results, device, num_requests: int = ENGINE_REQUESTS, repeats: int = ENGINE_REPEATS, *,
+                workload_shape: dict | None = None) -> dict:
+    """Chapter 9's offline workload through the engine in paged and in virtual mode (see the
+    module docstring); returns ``{mode: measurements}``. ``workload_shape`` overrides Chapter
+    9's ``preset``, ``dtype``, ``engine`` (an `EngineConfig`), ``concurrency``, ``prompt_len``,
+    ``output_len`` (the CPU test runs a tiny model through the same code)."""
+    from bench import ch09_engine as ch09
+    from minillm.experiments import ch09_engine_benchmark as eb
+    from minillm.model import load_model, load_tokenizer
+
+    w = {"preset": ch09.PRESET, "dtype": ch09.DTYPE, "engine": ch09.ENGINE, "concurrency": ch09.CONCURRENCY,
+         "prompt_len": ch09.PROMPT_LEN, "output_len": ch09.OUTPUT_LEN, **(workload_shape or {})}
+    path = eb.build_random_llama(w["preset"], dtype=w["dtype"], device=str(torch.device(device).type))
+    model, mconfig = load_model(path, device=device, dtype=w["dtype"])
+    tokenizer, _ = load_tokenizer(path)
+    workload = eb.make_workload(eb.WorkloadSpec(num_requests, w["prompt_len"], w["output_len"], seed=0),
+                                mconfig.vocab_size)
+    # Chapter 9's warm-up workload: one batch of short outputs (compile, capture, map)
+    warm_out = (w["output_len"][0], max(w["output_len"][0], 64))
+    warmup = eb.make_workload(eb.WorkloadSpec(w["concurrency"], w["prompt_len"], warm_out, seed=1000),
+                              mconfig.vocab_size)
+    token_bytes = 2 * mconfig.num_hidden_layers * mconfig.num_key_value_heads * mconfig.head_dim * \
+        model.lm_head.weight.element_size()          # one token, every layer, K and V
+    base = {"kind": "engine", "model": w["preset"] + "-random", "dtype": w["dtype"], "num_requests": num_requests,
+            "concurrency": w["concurrency"], "prompt_len": f"{w['prompt_len'][0]}-{w['prompt_len'][1]}",
+            "output_len": f"{w['output_len'][0]}-{w['output_len'][1]}",
+            "max_num_batched_tokens": w["engine"].max_num_batched_tokens, "repeats": repeats}
+    got: dict[str, dict] = {}
+    for mode in ("paged", "virtual"):
+        t0 = time.perf_counter()
+        engine = eb.build_engine(path, model=model, tokenizer=tokenizer, config=w["engine"], kv_cache=mode)
+        table = getattr(engine.manager, "table", None)
+        map_seconds = getattr(getattr(engine.cache, "backing", None), "map_seconds", [])  # CUDA only
+        maps0 = table.map_calls if table is not None else 0
+        eb.run_offline(engine, warmup, use_tqdm=False)
+        maps_warm = (table.map_calls - maps0) if table is not None else 0
+        setup = time.perf_counter() - t0
+        runs, maps, map_s, used = [], [], [], []
+        for _ in range(repeats):
+            m0 = table.map_calls if table is not None else 0
+            s0 = len(map_seconds)
+            r = eb.run_offline(engine, workload, mode=mode, use_tqdm=False)
+            runs.append(r)
+            if table is not None:
+                maps.append(table.map_calls - m0)
+                map_s.append(sum(map_seconds[s0:]))
+            used.append(max((s.kv_tokens for s in engine.steps), default=0) * token_bytes)
+        m = got[mode] = {
+            "output_tokens_per_s": statistics.mean(r.output_tokens_per_s for r in runs),
+            "runs_tokens_per_s": [r.output_tokens_per_s for r in runs],
+            "decode_step_ms": statistics.median(r.decode_step_ms for r in runs if r.decode_step_ms is not None)
+            if any(r.decode_step_ms is not None for r in runs) else None,
+            "elapsed_s": statistics.mean(r.elapsed_s for r in runs),
+            "steps": statistics.mean(r.steps for r in runs),
+            "preemptions": sum(r.preemptions for r in runs),
+            "kv_used_bytes": max(used),
+        }
+        if table is not None:
+            m.update(map_calls=statistics.mean(maps), map_calls_warmup=maps_warm,
+                     map_ms=statistics.mean(map_s) * 1e3, kv_mapped_bytes=table.mapped_bytes(),
+                     page_bytes=table.geometry.page_bytes, slot_tokens=engine.manager.capacity)
+            m["map_calls_per_step"] = m["map_calls"] / m["steps"] if m["steps"] else None
+        else:
+            m["kv_mapped_bytes"] = max(r.peak_kv_blocks for r in runs) * engine.block_bytes
+        print(f"  [{BENCHMARK}] engine {mode}: {m['output_tokens_per_s']:,.0f} output tok/s "
+              f"(runs {', '.join(f'{x:,.0f}' for x in m['runs_tokens_per_s'])}), decode step "
+              f"{m['decode_step_ms'] or float('nan'):.2f} ms, {m.get('map_calls', 0):g} maps per run "
+              f"({maps_warm} in the warm-up), {m['preemptions']} preemptions; setup + warm-up {setup:.1f} s",
+              flush=True)
+        if table is not None:
+            engine.cache.close()
+        del engine
+        free_memory()
+
+    paged, virt = got["paged"], got["virtual"]
+    vparams = {**base, "mode": "virtual", "page_bytes": virt["page_bytes"], "slot_tokens": virt["slot_tokens"]}
+    pparams = {**base, "mode": "paged", "block_size": w["engine"].block_size}
+    runs_note = lambda m: "timed runs: " + ", ".join(f"{x:,.0f}" for x in m["runs_tokens_per_s"]) + " tok/s"  # noqa: E731
+    results.add(BENCHMARK, vparams, "output_tokens_per_s", virt["output_tokens_per_s"], "paged",
+                paged["output_tokens_per_s"], note=f"{runs_note(virt)}; paged {runs_note(paged)}")
+    results.add(BENCHMARK, pparams, "output_tokens_per_s", paged["output_tokens_per_s"], note=runs_note(paged))
+    for metric in ("decode_step_ms", "elapsed_s"):
+        results.add(BENCHMARK, vparams, metric, virt[metric], "paged", paged[metric])
+    results.add(BENCHMARK, vparams, "steps", virt["steps"], "paged", paged["steps"], better="lower")
+    results.add(BENCHMARK, vparams, "preemptions", virt["preemptions"], "paged", paged["preemptions"], better="lower")
+    results.add(BENCHMARK, vparams, "map_calls", virt["map_calls"], better="lower",
+                note="(tensor, page) mappings per timed run; a slot reused keeps its pages (deferred reclamation)")
+    results.add(BENCHMARK, vparams, "map_calls_per_step", virt["map_calls_per_step"], better="lower")
+    results.add(BENCHMARK, vparams, "map_calls_warmup", virt["map_calls_warmup"], better="lower",
+                note="during the warm-up run, which maps the pages of every slot it uses")
+    results.add(BENCHMARK, vparams, "map_ms", virt["map_ms"], note="host time of the mappings, per timed run")
+    results.add(BENCHMARK, vparams, "kv_mapped_bytes", virt["kv_mapped_bytes"], "paged", paged["kv_mapped_bytes"],
+                note="virtual: pages mapped after the runs; paged: peak blocks in use x block bytes")
+    results.add(BENCHMARK, vparams, "kv_used_bytes", virt["kv_used_bytes"], "paged", paged["kv_used_bytes"],
+                note="the most bytes the live sequences' tokens held in one step")
+    return got
+
+
 def summary(results: Results) -> str:
-    lines = [f"{BENCHMARK}: ours = contiguous kernels on the virtual-memory cache"]
+    lines = [f"{BENCHMARK}: ours = contiguous kernels on the virtual-memory cache (engine: kv_cache='virtual')"]
     for r in results.rows:
-        if r["benchmark"] != BENCHMARK or r["metric"] not in ("time_ms", "map_us", "host_step_us"):
+        if r["benchmark"] != BENCHMARK or r["metric"] not in ("time_ms", "map_us", "host_step_us",
+                                                               "output_tokens_per_s", "map_calls_per_step"):
             continue
         p = r["params"]
-        where = f"{p.get('kind')} B={p.get('batch', '-')} L={p.get('context', '-')}"
+        where = (f"engine {p.get('mode')}" if p.get("kind") == "engine"
+                 else f"{p.get('kind')} B={p.get('batch', '-')} L={p.get('context', '-')}")
         ours = f"{r['ours']:.4g}" if isinstance(r["ours"], (int, float)) else str(r["ours"])
         peer = f" vs {r['peer']} {r['peer_value']:.4g}" if isinstance(r.get("peer_value"), (int, float)) else ""
         lines.append(f"  {where:28s} {r['metric']:13s} {ours}{peer}")

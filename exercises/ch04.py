@@ -1,7 +1,7 @@
 """Chapter 4 exercises: FlashAttention-2. Grade your work with ``make grade CH=4``.
 
 Replace each ``raise NotImplementedError(...)`` with your implementation: Exercises 4.1–4.4 in
-NumPy, 4.5 and 4.6 as Triton kernels (write the body of the ``@triton.jit`` function, then
+NumPy, 4.5–4.7 as Triton kernels (write the body of the ``@triton.jit`` function, then
 delete the ``raise`` at the top of its launcher). Tests
 compare your functions with the float64 references in `minillm.reference.ch04_flash_attention`
 and `minillm.reference.ch01_naive_attention` on fresh random inputs, including scores in the hundreds,
@@ -173,3 +173,54 @@ def backward_delta_triton(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     delta_kernel[(triton.cdiv(n_rows, BLOCK_M),)](o, do, delta, n_rows, head_dim, BLOCK_M=BLOCK_M,
                                                    BLOCK_D=triton.next_power_of_2(head_dim))
     return delta
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 4.7 (Section 10, Hopper): the key loop through tensor descriptors, one matmul ahead.
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def tma_forward_kernel(desc_q, desc_k, desc_v, desc_o, q_heads, kv_heads, kv_len, scale,
+                       HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Exercise 4.7 — a non-causal forward that moves every tile through tensor descriptors.
+
+    ``desc_q, desc_o`` describe ``[batch, q_heads, q_len, HEAD_DIM]`` tensors in tiles of
+    ``[1, 1, BLOCK_M, HEAD_DIM]``; ``desc_k, desc_v`` describe ``[batch, kv_heads, kv_len,
+    HEAD_DIM]`` in tiles of ``[1, 1, BLOCK_N, HEAD_DIM]``. ``desc.load([b, h, row, 0])`` returns
+    the tile starting at ``row`` (reshape it to 2-d); rows past the end of the head arrive as
+    zeros. ``desc.store([b, h, row, 0], tile)`` writes a 4-d tile and drops rows past the end.
+
+    Program ``(i, b·q_heads + h)`` computes output rows ``i·BLOCK_M …`` of query head ``h``
+    (GQA: its KV head is ``kv_h``). Write the loop over key blocks *one matmul ahead*, as
+    `_kv_steps_overlapped` of the chapter's Hopper kernel: compute the scores of block
+    ``j + 1`` before the softmax of block ``j``. Mind the zeros: a key row past ``kv_len``
+    gives a score of 0, not ``-inf``. Store ``O = acc / l`` in O's dtype (``desc_o.dtype``).
+    Use ``tl.dot(..., input_precision=DOT_PRECISION)`` for both products.
+    """
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // q_heads, bh % q_heads
+    kv_h = h // (q_heads // kv_heads)
+    start_m = pid_m * BLOCK_M
+    keys = tl.arange(0, BLOCK_N)
+    pass  # your code: load q; the scores of block 0; the loop (next scores first); normalise; store
+
+
+def tma_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Exercise 4.7 (launcher, complete) — ``q: [batch, q_heads, q_len, d]``, ``k, v: [batch,
+    kv_heads, kv_len, d]`` (``d`` a power of two >= 16, ``kv_len >= 1``) -> ``out`` as
+    `minillm.reference.ch01_naive_attention.attention` returns it (in q's dtype), non-causal."""
+    raise NotImplementedError("Exercise 4.7 (tma_forward_kernel): not started. Read its docstring; hints: python -m minillm.grade 4 --hint 4.7")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    batch, q_heads, q_len, d = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.empty_like(q)
+    BLOCK_M, BLOCK_N = 32, 16
+    descs = [TensorDescriptor.from_tensor(t, [1, 1, rows, d]) for t, rows in ((q, BLOCK_M), (k, BLOCK_N),
+                                                                              (v, BLOCK_N), (out, BLOCK_M))]
+    tma_forward_kernel[(triton.cdiv(q_len, BLOCK_M), batch * q_heads)](
+        *descs, q_heads, kv_heads, kv_len, scale, HEAD_DIM=d,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    return out

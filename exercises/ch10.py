@@ -1,4 +1,4 @@
-"""Chapter 10 exercises: two fused decode kernels in Triton. Grade your work with ``make grade CH=10``.
+"""Chapter 10 exercises: two fused decode kernels and the sampler's draw in Triton. Grade your work with ``make grade CH=10``.
 
 Write the body of each ``@triton.jit`` function, then delete the ``raise`` at the top of its
 launcher (the launchers are complete).
@@ -6,6 +6,8 @@ launcher (the launchers are complete).
 Exercise 10.1 fuses the residual add with the RMSNorm that follows it; Exercise 10.2 fuses the
 rotary embedding of q and k with the paged cache write. Tests compare with the float64
 references in `minillm.reference.ch10_fused_decode` on fresh random inputs of odd sizes.
+Exercise 10.3 is the draw at the end of the sampler, the exponential race, checked against
+`minillm.reference.ch10_sampling` on given uniforms.
 """
 from __future__ import annotations
 
@@ -104,3 +106,33 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
             H, Hkv, k_cache.shape[1],
             HALF=D // 2, BLOCK_I=triton.next_power_of_2(D // 2), BLOCK_H=triton.next_power_of_2(max(H, Hkv)))
     return q_out
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 10.3: the exponential race (the sampler's draw)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def race_kernel(P, U, Out, stride_p, stride_u, vocab, BLOCK: tl.constexpr):
+    """Exercise 10.3 — one program per row ``b``: the token ``argmax_i P[b, i] / E_i`` with
+    ``E_i = -log U[b, i]``, over the tokens with ``P[b, i] > 0`` (the lowest id on a tie; 0 if
+    no token has ``P > 0``), stored to ``Out[b]`` (int64).
+
+    ``P, U: [B, vocab]`` float32 with row strides ``stride_p, stride_u``; every ``U`` lies in
+    ``(0, 1)``. The row may be longer than ``BLOCK``: loop over it in tiles of ``BLOCK`` tokens,
+    keeping the best score so far and its token id; a later tile must beat it *strictly*."""
+    b = tl.program_id(0).to(tl.int64)
+    pass  # your code: loop over the row's tiles; score = p / (-log u) where p > 0; keep the running best
+
+
+def race(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Exercise 10.3 (launcher, complete) — ``probs, uniforms: [B, vocab]`` float32 (rows
+    contiguous) -> ``[B]`` int64: each row's winner of the exponential race."""
+    raise NotImplementedError("Exercise 10.3 (race_kernel): not started. Read its docstring; hints: python -m minillm.grade 10 --hint 10.3")
+    if probs.dim() != 2 or probs.shape != uniforms.shape or probs.stride(-1) != 1 or uniforms.stride(-1) != 1:
+        raise ValueError(f"probs {tuple(probs.shape)} and uniforms {tuple(uniforms.shape)} must be [B, vocab], rows contiguous")
+    B, vocab = probs.shape
+    out = torch.empty(B, device=probs.device, dtype=torch.int64)
+    if B:
+        race_kernel[(B,)](probs, uniforms, out, probs.stride(0), uniforms.stride(0), vocab,
+                          BLOCK=min(1024, triton.next_power_of_2(vocab)))
+    return out

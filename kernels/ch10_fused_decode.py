@@ -24,6 +24,16 @@ FlashInfer ship them:
    attention.
 3. `silu_mul`: SwiGLU's ``silu(gate) · up`` on the merged gate/up projection ``[T, 2I] -> [T, I]``.
 
+A fourth kernel ends the step: `exponential_race`, the draw of each row's next token from its
+probabilities, so that sampling can run inside the step's CUDA graph
+(`minillm.decoding.gpu_sampling` does the temperature and the filters around it). Each row draws
+with counter-based random numbers (Philox, Salmon et al. 2011): the uniform of token ``i`` is a
+pure function of the row's seed, its position and ``i``, so the draw needs no generator state
+and gives the same token whatever else is in the batch. The token is the winner of an
+*exponential race*: ``argmax_i p_i / E_i`` with ``E_i = -log U_i`` exponential, which picks
+token ``i`` with probability ``p_i`` (the Gumbel-max trick in another form: ``log p_i - log E_i``
+is ``log p_i`` plus a Gumbel variable).
+
 The kernels round where the torch model rounds (the sum of the residual add to the model's
 dtype before normalising; the normalised row to the dtype before the weight; each product of
 the rotation before the add; the SiLU before the multiply), so in fp16/bf16 the fused step
@@ -36,7 +46,7 @@ import torch
 
 from minillm.kernels.base import head_dim_offsets, launch, tl, triton
 
-__all__ = ["add_rmsnorm", "rope_write_kv", "silu_mul"]
+__all__ = ["add_rmsnorm", "exponential_race", "race_uniforms", "rope_write_kv", "silu_mul"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -240,3 +250,97 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     launch(_silu_mul_kernel, (T, triton.cdiv(inter, BLOCK)), gate_up, out, gate_up.stride(0), out.stride(0), inter,
            BLOCK=BLOCK, num_warps=4)
     return out
+
+
+# ----------------------------------------------------------------------------------------
+# 4. Sampling: the exponential race
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _race_uniforms(seed, position, offs):
+    """The uniforms of tokens ``offs`` of a row with ``seed`` (int64) at ``position``: one
+    Philox draw per token, counter ``(token, position, 0, 0)`` under the key ``seed``; its top
+    23 bits ``k`` give ``(k + 0.5) / 2²³``, strictly inside ``(0, 1)`` (so ``-log u`` is finite
+    and never 0) and exact in fp32."""
+    zero = offs.to(tl.uint32) * 0
+    bits, _, _, _ = tl.philox(seed, offs.to(tl.uint32), zero + position.to(tl.uint32), zero, zero)
+    return ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+
+
+@triton.jit
+def _exponential_race_kernel(P, Seeds, Positions, Out, stride_p, vocab, BLOCK: tl.constexpr):
+    """Program ``b``: row ``b``. Over the vocabulary in tiles of ``BLOCK``, the running winner of
+    ``p / E`` (``E = -log u``), tokens with ``p = 0`` excluded; ties go to the lower token id
+    (``tl.argmax`` picks the first maximum in a tile, and a later tile must beat the winner
+    strictly). Writes the winner's id (0 if every ``p`` is 0)."""
+    b = tl.program_id(0).to(tl.int64)
+    seed = tl.load(Seeds + b)
+    position = tl.load(Positions + b)
+    best = tl.full((), -1.0, tl.float32)
+    best_id = tl.full((), 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < vocab
+        p = tl.load(P + b * stride_p + offs, mask=mask, other=0.0).to(tl.float32)
+        e = -tl.log(_race_uniforms(seed, position, offs))
+        score = tl.where(p > 0, p / e, -1.0)
+        i = tl.argmax(score, axis=0)
+        s = tl.max(score, axis=0)
+        better = s > best
+        best_id = tl.where(better, (start + i).to(tl.int32), best_id)
+        best = tl.where(better, s, best)
+    tl.store(Out + b, best_id.to(tl.int64))
+
+
+@triton.jit
+def _race_uniforms_kernel(Seeds, Positions, U, stride_u, vocab, BLOCK: tl.constexpr):
+    """Program ``(b, j)``: the uniforms `_exponential_race_kernel` uses for tokens ``j·BLOCK …``
+    of row ``b`` (for tests and the reference)."""
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    u = _race_uniforms(tl.load(Seeds + b), tl.load(Positions + b), offs)
+    tl.store(U + b * stride_u + offs, u, mask=offs < vocab)
+
+
+def _check_race_rows(seeds: torch.Tensor, positions: torch.Tensor, rows: int) -> None:
+    for name, t in (("seeds", seeds), ("positions", positions)):
+        if tuple(t.shape) != (rows,) or t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int64 [{rows}], got {t.dtype} {tuple(t.shape)}")
+
+
+def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of ``probs [B, vocab]`` (any float dtype, rows may be strided, each
+    row's probabilities need not sum to 1: only their ratios count), drawn with probability
+    proportional to ``probs``; returns ``[B]`` int64 (in ``out`` if given).
+
+    - ``seeds: [B]`` int64: the Philox key of each row (the engine: request seed + sample index);
+    - ``positions: [B]`` int64: the position of the token being drawn (the Philox counter's
+      second word, so every step of a sequence draws fresh numbers).
+
+    No host synchronisation and no data-dependent shape: it can be captured in a CUDA graph.
+    `race_uniforms` returns the uniforms it uses; `minillm.reference.ch10_sampling` is its oracle.
+    """
+    if probs.dim() != 2 or probs.stride(-1) != 1:
+        raise ValueError(f"probs must be [B, vocab] with contiguous rows, got {tuple(probs.shape)}")
+    B, vocab = probs.shape
+    _check_race_rows(seeds, positions, B)
+    out = torch.empty(B, device=probs.device, dtype=torch.int64) if out is None else out
+    if B == 0:
+        return out
+    BLOCK = min(4096, triton.next_power_of_2(vocab))
+    launch(_exponential_race_kernel, (B,), probs, seeds, positions, out, probs.stride(0), vocab, BLOCK=BLOCK,
+           num_warps=8 if BLOCK >= 2048 else 4)
+    return out
+
+
+def race_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[B, vocab]`` float32: the uniforms `exponential_race` draws for rows with these
+    ``seeds`` and ``positions`` (each in ``(0, 1)``)."""
+    B = seeds.shape[0]
+    _check_race_rows(seeds, positions, B)
+    u = torch.empty(B, vocab, device=seeds.device, dtype=torch.float32)
+    if B and vocab:
+        BLOCK = min(1024, triton.next_power_of_2(vocab))
+        launch(_race_uniforms_kernel, (B, triton.cdiv(vocab, BLOCK)), seeds, positions, u, u.stride(0), vocab,
+               BLOCK=BLOCK, num_warps=4)
+    return u

@@ -64,6 +64,10 @@ ENGINE_FLAGS: dict[tuple[str, ...], tuple[str, dict]] = {
         choices=["auto", "on", "off"],
         help="Chapter 10's fused kernels and merged projections: auto (default: on CUDA with the Triton "
              "kernels), on, or off")),
+    ("--kv-cache",): ("kv_cache", dict(
+        choices=["paged", "virtual"],
+        help="paged (default): KV blocks and block tables (Chapters 5-6); virtual: each sequence contiguous in "
+             "virtual memory, pages mapped as it grows (Chapter 11; on CUDA it needs cuda-bindings)")),
 }
 
 

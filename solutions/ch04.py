@@ -161,3 +161,56 @@ def backward_delta_triton(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     delta_kernel[(triton.cdiv(n_rows, BLOCK_M),)](o, do, delta, n_rows, head_dim, BLOCK_M=BLOCK_M,
                                                    BLOCK_D=triton.next_power_of_2(head_dim))
     return delta
+
+
+@triton.jit
+def tma_forward_kernel(desc_q, desc_k, desc_v, desc_o, q_heads, kv_heads, kv_len, scale,
+                       HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Exercise 4.7: every tile through a descriptor; the scores of block j + 1 are computed
+    before the softmax of block j."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // q_heads, bh % q_heads
+    kv_h = h // (q_heads // kv_heads)
+    start_m = pid_m * BLOCK_M
+    keys = tl.arange(0, BLOCK_N)
+    q = desc_q.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    k = desc_k.load([b, kv_h, 0, 0]).reshape(BLOCK_N, HEAD_DIM)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    for start_n in range(0, kv_len, BLOCK_N):
+        # The next block's scores first (past the end they are scores of zero rows, unused).
+        k_next = desc_k.load([b, kv_h, start_n + BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
+        s_next = tl.dot(q, tl.trans(k_next), input_precision=DOT_PRECISION)
+        # Zero rows past kv_len score 0, not -inf: mask them.
+        s = tl.where((start_n + keys < kv_len)[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))  # finite: every block has a key below kv_len
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        v = desc_v.load([b, kv_h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m = m_new
+        s = s_next
+    out = acc / l[:, None]
+    desc_o.store([b, h, start_m, 0], out.to(desc_o.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
+
+
+def tma_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Exercise 4.7 (launcher): host-made 4-d descriptors, one program per block of 32 rows."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    batch, q_heads, q_len, d = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.empty_like(q)
+    BLOCK_M, BLOCK_N = 32, 16
+    descs = [TensorDescriptor.from_tensor(t, [1, 1, rows, d]) for t, rows in ((q, BLOCK_M), (k, BLOCK_N),
+                                                                              (v, BLOCK_N), (out, BLOCK_M))]
+    tma_forward_kernel[(triton.cdiv(q_len, BLOCK_M), batch * q_heads)](
+        *descs, q_heads, kv_heads, kv_len, scale, HEAD_DIM=d,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    return out

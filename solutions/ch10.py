@@ -1,8 +1,10 @@
-"""Chapter 10 exercises, solved: two fused decode kernels in Triton. Grade with ``make grade CH=10``.
+"""Chapter 10 exercises, solved: two fused decode kernels and the sampler's draw in Triton. Grade with ``make grade CH=10``.
 
 Exercise 10.1 fuses the residual add with the RMSNorm that follows it; Exercise 10.2 fuses the
 rotary embedding of q and k with the paged cache write. Tests compare with the float64
 references in `minillm.reference.ch10_fused_decode` on fresh random inputs of odd sizes.
+Exercise 10.3 is the draw at the end of the sampler, the exponential race, checked against
+`minillm.reference.ch10_sampling` on given uniforms.
 """
 from __future__ import annotations
 
@@ -130,3 +132,45 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
             H, Hkv, k_cache.shape[1],
             HALF=D // 2, BLOCK_I=triton.next_power_of_2(D // 2), BLOCK_H=triton.next_power_of_2(max(H, Hkv)))
     return q_out
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 10.3: the exponential race (the sampler's draw)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def race_kernel(P, U, Out, stride_p, stride_u, vocab, BLOCK: tl.constexpr):
+    """Exercise 10.3 — one program per row ``b``: the token ``argmax_i P[b, i] / E_i`` with
+    ``E_i = -log U[b, i]``, over the tokens with ``P[b, i] > 0`` (the lowest id on a tie; 0 if
+    no token has ``P > 0``), stored to ``Out[b]`` (int64).
+
+    ``P, U: [B, vocab]`` float32 with row strides ``stride_p, stride_u``; every ``U`` lies in
+    ``(0, 1)``. The row may be longer than ``BLOCK``: loop over it in tiles of ``BLOCK`` tokens,
+    keeping the best score so far and its token id; a later tile must beat it *strictly*."""
+    b = tl.program_id(0).to(tl.int64)
+    best = tl.full((), -1.0, tl.float32)
+    best_id = tl.full((), 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < vocab
+        p = tl.load(P + b * stride_p + offs, mask=mask, other=0.0)
+        u = tl.load(U + b * stride_u + offs, mask=mask, other=0.5)
+        score = tl.where(p > 0, p / -tl.log(u), -1.0)
+        s = tl.max(score, axis=0)
+        i = tl.argmax(score, axis=0)          # the first maximum of the tile
+        better = s > best                     # strictly: an earlier tile keeps a tie
+        best_id = tl.where(better, (start + i).to(tl.int32), best_id)
+        best = tl.where(better, s, best)
+    tl.store(Out + b, best_id.to(tl.int64))
+
+
+def race(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Exercise 10.3 (launcher, complete) — ``probs, uniforms: [B, vocab]`` float32 (rows
+    contiguous) -> ``[B]`` int64: each row's winner of the exponential race."""
+    if probs.dim() != 2 or probs.shape != uniforms.shape or probs.stride(-1) != 1 or uniforms.stride(-1) != 1:
+        raise ValueError(f"probs {tuple(probs.shape)} and uniforms {tuple(uniforms.shape)} must be [B, vocab], rows contiguous")
+    B, vocab = probs.shape
+    out = torch.empty(B, device=probs.device, dtype=torch.int64)
+    if B:
+        race_kernel[(B,)](probs, uniforms, out, probs.stride(0), uniforms.stride(0), vocab,
+                          BLOCK=min(1024, triton.next_power_of_2(vocab)))
+    return out

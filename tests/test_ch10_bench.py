@@ -15,6 +15,7 @@ def test_categories_by_kernel_name():
     assert b.categorize("_rope_write_kv_kernel") == "rotary"
     assert b.categorize("_silu_mul_kernel") == "elementwise"
     assert b.categorize("reduce_kernel<ArgMaxOps<float>>") == "sampling"
+    assert b.categorize("_exponential_race_kernel") == "sampling"
     assert set(b.CATEGORIES) >= {"gemm", "attention", "norms", "rotary", "elementwise", "sampling", "other"}
 
 
@@ -161,3 +162,24 @@ def test_offline_eager_part_bookkeeping_with_stand_ins(monkeypatch):
                      ("unfused eager", "hf_static_batching"): 2.0}
     b.part_offline_eager(Results("cpu", env={}), ctx)          # the peer is measured once per run
     assert len(peers) == 2
+
+
+def test_torch_sampler_peer_draws_from_what_our_filters_keep():
+    """The sampling part's torch peer computes the operation our sampler does (temperature,
+    top-k, top-p, a draw): every token it draws survives `filtered_logits`, and the
+    most likely token is drawn most often."""
+    from minillm.decoding.gpu_sampling import SamplingTensors, filtered_logits
+    from minillm.decoding.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 300, generator=g) * 3
+    rows = SamplingTensors.from_params([SamplingParams(temperature=0.8, top_k=50, top_p=0.9)] * 4, range(4),
+                                       [0] * 4, "cpu")
+    keep = filtered_logits(logits, rows) > -torch.inf
+    assert 0 < int(keep.sum()) < 4 * 50
+    torch.manual_seed(0)
+    draws = torch.stack([b.torch_sampler(logits, rows.temperature, rows.top_k, rows.top_p) for _ in range(200)])
+    assert bool(keep.gather(1, draws.T).all())
+    assert draws.mode(0).values.tolist() == logits.argmax(-1).tolist()
+    assert b.row_part({"params": {"kind": "sampler", "batch": 8}}) == "sampling"
+    assert b.row_part({"params": {"kind": "sampled"}}) == "sampling"

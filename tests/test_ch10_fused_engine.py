@@ -2,7 +2,9 @@
 
 CPU: tiny random Llama and Qwen2 models in float32, the fused kernels in Triton's interpreter
 (forced with ``fused_decode="on"``): teacher-forced logits of prefill and decode steps within
-fp32 tolerance, and the engine's greedy tokens identical. GPU (``make gpu``): the bundled model
+fp32 tolerance, the engine's greedy tokens identical, and its sampling on the device (the
+tokens of a request the same alone and batched, with n > 1, penalties, logprobs and beam
+search). GPU (``make gpu``): the bundled model
 in bf16 and fp16, eager and under CUDA graphs: teacher-forced logits within a half-precision
 tolerance, and every token the fused engine chose greedy for the torch model.
 """
@@ -132,6 +134,49 @@ def test_device_draw_follows_the_distribution():
     counts = np.bincount([draw_on_device(probs, gen) for _ in range(4000)], minlength=5)
     assert counts[0] == counts[2] == 0
     np.testing.assert_allclose(counts / 4000, probs.numpy(), atol=0.03)
+
+
+# --- sampling on the device (Chapter 10, `minillm.decoding.gpu_sampling`) -----------------
+
+def tiny_engine(model, fused: str):
+    return LLMEngine(model, TOKENIZER, EngineConfig(num_blocks=128, block_size=4, max_num_seqs=4, max_n=4, seed=0,
+                                                    fused_decode=fused))
+
+
+@on_cpu
+def test_engine_samples_on_device_on_cpu():
+    from minillm.testing import run_to_completion as run
+
+    model = tiny_model()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB, int(n)).tolist() for n in (3, 11, 6, 5)]
+    params = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=20, max_tokens=5, ignore_eos=True, seed=3),
+              SamplingParams(temperature=1.0, top_p=0.9, n=2, max_tokens=4, ignore_eos=True, seed=4,
+                             frequency_penalty=0.5, logprobs=2),
+              SamplingParams(temperature=0.9, n=3, max_tokens=4, ignore_eos=True, seed=8)]
+    engine = tiny_engine(model, "on")
+    assert engine.sample_on_device
+    together = [[c.token_ids for c in o.outputs] for o in run(engine, prompts, params)]
+    alone = [[c.token_ids for c in run(engine, [p], [q])[0].outputs] for p, q in zip(prompts, params)]
+    assert together == alone, "a request's tokens must not depend on the batch"
+    unfused = tiny_engine(model, "off")
+    assert not unfused.sample_on_device
+    assert together[0] == [[c.token_ids for c in o.outputs] for o in run(unfused, prompts[:1], params[:1])][0]
+    assert [len(c) for c in together[2]] == [4, 4] and [len(c) for c in together[3]] == [4, 4, 4]
+    assert len(set(map(tuple, together[3]))) > 1, "the n samples draw with their own keys"
+    singles = run(engine, [prompts[3]] * 3, [SamplingParams(**{**params[3].__dict__, "n": 1, "seed": 8 + i})
+                                             for i in range(3)])
+    assert [o.outputs[0].token_ids for o in singles] == together[3], "sample i of seed s is seed s + i's sample"
+    # processed rows are drawn from their processed logits: a +100 bias leaves nothing else to draw
+    biased = SamplingParams(temperature=0.9, max_tokens=3, ignore_eos=True, seed=1, logit_bias={77: 100.0})
+    assert run(engine, prompts[:2], [biased, params[1]])[0].outputs[0].token_ids == [77] * 3
+    # logprobs are of the tokens drawn; beam search runs as before
+    out = run(engine, prompts[2:3], params[2:3])[0].outputs[0]
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids and all(len(lp.top) == 2 for lp in out.logprobs)
+    beams = SamplingParams(num_beams=2, n=2, max_tokens=3, ignore_eos=True, temperature=0)
+    assert [c.token_ids for c in run(engine, prompts[:1], beams)[0].outputs] == \
+        [c.token_ids for c in run(unfused, prompts[:1], beams)[0].outputs]
 
 
 # --- GPU -------------------------------------------------------------------------------------

@@ -45,11 +45,12 @@ def test_each_flag_sets_its_field(command):
     argv = COMMANDS[command] + ["--device", "cpu", "--dtype", "bfloat16", "--num-blocks", "7", "--block-size", "8",
                                 "--kv-cache-mb", "3", "--gpu-memory-utilization", "0.25", "--max-num-seqs", "20",
                                 "--max-num-batched-tokens", "99", "--max-model-len", "77", "--no-prefix-caching",
-                                "--attention-backend", "torch", "--cuda-graphs", "decode"]
+                                "--attention-backend", "torch", "--cuda-graphs", "decode", "--kv-cache", "virtual"]
     got = cli.engine_config(parse(argv))
     want = EngineConfig(device="cpu", dtype="bfloat16", num_blocks=7, block_size=8, kv_cache_memory_mb=3.0,
                         gpu_memory_utilization=0.25, max_num_seqs=20, max_num_batched_tokens=99, max_model_len=77,
-                        enable_prefix_caching=False, attention_backend="torch", cuda_graphs="decode")
+                        enable_prefix_caching=False, attention_backend="torch", cuda_graphs="decode",
+                        kv_cache="virtual")
     assert got == want
     assert set(cli.engine_flag_values(parse(argv))) == FIELDS.keys() - NOT_FLAGS
 

@@ -134,8 +134,10 @@ class SamplingParams:
         max_tokens: a completion stops after this many tokens.
         stop_token_ids: a completion stops after producing one of these (kept in its token ids;
             its text is left out unless ``include_stop_str_in_output``).
-        seed: completion ``i`` draws from a generator seeded ``seed + i``; ``None``: a fresh
-            random seed (the engine draws one per request).
+        seed: completion ``i`` draws from a generator seeded ``seed + i`` (on the engine's GPU
+            path, Chapter 10, from Philox numbers keyed ``seed + i``:
+            `minillm.decoding.gpu_sampling`); ``None``: a fresh random seed (the engine draws
+            one per request).
         n: completions per prompt (the engine forks them from one prefill, sharing its blocks).
         stop: strings that end a completion; its text is cut before the first one (the engine).
         ignore_eos: keep going after the model's end-of-sequence token (benchmarks do).

@@ -27,7 +27,7 @@ class EngineConfig:
         max_num_batched_tokens: the per-step token budget (chunked prefill splits longer prompts).
         max_model_len: longest prompt + completion; ``None``: the model's
             ``max_position_embeddings``, capped by the pool.
-        enable_prefix_caching: reuse the KV blocks of prompts seen before.
+        enable_prefix_caching: reuse the KV blocks of prompts seen before (paged cache only).
         attention_backend: ``"auto"`` (Triton kernels on CUDA in fp16/bf16, torch otherwise),
             ``"torch"`` or ``"triton"``.
         cuda_graphs: on CUDA with the Triton kernels, replay captured CUDA graphs for
@@ -41,6 +41,14 @@ class EngineConfig:
         fused_decode: Chapter 10's fused kernels and merged projections (`minillm.model.fused`):
             ``"auto"`` (on CUDA with the Triton attention kernels), ``"on"`` (force: on a CPU
             the kernels run in Triton's interpreter) or ``"off"`` (the torch layers).
+        kv_cache: ``"paged"`` (Chapters 5-6: blocks of ``block_size`` tokens, block tables,
+            prefix caching) or ``"virtual"`` (Chapter 11, `minillm.vmm.manager`: each sequence
+            contiguous in a slot of reserved virtual memory, physical pages mapped as it
+            grows; on CUDA through the driver's VMM API (needs ``cuda-bindings``), elsewhere
+            over a simulated allocator whose page is ``block_size`` tokens). Virtual mode has
+            no prefix cache (``enable_prefix_caching`` is set to False), copies the prompt for
+            each fork instead of sharing it, counts ``num_blocks`` in pages of every layer's K
+            and V, and runs in one process with a K/V (not MLA) model.
     """
 
     device: str | None = None
@@ -60,8 +68,15 @@ class EngineConfig:
     record_steps: bool = False
     tensor_parallel_size: int = 1
     fused_decode: str = "auto"
+    kv_cache: str = "paged"
 
     def __post_init__(self):
+        if self.kv_cache not in ("paged", "virtual"):
+            raise ValueError(f"kv_cache must be 'paged' or 'virtual', got {self.kv_cache!r}")
+        if self.kv_cache == "virtual":
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_cache='virtual' runs in one process: tensor_parallel_size must be 1")
+            self.enable_prefix_caching = False  # a virtual cache shares nothing (vAttention has no prefix cache)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         if self.cuda_graphs not in ("all", "decode", "off"):

@@ -4,8 +4,9 @@ A request travels: `LLMEngine.add_request` checks it and queues it; each `step` 
 `Scheduler` for this step's tokens (taking KV blocks from the `BlockManager`, preempting if
 the pool is short), performs the copy-on-write block copies, flattens the tokens into one
 `PagedBatch` and runs the model over the paged cache (Triton kernels on a GPU, torch on a
-CPU), then samples the next token of every request whose sequences are all computed, checks
-the stop conditions, and returns what changed. The server (`minillm.server`) runs `step` in a
+CPU), then samples the next token of every request whose sequences are all computed (with the
+fused path of Chapter 10, on the GPU at the end of the step: `minillm.decoding.gpu_sampling`),
+checks the stop conditions, and returns what changed. The server (`minillm.server`) runs `step` in a
 loop in a background thread; `LLM.generate` runs it until everything is done.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from minillm.costs import kv_block_bytes
 from minillm.decoding.beams import BeamSearchParams, BeamState, reassign_beams
+from minillm.decoding.gpu_sampling import SamplingTensors, sample as sample_on_device
 from minillm.decoding.logits_processors import apply_logits_processors
 from minillm.decoding.sampling import SamplingParams, completion_generator, sample_token
 from minillm.engine.config import ContextLengthExceeded, EngineConfig, InvalidRequest
@@ -94,11 +96,11 @@ class LLMEngine:
         num_blocks = self._pool_blocks()
         if num_blocks < 1:
             raise ValueError("no memory is left for the KV pool: lower the model's size or raise the memory budget")
-        self.manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
-        self.cache = model.new_paged_cache(num_blocks, config.block_size, backend=config.attention_backend)
+        from minillm.vmm.manager import build_kv_cache  # Chapter 11: kv_cache="virtual"
+        self.manager, self.cache = build_kv_cache(model, config, num_blocks)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings, num_blocks * config.block_size)
+                                 self.model_config.max_position_embeddings, self.manager.num_blocks * self.manager.block_size)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.failures: dict[str, Exception] = {}   # request id -> the error that ended it (`_fail`)
@@ -108,11 +110,14 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         # Chapter 10: the fused kernels and merged projections (on CUDA by default; before capture).
         self.fused_decode = enable_fused_decode(model, self.cache, getattr(config, "fused_decode", "off"))
+        # ... and the step's tokens drawn on the device, inside the CUDA graph (`gpu_sampling`).
+        self.sample_on_device = self.fused_decode
         # A tensor-parallel model (Chapter 13) brings its own runner: each rank runs its shard.
         self.runner = model.make_runner(self.cache) if hasattr(model, "make_runner") else ModelRunner(model, self.cache)
         if config.cuda_graphs != "off":  # a no-op off CUDA or with the torch backend
             self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len,
-                                            config.max_num_batched_tokens if config.cuda_graphs == "all" else 0)
+                                            config.max_num_batched_tokens if config.cuda_graphs == "all" else 0,
+                                            **({"sample_tokens": True} if self.sample_on_device else {}))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -135,6 +140,9 @@ class LLMEngine:
     @property
     def block_bytes(self) -> int:
         c = self.model_config
+        if self.config.kv_cache == "virtual":  # Chapter 11: a block is one page of every layer's K and V
+            from minillm.vmm.manager import page_group_bytes
+            return page_group_bytes(self.model, self.config, self.device)
         if getattr(c, "is_mla", False):  # Chapter 12: one latent row per token and layer, no separate V
             return c.num_hidden_layers * self.config.block_size * c.latent_dim * self.model.lm_head.weight.element_size()
         kv_heads = getattr(self.model, "local_kv_heads", c.num_key_value_heads)  # tensor parallel: a rank's
@@ -232,11 +240,11 @@ class LLMEngine:
             name = "num_beams" if params.beam_search else "n"
             raise InvalidRequest(f"{name} must be at most {self.config.max_n}, got {width}", param=name)
         _check_limits(params, vocab, len(self.eos_token_ids))
-        # Its sequences share the prompt's full blocks (by fork, and by the prefix cache after a
-        # preemption); the rest is theirs. A request needing more than the pool can never run.
-        bs = self.config.block_size
-        shared = len(ids) // bs if width == 1 or self.config.enable_prefix_caching else 0
-        needed = shared + width * (blocks_for(len(ids) + params.max_tokens, bs) - shared)
+        # A request needing more than the pool can never run (paged: its sequences share the
+        # prompt's full blocks; virtual: each holds its own pages; see `kv_blocks_needed`).
+        from minillm.vmm.manager import kv_blocks_needed
+        bs = self.manager.block_size
+        needed = kv_blocks_needed(self.manager, len(ids), params.max_tokens, width)
         if needed > self.manager.num_blocks:
             raise InvalidRequest(f"this request needs up to {needed} KV blocks of {bs} tokens but the pool has "
                                  f"{self.manager.num_blocks}: lower n, the beam width or max_tokens", param="n")
@@ -285,7 +293,10 @@ class LLMEngine:
         self.cache.copy_blocks(sched.copies)
         batch = PagedBatch.from_manager(self.manager, [s.seq_id for s in sched.seqs], sched.num_new_tokens,
                                         device=self.device)
-        logits = self.runner.forward(batch)                                           # [seqs, vocab]
+        if self.sample_on_device:  # Chapter 10: the tokens come out of the step with the logits
+            logits, drawn = self.runner.forward_and_sample(batch, self._sampling_rows(sched))
+        else:
+            logits, drawn = self.runner.forward(batch), None                          # [seqs, vocab]
         for seq, count in zip(sched.seqs, sched.num_new_tokens):
             self.stats.prompt_tokens_computed += max(0, min(seq.num_computed + count, seq.num_prompt_tokens)
                                                      - seq.num_computed)
@@ -300,12 +311,12 @@ class LLMEngine:
             for request, count in zip(sched.owners, sched.num_new_tokens):
                 tokens[request.request_id] = tokens.get(request.request_id, 0) + count
         try:
-            progressed = self.sample(sched, logits)
+            progressed = self.sample(sched, logits, drawn)
         except Exception:  # a batched part raised (before any request changed): one request at a time
             progressed = []
             for request in sched.requests:
                 try:
-                    progressed += self.sample(dataclasses.replace(sched, requests=[request]), logits)
+                    progressed += self.sample(dataclasses.replace(sched, requests=[request]), logits, drawn)
                 except Exception as e:
                     self._fail(request, e)
                     progressed.append(request)
@@ -315,14 +326,32 @@ class LLMEngine:
                                          len(self.scheduler.running), self.manager.num_used_blocks, self.kv_tokens()))
         return progressed
 
-    def sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[Request]:
+    def _sampling_rows(self, sched: SchedulerOutput) -> SamplingTensors | None:
+        """The sampling parameters of every row of the step (`SamplingTensors`): each
+        sequence's request's parameters, key ``seed + index``, position = its length (the
+        position of the token it will draw; rows that draw nothing this step are ignored).
+        ``None`` when no row samples in the step itself (greedy, beam search, and requests whose
+        logits are processed first: `_sample_from_device` draws those): the argmax suffices."""
+        params = [r.params for r in sched.owners]
+        if not any(not p.greedy and not p.beam_search and not p.processes_logits for p in params):
+            return None
+        return SamplingTensors.from_params(params,
+                                           [r.seed + s.index for r, s in zip(sched.owners, sched.seqs)],
+                                           [len(s.token_ids) for s in sched.seqs], self.device)
+
+    def sample(self, sched: SchedulerOutput, logits: torch.Tensor, tokens: torch.Tensor | None = None
+               ) -> list[Request]:
         """Draw the next token of every sequence of every request whose sequences are all
         computed, and retire what stopped (the sampling phase of `step`; if it raises, `step`
-        retries one request at a time and fails only the requests that raise again)."""
+        retries one request at a time and fails only the requests that raise again).
+        ``tokens``: the step's tokens drawn on the device (`sample_on_device`), one per row of
+        ``logits``; else each sequence draws its own (`sample_token`)."""
         row_of = {seq.seq_id: i for i, seq in enumerate(sched.seqs)}
         ready = [r for r in sched.requests if r.ready_to_sample()]
         if not ready:
             return []
+        if tokens is not None:
+            return self._sample_from_device(ready, [row_of[s.seq_id] for r in ready for s in r.seqs], logits, tokens)
         # One argmax and one log-softmax for the whole step, one copy to the CPU for sampling.
         rows = torch.tensor([row_of[s.seq_id] for r in ready for s in r.seqs], device=logits.device)
         logits = logits[rows].float()
@@ -334,7 +363,7 @@ class LLMEngine:
             if request.params.prompt_logprobs is not None and request.prompt_logprobs is None:
                 request.prompt_logprobs = self._prompt_logprobs(request)
         sampled = any(not r.params.greedy and not r.params.beam_search for r in ready)
-        # Fused path (Chapter 10): the logits stay on the device; each draw sends back its token id.
+        # Fused, with sample_on_device off: the logits stay on the device; each draw sends back its token id.
         logits_cpu = (logits if self.fused_decode else logits.cpu()) if sampled else None
         now = time.perf_counter()
         at = 0
@@ -348,6 +377,66 @@ class LLMEngine:
                 else:
                     self.advance_samples(request, argmax[view], logits_cpu[view] if logits_cpu is not None else None,
                                          logprobs[view] if logprobs is not None else None, now)
+            except Exception as e:
+                self._fail(request, e)
+                continue
+            if not request.seqs:
+                self._finish(request, now)
+        return ready
+
+    def _sample_from_device(self, ready: list[Request], rows: list[int], logits: torch.Tensor,
+                            tokens: torch.Tensor) -> list[Request]:
+        """`sample` with the tokens the step drew on the device (``tokens``, one per row of
+        ``logits``; ``rows``: the rows of the ready requests' sequences, in order). A request
+        with a logit bias, min_tokens or penalties has its rows processed (on the device) and
+        drawn again by the same sampler, as does the first step of ``n > 1`` (each of the ``n``
+        samples draws from the prompt's logits with its own key); all the tokens come to the
+        host in one copy."""
+        redraw: list[tuple[int, SamplingParams, int, int]] = []    # (row in rows, params, key, position)
+        spans: list[tuple[int, int] | None] = []                   # per request: its tokens' slice of `host`
+        at = 0
+        for request in ready:
+            k, params = request.num_seqs, request.params
+            if params.beam_search:
+                spans.append(None)
+            elif params.n > 1 and not request.done and k == 1 and not request.seqs[0].output_ids:
+                spans.append((len(rows) + len(redraw), params.n))
+                position = len(request.seqs[0].token_ids)
+                redraw += [(at, params, request.seed + i, position) for i in range(params.n)]
+            elif params.processes_logits:
+                spans.append((len(rows) + len(redraw), k))
+                redraw += [(at + j, params, request.seed + s.index, len(s.token_ids))
+                           for j, s in enumerate(request.seqs)]
+            else:
+                spans.append((at, k))
+            at += k
+        index = torch.tensor(rows, device=logits.device)
+        chosen = tokens[index]
+        need_lp = any(r.params.logprobs is not None or r.params.beam_search for r in ready)
+        if need_lp or redraw:
+            logits = logits[index].float()
+        logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None   # of the raw logits, as vLLM's
+        if redraw:
+            processed = self._process_logits(ready, logits)              # logit bias, min_tokens, penalties
+            again = SamplingTensors.from_params([p for _, p, _, _ in redraw], [key for *_, key, _ in redraw],
+                                                [pos for *_, pos in redraw], logits.device)
+            redrawn = processed[torch.tensor([row for row, *_ in redraw], device=logits.device)]
+            chosen = torch.cat([chosen, sample_on_device(redrawn, again)])
+        host = chosen.tolist() if any(span is not None for span in spans) else []
+        for request in ready:
+            if request.params.prompt_logprobs is not None and request.prompt_logprobs is None:
+                request.prompt_logprobs = self._prompt_logprobs(request)
+        now = time.perf_counter()
+        at = 0
+        for request, span in zip(ready, spans):
+            view = slice(at, at + request.num_seqs)
+            at += request.num_seqs
+            try:  # one request's error ends that request alone
+                if span is None:
+                    self._advance_beams(request, logprobs[view])
+                else:
+                    self.advance_samples(request, None, None, logprobs[view] if logprobs is not None else None, now,
+                                         tokens=host[span[0]:span[0] + span[1]])
             except Exception as e:
                 self._fail(request, e)
                 continue
@@ -394,15 +483,16 @@ class LLMEngine:
             out += [TokenLogprob(t, v, top, r) for t, v, top, r in zip(target.tolist(), chosen.tolist(), tops, ranks)]
         return out
 
-    def advance_samples(self, request: Request, argmax: list[int], logits: torch.Tensor | None,
-                        logprobs: torch.Tensor | None, now: float) -> None:
-        """Append the next token of each of ``request``'s sampled sequences (greedy: its row of
-        ``argmax``; else drawn from its row of ``logits``) and retire the sequences that stop.
-        Called by `sample` for one request at a time; an error fails that request alone."""
+    def advance_samples(self, request: Request, argmax: list[int] | None, logits: torch.Tensor | None,
+                        logprobs: torch.Tensor | None, now: float, tokens: list[int] | None = None) -> None:
+        """Append the next token of each of ``request``'s sampled sequences (``tokens[i]`` when
+        given, drawn already; else greedy: its row of ``argmax``, or drawn from its row of
+        ``logits``) and retire the sequences that stop. Called by `sample` for one request at a
+        time; an error fails that request alone."""
         params = request.params
         if params.n > 1 and not request.done and len(request.seqs) == 1 and not request.seqs[0].output_ids:
             self._fork_samples(request)  # the prompt is computed: every sample starts from its logits
-            argmax = argmax * params.n
+            argmax = argmax * params.n if argmax is not None else None
             logits = logits.expand(params.n, -1) if logits is not None else None
             logprobs = logprobs.expand(params.n, -1) if logprobs is not None else None
         metrics = request.metrics
@@ -410,7 +500,10 @@ class LLMEngine:
         metrics.last_token = now
         still_running = []
         for i, seq in enumerate(request.seqs):
-            token = argmax[i] if params.greedy else sample_token(logits[i], params, seq.generator)
+            if tokens is not None:
+                token = tokens[i]
+            else:
+                token = argmax[i] if params.greedy else sample_token(logits[i], params, seq.generator)
             seq.token_ids.append(token)
             self.stats.generation_tokens += 1
             if seq.index == 0:
@@ -517,5 +610,5 @@ class LLMEngine:
     def kv_waste(self) -> float:
         """Fraction of the slots in used blocks that hold no token: the partly filled last
         blocks (0 when nothing is held; can read below 0 when forks share blocks)."""
-        used = self.manager.num_used_blocks * self.config.block_size
+        used = self.manager.num_used_blocks * self.manager.block_size  # virtual mode: pages, not blocks
         return 1 - self.kv_tokens() / used if used else 0.0

@@ -1,5 +1,6 @@
 """Chapter 9: runs one step's flat batch through the model and returns the logits that
-predict each sequence's next token, eagerly or by replaying a CUDA graph.
+predict each sequence's next token, eagerly or by replaying a CUDA graph; Chapter 10 adds the
+sampler at the end of the step (`forward_and_sample`), so the graph returns the tokens too.
 
 **Why graphs.** A decode step of a small model is a few hundred small kernels: each layer's
 norms, projections, RoPE, cache write, attention and MLP. The GPU finishes most of them in a
@@ -34,18 +35,31 @@ since only one runs at a time):
 Before each capture the bucket's step runs once eagerly: Triton compiles its kernels and
 Chapter 8's flat GEMM tunes its tiles then (neither may happen during a capture). On a CPU,
 for the torch attention backend, and for a step that fits no bucket, `forward` runs eagerly.
+
+**Sampling in the graph (Chapter 10).** With ``capture_cuda_graphs(..., sample_tokens=True)``
+each step shape gets the tokens on the GPU too: its graph ends with the argmax of the logits
+(what a step of greedy requests needs), and a second, small graph captured right after it,
+in the same memory pool, runs `minillm.decoding.gpu_sampling.sample` over those logits, reading
+the rows' sampling parameters from one more pair of static buffers (`SamplingTensors` of
+``max_num_seqs`` rows, filled before the replay like the others; padding rows are greedy).
+`forward_and_sample` replays the sampler's graph only for a step with rows to sample (the
+sort over the vocabulary is the sampler's main cost, and a greedy step does not pay it); no
+value comes back to the host in between. Eagerly it calls the same functions on the same
+logits, so a step gives the same tokens with and without the graphs.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
+from minillm.decoding.gpu_sampling import SamplingTensors, sample
 from minillm.model.paged import PagedBatch, PagedKVCache
 from minillm.paged import blocks_for
 
-__all__ = ["ModelRunner", "decode_buckets", "token_buckets"]
+__all__ = ["ModelRunner", "choose_tokens", "decode_buckets", "token_buckets"]
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -67,17 +81,24 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 64) -> list[int]:
 
 @dataclass
 class CapturedGraph:
-    """One captured step shape: the graph, the static batch it reads and the logits it writes."""
+    """One captured step shape: the graph, the static batch it reads and the logits it writes
+    (and, captured with the sampler: the argmax it writes, and the sampler's graph with the
+    static sampling rows it reads and the tokens it writes)."""
     graph: torch.cuda.CUDAGraph
     batch: PagedBatch       # views of the static buffers, at the bucket's size
     logits: torch.Tensor    # the graph's output, [bucket sequences, vocab]
+    argmax: torch.Tensor | None = None                 # [bucket sequences] int64, the greedy tokens
+    sampler: torch.cuda.CUDAGraph | None = None        # `sample` over `logits` with `sampling`
+    sampling: SamplingTensors | None = None            # views of the static sampling rows
+    tokens: torch.Tensor | None = None                 # the sampler's output, [bucket sequences] int64
 
 
 class ModelRunner:
-    """The model and its paged KV cache: ``forward(batch) -> logits [batch_size, vocab]``.
+    """The model and its paged KV cache: ``forward(batch) -> logits [batch_size, vocab]``, and
+    ``forward_and_sample(batch, sampling) -> (logits, tokens [batch_size])``.
 
     Eager by default; `capture_cuda_graphs` records graphs for the step shapes listed in the
-    module docstring, which `forward` replays from then on whenever a step fits one.
+    module docstring, which both replay from then on whenever a step fits one.
     """
 
     def __init__(self, model, cache: PagedKVCache):
@@ -95,6 +116,28 @@ class ModelRunner:
         self.num_replays += 1
         return self.replay(graph, batch)
 
+    @torch.inference_mode()
+    def forward_and_sample(self, batch: PagedBatch, sampling: SamplingTensors | None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's logits ``[batch_size, vocab]`` and one token per sequence ``[batch_size]``
+        (int64, on the device): drawn by `minillm.decoding.gpu_sampling.sample` with the rows
+        of ``sampling``, or, with ``sampling=None`` (every row greedy), the argmax. From the
+        graphs when they were captured with the sampler, else eagerly after the forward pass."""
+        graph = self._graph_for(batch) if self.graphs else None
+        if graph is None:
+            self.num_eager += 1
+            logits = self.model.forward_paged(batch, self.cache, last_only=True)
+            return logits, choose_tokens(logits, sampling)
+        self.num_replays += 1
+        logits = self.replay(graph, batch, sampling)
+        B = batch.batch_size
+        if graph.argmax is None:                  # captured without the sampler
+            return logits, choose_tokens(logits, sampling)
+        if sampling is None:
+            return logits, graph.argmax[:B]
+        graph.sampler.replay()
+        return logits, graph.tokens[:B]
+
     # == capture ===================================================================================
     @property
     def cuda_graphs(self) -> bool:
@@ -102,11 +145,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0,
-                            progress: bool = False) -> int:
+                            progress: bool = False, sample_tokens: bool = False) -> int:
         """Capture the decode graphs for up to ``max_num_seqs`` sequences of up to
         ``max_model_len`` tokens, and, when ``max_num_batched_tokens`` > 0, the mixed graphs
-        for steps of up to that many tokens. Returns the number of graphs (0 where graphs
-        cannot run: a CPU, or the torch attention backend)."""
+        for steps of up to that many tokens; with ``sample_tokens``, each graph ends with the
+        sampler (`forward_and_sample`). Returns the number of graphs (0 where graphs cannot
+        run: a CPU, or the torch attention backend)."""
         if not self.can_capture():
             return 0
         self.graphs.clear()
@@ -124,6 +168,7 @@ class ModelRunner:
             cu_seqlens_q=torch.zeros(max_num_seqs + 1, **int32),       # mixed steps: filled per step
             cu_decode=torch.arange(max_num_seqs + 1, **int32),         # decode steps: one row each, fixed
         )
+        self._sampling = SamplingTensors.empty(max_num_seqs, device) if sample_tokens else None
         shapes = [("decode", b) for b in decode_buckets(max_num_seqs)]
         if max_num_batched_tokens > 0:
             shapes += [("mixed", t) for t in token_buckets(max_num_batched_tokens)]
@@ -136,8 +181,11 @@ class ModelRunner:
             self._buf["slot_mapping"].fill_(-1)
             self._buf["seq_lens"].zero_()
             self._buf["cu_seqlens_q"].zero_()
-            self.model.forward_paged(batch, self.cache, last_only=True)
-            self.graphs[(kind, bucket)], pool = self.capture(batch, pool)
+            logits = self.model.forward_paged(batch, self.cache, last_only=True)
+            sampling = self._sampling.view(logits.shape[0]) if self._sampling is not None else None
+            if sampling is not None:
+                sample(logits, sampling)          # compiles the sampler's kernels too
+            self.graphs[(kind, bucket)], pool = self.capture(batch, pool, sampling)
         self._keep_alive = _reused_kernel_buffers()
         return len(self.graphs)
 
@@ -153,14 +201,27 @@ class ModelRunner:
                           cu[:seqs + 1], b["seq_lens"][:seqs], b["block_tables"][:seqs],
                           max_seqlen_q=1 if kind == "decode" else bucket, max_seq_len=self.max_model_len)
 
-    def capture(self, batch: PagedBatch, pool) -> tuple[CapturedGraph, tuple]:
-        """Record one forward pass over the static ``batch``; returns the graph and the
-        memory pool (shared by every graph of the runner)."""
+    def capture(self, batch: PagedBatch, pool, sampling: SamplingTensors | None = None
+                ) -> tuple[CapturedGraph, tuple]:
+        """Record one forward pass over the static ``batch`` (given the static ``sampling``
+        rows: then its argmax, and the sampler over its logits in a graph of its own); returns
+        the captured step and the memory pool (shared by every graph of the runner)."""
         torch.cuda.synchronize(self.cache.pool.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits = self.model.forward_paged(batch, self.cache, last_only=True)
-        return CapturedGraph(graph, batch, logits), graph.pool()
+            argmax = logits.argmax(-1) if sampling is not None else None
+        if sampling is None:
+            return CapturedGraph(graph, batch, logits), graph.pool()
+        sampler = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(sampler, pool=graph.pool()):   # reads `logits`, which stay allocated
+                tokens = sample(logits, sampling)
+        except RuntimeError as e:  # an op that cannot be captured here: the sampler runs eagerly
+            warnings.warn(f"the sampler could not be captured in a CUDA graph ({e}); it runs eagerly",
+                          RuntimeWarning, stacklevel=2)
+            return CapturedGraph(graph, batch, logits), graph.pool()
+        return CapturedGraph(graph, batch, logits, argmax, sampler, sampling, tokens), graph.pool()
 
     # == replay ====================================================================================
     def _graph_for(self, batch: PagedBatch) -> CapturedGraph | None:
@@ -177,9 +238,11 @@ class ModelRunner:
                 best = (bucket, graph)
         return best[1] if best else None
 
-    def replay(self, graph: CapturedGraph, batch: PagedBatch) -> torch.Tensor:
-        """Copy the step into the graph's static buffers, pad the rest, replay; returns the
-        first ``batch_size`` rows of the graph's logits (valid until the next replay)."""
+    def replay(self, graph: CapturedGraph, batch: PagedBatch, sampling: SamplingTensors | None = None
+               ) -> torch.Tensor:
+        """Copy the step (and its sampling rows, if given and the graph samples) into the
+        graph's static buffers, pad the rest, replay; returns the first ``batch_size`` rows of
+        the graph's logits (valid until the next replay, as ``graph.tokens``)."""
         s, n, B = graph.batch, batch.num_tokens, batch.batch_size
         s.input_ids[:n].copy_(batch.input_ids)
         s.positions[:n].copy_(batch.positions)
@@ -192,6 +255,8 @@ class ModelRunner:
         if s.max_seqlen_q > 1:  # mixed: the padding sequences have no queries (cu repeats n)
             s.cu_seqlens_q[:B + 1].copy_(batch.cu_seqlens_q)
             s.cu_seqlens_q[B + 1:].fill_(n)
+        if sampling is not None and graph.sampling is not None:
+            graph.sampling.copy_(sampling)
         graph.graph.replay()
         return graph.logits[:B]
 
@@ -202,6 +267,12 @@ class ModelRunner:
         kinds = sorted({k for k, _ in self.graphs})
         return "cuda graphs: " + ", ".join(
             f"{k} {sorted(b for kk, b in self.graphs if kk == k)}" for k in kinds)
+
+
+def choose_tokens(logits: torch.Tensor, sampling: SamplingTensors | None) -> torch.Tensor:
+    """The step's tokens from its logits, eagerly: `sample` with ``sampling``, or the argmax
+    when ``sampling`` is ``None`` (what the graphs compute)."""
+    return logits.argmax(-1) if sampling is None else sample(logits, sampling)
 
 
 def _reused_kernel_buffers() -> list:

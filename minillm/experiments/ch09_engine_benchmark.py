@@ -345,7 +345,7 @@ def _engine_result(engine, workload, mode, elapsed, preempt0, eager0, steps0) ->
     prompt = sum(len(r.prompt_ids) for r in workload)
     out = sum(r.max_tokens for r in workload)
     records = list(engine.steps)
-    waste_mean, waste_max = kv_waste(records, engine.config.block_size)
+    waste_mean, waste_max = kv_waste(records, engine.manager.block_size)
     full = [1e3 * (s.end - s.start) for s in records
             if len(s.tokens) == engine.config.max_num_seqs and all(n == 1 for n in s.tokens.values())]
     return OfflineResult(
@@ -402,7 +402,7 @@ def run_online(engine: LLMEngine, workload: list[BenchRequest], rate: float, *, 
                     bar.update()
     elapsed = time.perf_counter() - start
     out = sum(r.max_tokens for r in workload)
-    waste_mean, _ = kv_waste(list(engine.steps), engine.config.block_size)
+    waste_mean, _ = kv_waste(list(engine.steps), engine.manager.block_size)
     return OnlineResult("minillm", mode, rate, len(workload), elapsed, out / elapsed, len(workload) / elapsed,
                         latency_summary(metrics), engine.scheduler.num_preemptions - preempt0, waste_mean,
                         max((s.blocks_used for s in engine.steps), default=0))

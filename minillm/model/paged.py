@@ -19,7 +19,10 @@ of 10 rows, told apart by ``cu_seqlens_q = [0, 7, 8, 9, 10]``.
 
 Layout (the `minillm.paged` contract): per layer ``k_cache, v_cache: [num_blocks, block_size,
 kv_heads, head_dim]``; slot ``block_id * block_size + offset``; block tables int32, ``-1``
-padded; slot mappings int64.
+padded; slot mappings int64. Chapter 11's virtual cache (`minillm.vmm.manager.SlotKVCache`) is
+this layout with one block per sequence (``block_size`` = a slot's capacity, tables of one
+column), over memory that is mapped only up to each sequence's length: so nothing here reads
+or writes a row past a sequence's tokens, and nothing assumes the pools are one flat run.
 
 Attention backends: on CUDA in fp16/bf16, the Triton kernels: decode steps (one new token
 per sequence) run Chapter 7's flash-decoding (`minillm.kernels.ch07_flash_decoding`, each sequence
@@ -256,9 +259,12 @@ def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, 
         return
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    # The per-layer pools are contiguous, so the flat views alias them: the writes land in the pool.
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    # (block, offset) indexing writes in place whatever the strides (a slot cache of Chapter 11
+    # in virtual memory need not be one flat run of rows).
+    bs = k_cache.shape[1]
+    blocks, offsets = slots // bs, slots % bs
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
 
 
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: PagedBatch,
@@ -310,10 +316,14 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first ``seq_len`` rows of one sequence, read through its ``block_table [max_blocks]``:
     ``cache [num_blocks, block_size, ...] -> [seq_len, ...]``."""
-    blocks = block_table[:blocks_for(seq_len, cache.shape[1])].long()
+    bs = cache.shape[1]
+    blocks = block_table[:blocks_for(seq_len, bs)].long()
     if bool((blocks < 0).any()):  # -1 would silently read the pool's last block
         raise ValueError(f"the block table has padding (-1) within the sequence's {seq_len} tokens")
-    return cache[blocks].flatten(0, 1)[:seq_len]
+    # Exactly the sequence's rows, not its whole last block: past them, a block of Chapter 11's
+    # virtual cache (one slot) may not be mapped, and reading it would fault.
+    positions = torch.arange(seq_len, device=cache.device)
+    return cache[blocks[positions // bs], positions % bs]
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:

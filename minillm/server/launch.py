@@ -45,10 +45,11 @@ for chunk in client.chat.completions.create(model="{name}", stream=True, max_tok
                                             messages=[{{"role": "user", "content": "Wherefore art thou?"}}]):
     print(chunk.choices[0].delta.content or "", end="", flush=True)
 print()"""
+    unit = "pages" if c.kv_cache == "virtual" else "blocks"  # Chapter 11: a page of every layer's K and V
     return f"""
 minillm: serving {name!r} at {url}/v1  (Ctrl-C to stop)
-  {engine.device.type}, max_model_len {engine.max_model_len}, KV pool {engine.manager.num_blocks} blocks \
-of {c.block_size} tokens, prefix caching {'on' if c.enable_prefix_caching else 'off'}
+  {engine.device.type}, max_model_len {engine.max_model_len}, KV pool {engine.manager.num_blocks} \
+{unit} of {engine.manager.block_size} tokens, prefix caching {'on' if c.enable_prefix_caching else 'off'}
 
 curl:
   curl {url}/v1/completions -H "Content-Type: application/json"{auth} \\

@@ -9,7 +9,10 @@ request grows (vAttention, Prabhu et al. 2024).
   ``cuMemMap``, ``cuMemSetAccess``, ``cuMemUnmap``, ``cuMemRelease``, ``cuMemAddressFree``)
   through NVIDIA's ``cuda-bindings`` package;
 - `minillm.vmm.dlpack`: the mapped ranges as torch tensors, without copies;
-- `minillm.vmm.cache`: `VirtualKVCache`, the three together.
+- `minillm.vmm.cache`: `VirtualKVCache`, the three together;
+- `minillm.vmm.manager`: the engine on it (``EngineConfig(kv_cache="virtual")``): the cache
+  seen as a paged cache of one block per slot, and the block manager's interface over the
+  page table (imported by the engine, not here).
 
 This package imports on any machine. The bindings are an optional dependency (``pip install
 cuda-bindings``, or the ``vmm`` extra); `available` says whether the GPU side can run here,

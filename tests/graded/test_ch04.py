@@ -20,6 +20,8 @@ backward_ex = pytest.mark.exercise(id="4.3", title="One tile pair of the backwar
 delta_ex = pytest.mark.exercise(id="4.4", title="The backward's preprocess D", points=1)
 fa2_kernel_ex = pytest.mark.exercise(id="4.5", title="The FlashAttention-2 forward kernel in Triton", points=4, kind="triton")
 delta_kernel_ex = pytest.mark.exercise(id="4.6", title="The preprocess kernel D in Triton", points=1, kind="triton")
+tma_kernel_ex = pytest.mark.exercise(id="4.7", title="The key loop through tensor descriptors, one matmul ahead",
+                                     points=2, kind="triton")
 
 
 def empty_state(rows, d):
@@ -304,3 +306,25 @@ def test_delta_kernel(impl, shape, dtype, device, gen, seed):
     assert delta.shape == shape[:-1] and delta.dtype == torch.float32
     # Products of two rounded inputs are exact in fp32, and the sum is accumulated in fp32.
     assert_close(delta, ref.backward_delta(to_numpy(o), to_numpy(do)), torch.float32, f"D {shape}", seed)
+
+
+# --- 4.7 -------------------------------------------------------------------------------------
+
+@tma_kernel_ex
+@pytest.mark.parametrize("batch,q_heads,kv_heads,q_len,kv_len,head_dim", [
+    (1, 1, 1, 1, 1, 16),       # one key: the first block is also the last
+    (1, 2, 2, 70, 70, 32),     # ragged ends of both Q and K/V (zeros from the descriptor)
+    (2, 4, 2, 20, 53, 16),     # GQA, fewer queries than keys
+    (1, 3, 1, 45, 16, 16),     # MQA, exactly one key block
+    (1, 2, 2, 33, 40, 16),
+])
+def test_tma_forward_kernel(impl, batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, device, gen, seed):
+    q = random_tensor((batch, q_heads, q_len, head_dim), dtype, device, gen)
+    k = random_tensor((batch, kv_heads, kv_len, head_dim), dtype, device, gen, scale=2.0)  # peaked softmax rows
+    v = random_tensor((batch, kv_heads, kv_len, head_dim), dtype, device, gen)
+    scale = None if seed % 2 else 0.4
+    out = impl.tma_forward(q, k, v, scale=scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    want, _ = ref.attention(to_numpy(q), to_numpy(k), to_numpy(v), scale=scale)
+    assert_close(out, want, dtype, f"out (q_len {q_len}, kv_len {kv_len}, heads {q_heads}/{kv_heads}, scale {scale})",
+                 seed)

@@ -10,6 +10,7 @@ import torch
 
 from minillm.model.torch_model import rope_cos_sin
 from minillm.reference import ch10_fused_decode as ref
+from minillm.reference.ch10_sampling import exponential_race as race_reference
 from minillm.testing import assert_close, poisoned, random_tensor, to_numpy
 
 norm_ex = pytest.mark.exercise(id="10.1", title="Residual add + RMSNorm in one kernel", points=3, kind="triton")
@@ -90,3 +91,38 @@ def test_rope_write_kv_skips_padding_slots(impl, device, gen, seed):
     flat_k = k_cache.view(-1, Hkv, D).cpu()
     assert torch.isnan(flat_k[torch.from_numpy(~written)]).all(), "a slot no token names was written"
     assert not torch.isnan(flat_k[torch.from_numpy(written)]).any(), "a token's slot was not written"
+
+
+# --- 10.3 ------------------------------------------------------------------------------------
+
+race_ex = pytest.mark.exercise(id="10.3", title="The exponential race: the sampler's draw", points=3, kind="triton")
+
+
+def _race_case(B, vocab, device, seed):
+    rng = np.random.default_rng(seed)
+    p = rng.random((B, vocab)).astype(np.float32)
+    p[:, rng.random(vocab) < 0.3] = 0                       # tokens that may never win
+    p[0] = np.where(np.arange(vocab) == vocab - 1, 0.7, 0)  # only the last token left
+    u = rng.uniform(1e-6, 1 - 1e-6, (B, vocab)).astype(np.float32)
+    return p, u
+
+
+@race_ex
+@pytest.mark.parametrize("B,vocab", [(1, 1), (3, 37), (4, 1000), (2, 2500)])
+def test_race_matches_the_reference(impl, B, vocab, device, seed):
+    p, u = _race_case(B, vocab, device, seed)
+    got = impl.race(torch.as_tensor(p, device=device), torch.as_tensor(u, device=device))
+    assert got.dtype == torch.int64 and got.shape == (B,)
+    want = race_reference(p, u)
+    assert got.cpu().tolist() == want.tolist(), f"tokens differ (seed {seed}): {got.cpu().tolist()} vs {want.tolist()}"
+
+
+@race_ex
+def test_race_ties_go_to_the_lowest_id_across_tiles(impl, device, seed):
+    """Equal scores in two tiles (vocab 2500 is three tiles of 1024): the first token wins."""
+    p = np.zeros((2, 2500), np.float32)
+    u = np.full((2, 2500), 0.5, np.float32)
+    p[0, [7, 1500, 2400]] = 0.2
+    p[1, [2100, 1030]] = 0.2
+    got = impl.race(torch.as_tensor(p, device=device), torch.as_tensor(u, device=device)).cpu().tolist()
+    assert got == [7, 1030], f"seed {seed}: {got}"

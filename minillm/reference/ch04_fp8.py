@@ -1,0 +1,184 @@
+"""Chapter 4 reference: FP8 attention with block quantization and incoherent processing, in NumPy.
+
+The reference of `minillm.kernels.ch04_flash_attention_hopper.flash_attention_fp8`
+(FlashAttention-3's FP8 forward; Shah et al., 2024). Everything is float64; the e4m3 format is
+simulated by rounding (`round_e4m3`), so no FP8 support is needed.
+
+- **e4m3** (``torch.float8_e4m3fn``): 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits;
+  normal numbers from ``2^-6`` to 448, subnormals down to ``2^-9``, no infinities. A normal
+  value rounds to within a relative ``2^-4`` (`UNIT_ROUNDOFF`), a subnormal to within an
+  absolute ``2^-10``.
+- **Block quantization** (`quantize_blocks`): one scale per block of rows (the kernel's tile
+  of queries or keys), chosen so the block's largest magnitude maps to 448. An outlier then
+  coarsens only its own block.
+- **Incoherent processing** (`random_hadamard`): Q and K are multiplied by the same random
+  orthogonal matrix before quantizing. ``(QR)(KR)ᵀ = QKᵀ``, so the scores are unchanged, but
+  each rotated coordinate mixes all the original ones: an outlier coordinate is spread out,
+  the block maxima drop, and so do the rounding errors of everything else in the block.
+- `fp8_attention`: exact attention of the dequantized (optionally rotated) inputs. The kernel
+  also rounds the probabilities P to e4m3 for the P·V matmul; `p_rounding_bound` is the
+  elementwise bound that adds to the output error.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minillm.reference.ch01_naive_attention import attention, attention_mask, kv_head_for
+
+E4M3_MAX = 448.0
+E4M3_MIN_NORMAL_EXP = -6   # smallest normal: 2^-6
+E4M3_MANTISSA_BITS = 3
+#: Relative rounding error bound of a normal e4m3 number (round to nearest: half an ulp).
+UNIT_ROUNDOFF = 2.0 ** -(E4M3_MANTISSA_BITS + 1)
+#: Absolute rounding error bound of a subnormal e4m3 number (half of the spacing 2^-9).
+SUBNORMAL_ABS_ERROR = 2.0 ** (E4M3_MIN_NORMAL_EXP - E4M3_MANTISSA_BITS - 1)
+
+
+def round_e4m3(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded to the nearest e4m3 value (ties to even), saturating at ±448."""
+    x = np.asarray(x, dtype=np.float64)
+    a = np.abs(x)
+    with np.errstate(divide="ignore"):
+        exp = np.floor(np.log2(np.where(a > 0, a, 1.0)))
+    exp = np.maximum(exp, E4M3_MIN_NORMAL_EXP)           # below 2^-6: the subnormal spacing
+    step = 2.0 ** (exp - E4M3_MANTISSA_BITS)              # the spacing of e4m3 numbers near a
+    rounded = np.minimum(np.round(a / step) * step, E4M3_MAX)  # np.round: ties to even
+    return np.sign(x) * rounded
+
+
+def quantize_blocks(x: np.ndarray, block_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Block quantization of ``x: [batch, heads, seq, head_dim]`` (values exact in fp32) in
+    blocks of ``block_rows`` tokens (the last block may be short). Returns ``(x8, scales)``:
+    ``x8`` the e4m3 values (float64 holding representable numbers, same shape as ``x``) and
+    ``scales: [batch, heads, n_blocks]`` with ``x ≈ x8 · scale``; scale = block max / 448
+    (1 for an all-zero block)."""
+    # In fp32, as the kernel's quantizer computes: ``x / scale`` rounded to fp32 first can land
+    # on the other side of an e4m3 rounding midpoint than the exact quotient (about once per
+    # million elements), and the reference must round the same way.
+    x = np.asarray(x, dtype=np.float32)
+    seq = x.shape[2]
+    n_blocks = -(-seq // block_rows)
+    scales = np.ones(x.shape[:2] + (n_blocks,), dtype=np.float32)
+    x8 = np.empty(x.shape)
+    for i in range(n_blocks):
+        rows = slice(i * block_rows, min(seq, (i + 1) * block_rows))
+        amax = np.abs(x[:, :, rows]).max(axis=(-2, -1))
+        scale = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1.0)).astype(np.float32)
+        scales[:, :, i] = scale
+        x8[:, :, rows] = round_e4m3(x[:, :, rows] / scale[..., None, None])
+    return x8, scales.astype(np.float64)
+
+
+def dequantize_blocks(x8: np.ndarray, scales: np.ndarray, block_rows: int) -> np.ndarray:
+    """``x8 · scale`` block by block: the values the FP8 kernel effectively multiplies."""
+    idx = np.arange(x8.shape[2]) // block_rows
+    return x8 * scales[:, :, idx][..., None]
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The ``n x n`` Sylvester Hadamard matrix (entries ±1; ``n`` a power of two)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"n must be a power of two, got {n}")
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def random_hadamard(signs: np.ndarray) -> np.ndarray:
+    """``diag(signs) · H / sqrt(n)``: orthogonal for any ±1 ``signs`` of length ``n``."""
+    signs = np.asarray(signs, dtype=np.float64)
+    return signs[:, None] * hadamard(len(signs)) / np.sqrt(len(signs))
+
+
+def quantized_inputs(q: np.ndarray, k: np.ndarray, v: np.ndarray, block_m: int, block_n: int,
+                     rotation: np.ndarray | None = None, v_block: int | None = None) -> tuple[np.ndarray, ...]:
+    """The dequantized ``(q, k, v)`` the FP8 kernel effectively multiplies: Q in blocks of
+    ``block_m`` rows, K in blocks of ``block_n``, V in blocks of ``v_block`` (default
+    ``block_n``; the whole head for one scale per head), after multiplying Q and K by
+    ``rotation`` (``[head_dim, head_dim]``, orthogonal) if given."""
+    q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
+    if rotation is not None:
+        q, k = q @ rotation, k @ rotation
+    v_block = block_n if v_block is None else v_block
+    return (dequantize_blocks(*quantize_blocks(q, block_m), block_m),
+            dequantize_blocks(*quantize_blocks(k, block_n), block_n),
+            dequantize_blocks(*quantize_blocks(v, v_block), v_block))
+
+
+def fp8_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, block_m: int, block_n: int, causal: bool = False,
+                  scale: float | None = None, rotation: np.ndarray | None = None,
+                  v_block: int | None = None) -> np.ndarray:
+    """Exact attention (``[batch, q_heads, q_len, head_dim]``) of the block-quantized inputs
+    (`quantized_inputs`). ``scale`` defaults to ``1/sqrt(head_dim)``."""
+    scale = 1.0 / np.sqrt(np.shape(q)[-1]) if scale is None else scale
+    qd, kd, vd = quantized_inputs(q, k, v, block_m, block_n, rotation, v_block)
+    return attention(qd, kd, vd, causal=causal, scale=scale)[0]
+
+
+def p_rounding_bound(q: np.ndarray, k: np.ndarray, v: np.ndarray, block_m: int, block_n: int,
+                     causal: bool = False, scale: float | None = None,
+                     rotation: np.ndarray | None = None, v_block: int | None = None) -> np.ndarray:
+    """Elementwise bound on ``|kernel − fp8_attention|`` from rounding P to e4m3.
+
+    The kernel rounds ``p = exp(s − m_run)`` (``m_run``: the running row max, ``p <= 1``) before
+    the P·V matmul and sums the *unrounded* p into ℓ. A normal p moves by at most a relative
+    `UNIT_ROUNDOFF`, a subnormal one by at most `SUBNORMAL_ABS_ERROR`; in units of the final
+    max that absolute error only shrinks (``m_run <= m_final``). With ``p̂ = exp(s − m_final)``
+    and ``ℓ = Σ p̂``, output row i is off by at most
+    ``(u · Σ_j p̂_ij |v_j| + 2^-10 · Σ_j |v_j|) / ℓ_i`` (j over the visible keys), fp32
+    accumulation aside."""
+    scale = 1.0 / np.sqrt(np.shape(q)[-1]) if scale is None else scale
+    qd, kd, vd = quantized_inputs(q, k, v, block_m, block_n, rotation, v_block)
+    q_heads, kv_heads = qd.shape[1], kd.shape[1]
+    heads = kv_head_for(np.arange(q_heads), q_heads, kv_heads)
+    kd, vd = kd[:, heads], vd[:, heads]
+    s = scale * qd @ np.swapaxes(kd, -1, -2)
+    visible = attention_mask(qd.shape[2], kd.shape[2], causal)
+    s = np.where(visible, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = np.where(visible, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    ell = np.maximum(p.sum(axis=-1, keepdims=True), 1e-300)
+    abs_v = np.abs(vd)
+    return (UNIT_ROUNDOFF * (p @ abs_v) + SUBNORMAL_ABS_ERROR * (visible.astype(np.float64) @ abs_v)) / ell
+
+
+#: What Hopper's FP8 tensor cores keep of a running sum: about 14 bits (measured on an H800,
+#: DeepSeek-AI 2024, the DeepSeek-V3 report, section 3.3.2), far fewer than fp32's 24; and
+#: how many products one FP8 matrix instruction adds before it rounds into the accumulator
+#: (the k of ``wgmma ... .e4m3``: 32).
+FP8_ACCUMULATOR_BITS = 14
+FP8_MMA_K = 32
+
+
+def fp8_accumulation_bound(q: np.ndarray, k: np.ndarray, v: np.ndarray, block_m: int, block_n: int,
+                           causal: bool = False, scale: float | None = None,
+                           rotation: np.ndarray | None = None, v_block: int | None = None,
+                           bits: int = FP8_ACCUMULATOR_BITS, mma_k: int = FP8_MMA_K) -> np.ndarray:
+    """Elementwise bound on what the GPU's reduced-precision FP8 accumulation adds to the error
+    (zero in exact arithmetic, as under the interpreter).
+
+    Each FP8 matrix instruction adds ``mma_k`` products into an accumulator that keeps about
+    ``bits`` bits, so every such step can lose ``2^-(bits-1)`` of the running sum's magnitude.
+    A score ``s_ij = scale · Σ_d q_d k_d`` (``head_dim / mma_k`` steps) is then off by at most
+    ``δ_ij = ceil(head_dim / mma_k) · 2^-(bits-1) · scale · Σ_d |q_d k_d|``, which moves output
+    row i by at most ``(exp(2 max_j δ_ij) − 1) · Σ_j p̂_ij |v_j| / ℓ_i``; the P·V sum over
+    ``kv_len / mma_k`` steps adds ``ceil(kv_len / mma_k) · 2^-(bits-1) · Σ_j p̂_ij |v_j| / ℓ_i``
+    (V's scale accumulates in place when there is one per head)."""
+    scale = 1.0 / np.sqrt(np.shape(q)[-1]) if scale is None else scale
+    qd, kd, vd = quantized_inputs(q, k, v, block_m, block_n, rotation, v_block)
+    q_heads, kv_heads = qd.shape[1], kd.shape[1]
+    heads = kv_head_for(np.arange(q_heads), q_heads, kv_heads)
+    kd, vd = kd[:, heads], vd[:, heads]
+    head_dim, kv_len = qd.shape[-1], kd.shape[2]
+    ulp = 2.0 ** -(bits - 1)
+    visible = attention_mask(qd.shape[2], kv_len, causal)
+    s = np.where(visible, scale * qd @ np.swapaxes(kd, -1, -2), -np.inf)
+    delta = -(-head_dim // mma_k) * ulp * scale * (np.abs(qd) @ np.swapaxes(np.abs(kd), -1, -2))
+    delta = np.where(visible, delta, 0.0).max(axis=-1, keepdims=True)
+    m = s.max(axis=-1, keepdims=True)
+    p = np.where(visible, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    ell = np.maximum(p.sum(axis=-1, keepdims=True), 1e-300)
+    weighted = (p @ np.abs(vd)) / ell
+    return (np.expm1(2 * delta) + -(-kv_len // mma_k) * ulp) * weighted
+

@@ -1,0 +1,336 @@
+"""Chapter 4's Hopper forward (`flash_attention_hopper`, `flash_attention_fp8`) against float64
+references.
+
+- bf16/fp16/fp32 forward against `minillm.reference.ch01_naive_attention`, out and lse: MHA,
+  GQA, odd lengths, q_len != kv_len both ways (rows that see no key: out 0, lse -inf),
+  head dims 16-128 (also not powers of two), causal and not; the output buffer is poisoned
+  with NaN so an unwritten element fails.
+- Every combination of the switches (TMA descriptors, warp specialization, persistence,
+  the overlapped loop): under the interpreter all 16; on the GPU each switch flipped from
+  every default config, with the tile sizes the benchmark sweeps.
+- FP8: the quantizer equals the NumPy reference exactly; the kernel is within the
+  elementwise bound that rounding P to e4m3 allows (`minillm.reference.ch04_fp8.p_rounding_bound`)
+  of exact attention of the quantized inputs, with and without the rotation (on the GPU plus
+  `fp8_accumulation_bound`: Hopper's FP8 matrix instructions accumulate in ~14 bits); the
+  rotation is orthogonal and leaves exact attention unchanged.
+
+CPU: small shapes under the interpreter (fp32 exact dots, and fp16). GPU (`make gpu`): bf16
+and fp16, larger shapes, the GPU tile configs.
+"""
+import itertools
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from minillm.kernels.base import interpreting
+from minillm.kernels.ch04_flash_attention_hopper import (
+    ABLATIONS, DEFAULT_CONFIGS, E4M3_MAX, E4M3_UNIT_ROUNDOFF, INTERPRET_CONFIG, HopperConfig, ablated,
+    default_config, flash_attention_fp8, flash_attention_hopper, prepare_fp8, quantize_blocks, random_rotation,
+)
+from minillm.reference import attention
+from minillm.reference import ch04_fp8 as ref8
+from minillm.testing import assert_close, poisoned, random_tensor, skip_fp32_on_gpu, to_numpy
+
+SWITCHES = ("tma", "warp_specialize", "persistent", "overlap")
+
+
+def make_qkv(batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, device, gen, scale=1.0):
+    q = random_tensor((batch, q_heads, q_len, head_dim), dtype, device, gen, scale)
+    k = random_tensor((batch, kv_heads, kv_len, head_dim), dtype, device, gen, scale)
+    v = random_tensor((batch, kv_heads, kv_len, head_dim), dtype, device, gen)
+    return q, k, v
+
+
+def check_forward(q, k, v, causal, dtype, seed, config=None):
+    out = poisoned(q.shape, q.dtype, q.device)
+    got, lse = flash_attention_hopper(q, k, v, causal=causal, config=config, return_lse=True, out=out)
+    assert got is out
+    ref_out, ref_lse = attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal)
+    assert_close(out, ref_out, dtype, "out", seed)
+    assert_close(lse, ref_lse, dtype, "lse", seed)
+
+
+# ----------------------------------------------------------------------------------------
+# bf16 / fp16 / fp32 forward
+# ----------------------------------------------------------------------------------------
+FWD_SMALL = [  # batch, q_heads, kv_heads, q_len, kv_len, head_dim, causal
+    (2, 4, 2, 37, 37, 16, False),     # GQA 2:1, odd length
+    (1, 4, 1, 45, 61, 64, True),      # MQA, q < kv (bottom-right causal)
+    (1, 2, 1, 70, 33, 32, True),      # q > kv: the first rows see no key
+    (1, 3, 3, 29, 29, 24, True),      # head_dim not a power of two
+    (1, 2, 2, 1, 50, 128, False),     # one query row
+]
+FWD_LARGE = [
+    (2, 16, 4, 1000, 1000, 128, True),
+    (1, 32, 32, 777, 777, 64, False),
+    (1, 8, 2, 513, 1531, 128, True),
+    (1, 8, 8, 1531, 513, 64, True),
+    (2, 4, 4, 300, 300, 80, False),   # padded head dim (TMA zero-fills the columns past 80)
+]
+
+
+def case_id(c):
+    b, hq, hk, m, n, d, causal = c
+    return f"B{b}-H{hq}:{hk}-{m}x{n}-D{d}" + ("-causal" if causal else "")
+
+
+FWD_CASES = [pytest.param(*c, id=case_id(c)) for c in FWD_SMALL] + [
+    pytest.param(*c, id=case_id(c), marks=pytest.mark.gpu) for c in FWD_LARGE
+]
+
+
+@pytest.mark.parametrize("batch,q_heads,kv_heads,q_len,kv_len,head_dim,causal", FWD_CASES)
+def test_forward(batch, q_heads, kv_heads, q_len, kv_len, head_dim, causal, dtype, device, gen, seed):
+    skip_fp32_on_gpu(dtype, device)
+    q, k, v = make_qkv(batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, device, gen)
+    check_forward(q, k, v, causal, dtype, seed)
+
+
+def interpreter_configs():
+    """All 16 switch combinations on the interpreter's tiles, and the persistent ones again
+    with the dynamic tile scheduler and with warp specialization on the tile loop."""
+    for flags in itertools.product((False, True), repeat=len(SWITCHES)):
+        config = HopperConfig(INTERPRET_CONFIG.block_m, INTERPRET_CONFIG.block_n, 4, 1, **dict(zip(SWITCHES, flags)))
+        yield config
+        if config.persistent:
+            yield replace(config, scheduler="dynamic", programs_per_sm=2)
+        if config.persistent and config.warp_specialize:
+            yield replace(config, ws_loop="tiles")
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (the GPU runs test_gpu_switches)")
+@pytest.mark.parametrize("config", list(interpreter_configs()), ids=lambda c: c.describe().split(", ", 3)[-1])
+def test_every_switch_combination(config, gen, seed):
+    dtype = torch.float32
+    for shape, causal in (((1, 4, 2, 45, 61, 32), True), ((2, 2, 1, 37, 37, 16), False)):
+        q, k, v = make_qkv(*shape, dtype, "cpu", gen)
+        check_forward(q, k, v, causal, dtype, seed, config)
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test")
+@pytest.mark.parametrize("bm,bn", [(16, 32), (32, 32), (64, 16)])
+def test_tile_shapes(bm, bn, gen, seed):
+    """The segment arithmetic with BLOCK_M < BLOCK_N, = and >, on the overlapped loop too."""
+    dtype = torch.float32
+    for overlap in (False, True):
+        config = HopperConfig(bm, bn, 4, 1, overlap=overlap)
+        q, k, v = make_qkv(1, 2, 1, 53, 71, 16, dtype, "cpu", gen)
+        check_forward(q, k, v, True, dtype, seed, config)
+
+
+def test_strided_inputs(device, gen, seed):
+    """Inputs that are views (heads and tokens transposed, as after a projection) and a head
+    dim with a non-unit stride (copied first)."""
+    dtype = torch.float16
+    q = random_tensor((1, 33, 4, 32), dtype, device, gen).transpose(1, 2)
+    k = random_tensor((1, 40, 2, 32), dtype, device, gen).transpose(1, 2)
+    v = random_tensor((1, 2, 32, 40), dtype, device, gen).transpose(2, 3)  # head_dim not contiguous
+    check_forward(q, k, v, True, dtype, seed)
+
+
+def test_defaults_and_errors(device, gen):
+    q, k, v = make_qkv(1, 2, 1, 20, 20, 16, torch.float16, device, gen)
+    out = flash_attention_hopper(q, k, v, scale=0.3)
+    ref, _ = attention(to_numpy(q), to_numpy(k), to_numpy(v), scale=0.3)
+    assert_close(out, ref, torch.float16)
+    with pytest.raises(ValueError):
+        flash_attention_hopper(q, k[:, :, :, :8], v, causal=True)
+    with pytest.raises(ValueError):
+        flash_attention_hopper(q[:, :1], k.expand(1, 2, 20, 16), v.expand(1, 2, 20, 16))  # 1 q head, 2 kv heads
+    with pytest.raises(ValueError):
+        flash_attention_hopper(torch.zeros(1, 1, 4, 160, device=device, dtype=torch.float16),
+                               *(torch.zeros(1, 1, 4, 160, device=device, dtype=torch.float16),) * 2)
+    with pytest.raises(TypeError):
+        flash_attention_hopper(q.float(), k, v)
+
+
+def test_config_helpers():
+    base = HopperConfig()
+    for switch in ABLATIONS:
+        flipped = ablated(base, switch)
+        assert getattr(flipped, switch) != getattr(base, switch)
+        assert ablated(flipped, switch) == base
+    if interpreting():
+        assert default_config(128) == INTERPRET_CONFIG
+        assert INTERPRET_CONFIG.block_m * INTERPRET_CONFIG.block_n <= 32 * 32  # fast on a CPU
+    else:
+        assert default_config(128) == DEFAULT_CONFIGS[("bf16", 128)]
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: every switch, flipped from each default config, and the swept tile sizes
+# ----------------------------------------------------------------------------------------
+def gpu_configs(head_dim: int):
+    base = DEFAULT_CONFIGS[("bf16", head_dim)]
+    configs = [base] + [ablated(base, s) for s in SWITCHES]
+    configs += [HopperConfig(bm, bn, w, s) for bm, bn, w, s in ((128, 64, 8, 3), (64, 128, 4, 3))]
+    configs += [HopperConfig(64, 64, 4, 3, programs_per_sm=2, overlap=True),
+                replace(base, persistent=True, scheduler="dynamic")]
+    return list(dict.fromkeys(configs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_switches(head_dim, device, gen, seed):
+    dtype = torch.bfloat16
+    for config in gpu_configs(head_dim):
+        for causal, (q_len, kv_len) in ((False, (333, 333)), (True, (333, 517)), (True, (517, 333))):
+            q, k, v = make_qkv(2, 8, 2, q_len, kv_len, head_dim, dtype, device, gen)
+            check_forward(q, k, v, causal, dtype, seed, config)
+
+
+# ----------------------------------------------------------------------------------------
+# FP8
+# ----------------------------------------------------------------------------------------
+def test_round_e4m3_matches_torch():
+    """The NumPy rounding equals torch's float8_e4m3fn cast on every representable value,
+    the midpoints between them (ties to even) and random values."""
+    x = torch.cat([torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float(),
+                   torch.linspace(-460, 460, 20001), torch.randn(5000) * 3, torch.rand(5000) * 2 ** -6])
+    x = x[torch.isfinite(x) & (x.abs() <= E4M3_MAX)].double()
+    got = ref8.round_e4m3(x.numpy())
+    want = x.to(torch.float8_e4m3fn).double().numpy()
+    np.testing.assert_array_equal(got, want)
+    finite = np.abs(x.numpy()) >= 2 ** -6
+    rel = np.abs(got - x.numpy())[finite] / np.abs(x.numpy())[finite]
+    assert rel.max() <= ref8.UNIT_ROUNDOFF == E4M3_UNIT_ROUNDOFF
+
+
+@pytest.mark.parametrize("block_rows,seq", [(16, 37), (32, 32), (64, 5)])
+def test_quantize_blocks_matches_reference(block_rows, seq, gen):
+    x = random_tensor((2, 3, seq, 24), torch.float32, "cpu", gen, scale=3.0)
+    x[0, 1, : min(seq, block_rows)] = 0.0  # an all-zero block: scale 1, values 0
+    x8, scales = quantize_blocks(x, block_rows)
+    want8, want_scales = ref8.quantize_blocks(x.double().numpy(), block_rows)
+    np.testing.assert_allclose(scales.double().numpy(), want_scales, rtol=1e-6)
+    np.testing.assert_array_equal(x8[:, :, :seq].double().numpy(), want8)
+    assert (x8[:, :, seq:].float() == 0).all()  # padding rows
+    assert x8.float().abs().max() <= E4M3_MAX
+    xt, _ = quantize_blocks(x, block_rows, transpose=True)
+    assert torch.equal(xt.float(), x8.float().transpose(-1, -2))
+
+
+def test_rotation_is_orthogonal_and_preserves_attention(gen):
+    for head_dim in (16, 64, 24):
+        rot = random_rotation(head_dim, seed=3).double()
+        np.testing.assert_allclose((rot @ rot.T).numpy(), np.eye(head_dim), atol=1e-6)
+        if head_dim & (head_dim - 1) == 0:
+            signs = np.sign(rot[:, 0].numpy())
+            np.testing.assert_allclose(rot.numpy(), ref8.random_hadamard(signs), atol=1e-7)
+    q, k, v = (random_tensor((1, 2, 9, 16), torch.float64, "cpu", gen).numpy() for _ in range(3))
+    rot = random_rotation(16, seed=1).double().numpy()
+    plain, _ = attention(q, k, v, causal=True)
+    rotated, _ = attention(q @ rot, k @ rot, v, causal=True)
+    np.testing.assert_allclose(rotated, plain, atol=1e-5)  # the rotation is fp32-rounded
+
+
+def check_fp8(q, k, v, causal, config, rotate, seed):
+    """|kernel − exact attention of the quantized inputs| <= the P-rounding bound, elementwise."""
+    out = flash_attention_fp8(q, k, v, causal=causal, config=config, rotate=rotate)
+    rot = random_rotation(q.shape[-1], 0).double().numpy() if rotate else None
+    qn, kn, vn = (to_numpy(t) for t in (q, k, v))
+    if rotate:  # the kernel rotates in fp32 on q's device: quantize exactly what it quantized
+        rot32 = random_rotation(q.shape[-1], 0, q.device)
+        qn, kn = (to_numpy(t.float() @ rot32) for t in (q, k))
+        rot = None
+    v_block = None if config.v_scale == "block" else vn.shape[2]  # one scale for the whole head
+    want = ref8.fp8_attention(qn, kn, vn, config.block_m, config.block_n, causal=causal, rotation=rot, v_block=v_block)
+    bound = ref8.p_rounding_bound(qn, kn, vn, config.block_m, config.block_n, causal=causal, rotation=rot,
+                                  v_block=v_block)
+    if q.is_cuda:  # the tensor cores' FP8 accumulation keeps ~14 bits (exact in the interpreter)
+        bound = bound + ref8.fp8_accumulation_bound(qn, kn, vn, config.block_m, config.block_n, causal=causal,
+                                                    rotation=rot, v_block=v_block)
+    got = to_numpy(out)
+    # bf16/fp16 output: one more rounding of the result; fp32: accumulation slack only.
+    out_rounding = {torch.float32: 1e-6, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[q.dtype]
+    err = np.abs(got - want)
+    allowed = bound + out_rounding * np.abs(want) + 1e-5
+    worst = np.unravel_index(np.argmax(err - allowed), err.shape)
+    assert np.all(err <= allowed), (f"seed {seed}, {config.describe()}, V scale per {config.v_scale}, rotate "
+                                    f"{rotate}: fp8 error {err[worst]:.3e} > bound {allowed[worst]:.3e} at {worst} "
+                                    f"(want {want[worst]:.4e}, got {got[worst]:.4e}; "
+                                    f"{int((err > allowed).sum())} of {err.size} elements)")
+    # The bound is not vacuous: a wrong scale or a lost block would move the output by about
+    # its own size, far more than the bound allows.
+    assert np.linalg.norm(bound) < 0.5 * np.linalg.norm(want)
+
+
+FP8_SMALL = [(1, 4, 2, 45, 61, 32, True), (2, 2, 1, 37, 37, 16, False), (1, 2, 1, 40, 23, 64, True)]
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (the GPU runs test_fp8_gpu)")
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("shape", FP8_SMALL, ids=case_id)
+def test_fp8_within_rounding_bound(shape, rotate, gen, seed):
+    *dims, causal = shape
+    q, k, v = make_qkv(*dims, torch.float32, "cpu", gen, scale=2.0)
+    for tma in (True, False):  # the transposed V through the descriptor and through pointers
+        for v_scale in ("block", "head"):
+            config = HopperConfig(32, 16, 4, 1, tma=tma, persistent=tma, overlap=tma, v_scale=v_scale,
+                                  scheduler="dynamic" if v_scale == "head" else "static")
+            check_fp8(q, k, v, causal, config, rotate, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp8_gpu(head_dim, rotate, device, gen, seed):
+    q, k, v = make_qkv(1, 4, 2, 300, 437, head_dim, torch.bfloat16, device, gen, scale=2.0)
+    config = DEFAULT_CONFIGS[("fp8", head_dim)]
+    for variant in (config, ablated(config, "overlap"), replace(config, v_scale="head"),
+                    replace(config, v_scale="block", scheduler="dynamic"),
+                    HopperConfig(config.block_m, config.block_n, config.num_warps, config.num_stages,
+                                 tma=False, persistent=False)):
+        check_fp8(q, k, v, True, variant, rotate, seed)
+
+
+def test_fp8_prepared_inputs_are_reused(device, gen):
+    """`prepare_fp8` once, then the kernel alone (what the benchmark times) gives the same output."""
+    q, k, v = make_qkv(1, 2, 1, 30, 30, 16, torch.float16, device, gen)
+    config = default_config(16, fp8=True)
+    once = flash_attention_fp8(q, k, v, causal=True, config=config)
+    again = flash_attention_fp8(q, k, v, causal=True, config=config, prepared=prepare_fp8(q, k, v, config))
+    assert torch.equal(once, again)
+    assert math.isfinite(float(once.float().abs().sum()))
+
+
+# ----------------------------------------------------------------------------------------
+# The benchmark's bookkeeping (no timing: a stand-in timer, tiny shapes, the interpreter)
+# ----------------------------------------------------------------------------------------
+@pytest.mark.skipif(not interpreting(), reason="bookkeeping check under the interpreter; the GPU runs the benchmark")
+def test_benchmark_dry_run(device):
+    """`bench.ch04_hopper.sweep_points` end to end on tiny shapes with a stand-in timer that
+    calls the function once: every point adds its rows (a peer that refuses, e.g. cuDNN on a
+    CPU, is recorded with a note), the errors are finite, and the summary prints. The real
+    sweep runs on a GPU (`python -m bench.run --only ch04_hopper`)."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from bench import ch04_hopper as bench
+    from bench.common import Results
+
+    results = Results("dry run", {"copy_TBps": 1.0, "bf16_matmul_TFLOPs": 1.0}, env={})
+    bench.sweep_points(results, device, head_dims=(16,), seq_lens=(17, 32), tokens=32, hidden=32,
+                       dtype=torch.float16, ablation_seq_lens=(32,), error_seq_len=24,
+                       timer=lambda fn: (fn(), 1.0)[1])
+    rows = results.rows
+    count = lambda metric, **p: sum(r["metric"] == metric and all(r["params"].get(k) == v for k, v in p.items())
+                                    for r in rows)  # noqa: E731
+    points = 2 * 2  # seq_lens x causal
+    ablations = len(bench.ABLATIONS) + 1  # + the other key-block width (the interpreter's scheduler is static)
+    assert count("TFLOPs", dtype="float16") == points * len(bench.PEERS) + 2 * ablations
+    assert count("TFLOPs", dtype="fp8") == points * 3 + 2  # + V scale per block, at the ablation points
+    assert count("quantize_ms") == points
+    assert count("rel_err", dtype="fp8") == 2 * 2 * 2  # inputs x causal x V scale
+    for r in rows:
+        if r["metric"] == "rel_err" and r["params"]["dtype"] == "fp8":
+            assert 0 < r["ours"] < 0.2 and 0 < r["peer_value"] < 0.2
+        if r["metric"] == "rel_err" and r["params"]["dtype"] == "float16":
+            assert r["ours"] < 1e-2
+    assert "hopper" in bench.summary(results)
