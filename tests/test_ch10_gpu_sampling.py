@@ -242,7 +242,7 @@ def test_gpu_engine_samples_on_device_by_default(cuda_graphs):
 
     model, _ = load_model(BUNDLED_MODEL, device="cuda", dtype=torch.bfloat16)
     engine = LLMEngine(model, load_tokenizer(BUNDLED_MODEL)[0],
-                       EngineConfig(num_blocks=256, max_num_seqs=8, cuda_graphs=cuda_graphs, seed=0))
+                       EngineConfig(num_blocks=256, max_num_seqs=8, max_n=8, cuda_graphs=cuda_graphs, seed=0))
     assert engine.fused_decode and engine.sample_on_device
     prompts = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed any further, hear me speak."]
     params = [SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True, seed=5),

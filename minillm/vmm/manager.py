@@ -613,6 +613,12 @@ def build_kv_cache(model, config, num_blocks: int, *, poison: bool = False):
 
         backing = VirtualKVCache(layers, kv_heads, head_dim, slots, capacity, dtype=dtype, device=device,
                                  page_bytes=page, max_pages=max_pages, reclamation="deferred")
+        # Triton refuses a kernel argument whose address the driver cannot resolve, and a
+        # tensor's address is slot 0's first row: map it now (a request that came and went;
+        # deferred reclamation keeps the page for slot 0's first real request), so launches
+        # and graph captures work before any request has arrived.
+        backing.admit("base page", 1)
+        backing.release("base page")
     else:
         backing = SimulatedVirtualCache(layers, kv_heads, head_dim, slots, capacity, page_bytes=page,
                                         max_pages=max_pages, dtype=dtype, device=device, poison=poison)
