@@ -219,7 +219,7 @@ def test_padded_graph_steps_equal_eager(monkeypatch, device):
     if device.type != "cuda":
         monkeypatch.setattr(ModelRunner, "can_capture", lambda self: self.cache.kernels is not None)
 
-        def capture(self, batch, pool):
+        def capture(self, batch, pool, sampling=None):
             fake = _ReplayByRerun(self, batch)
             return CapturedGraph(fake, batch, fake.logits), None
 

@@ -401,10 +401,10 @@ def poison_batch(monkeypatch):
     engine must then find the culprit by sampling one request at a time)."""
     original = EngineClass.sample
 
-    def sample(self, sched, logits):
+    def sample(self, sched, logits, *args, **kwargs):
         if any(r.params.seed == POISON and r.ready_to_sample() for r in sched.requests):
             raise RuntimeError("poisoned batch")
-        return original(self, sched, logits)
+        return original(self, sched, logits, *args, **kwargs)
 
     monkeypatch.setattr(EngineClass, "sample", sample)
 
