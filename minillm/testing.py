@@ -236,6 +236,23 @@ TINY_MLA_SIZES = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_h
                       max_position_embeddings=256)
 
 
+def tiny_llama(seed: int = 0, *, vocab_size: int = 256, kv_heads: int = 2, head_dim: int = 16, layers: int = 2,
+               max_position_embeddings: int = 512):
+    """A random minillm `LlamaForCausalLM` (hidden 64, 4 query heads), in eval mode, with sharper
+    weights than its init so that greedy choices are not near ties: what the engine tests run."""
+    from minillm.model import LlamaForCausalLM, ModelConfig
+
+    config = ModelConfig(model_type="llama", vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
+                         head_dim=head_dim, max_position_embeddings=max_position_embeddings)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.5 if "embed" in name else 0.1)
+    return model
+
+
 def tiny_mla_model(version: str = "v3", seed: int = 0, **overrides):
     """A random transformers ``DeepseekV2ForCausalLM`` (``version="v2"``) or
     ``DeepseekV3ForCausalLM`` of `TINY_MLA_SIZES` (``overrides`` on top), in eval mode, with

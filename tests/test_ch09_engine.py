@@ -19,8 +19,8 @@ from minillm.decoding.beams import BeamSearchParams, beam_search
 from minillm.engine import (
     BUNDLED_MODEL, ContextLengthExceeded, EngineConfig, InvalidRequest, LLMEngine, SamplingParams,
 )
-from minillm.model import LlamaForCausalLM, ModelConfig, load_model, load_tokenizer
-from minillm.testing import run_to_completion as run
+from minillm.model import LlamaForCausalLM, load_model, load_tokenizer
+from minillm.testing import run_to_completion as run, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -29,15 +29,7 @@ TOKENIZER = load_tokenizer(BUNDLED_MODEL)[0]
 
 
 def tiny_model(seed: int = 0) -> LlamaForCausalLM:
-    config = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=512)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # sharper logits than the default init: greedy choices are not near ties
-        for name, p in model.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.5 if "embed" in name else 0.1)
-    return model
+    return tiny_llama(seed, vocab_size=VOCAB)
 
 
 def make_engine(model, **config) -> LLMEngine:

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 
 from minillm.engine import BUNDLED_MODEL, EngineConfig, InvalidRequest, LLMEngine, SamplingParams
 from minillm.kernels.base import interpreting
-from minillm.model import LlamaForCausalLM, ModelConfig, load_tokenizer
+from minillm.model import LlamaForCausalLM, load_tokenizer
 from minillm.paged import OutOfBlocks
-from minillm.testing import run_to_completion as run
+from minillm.testing import run_to_completion as run, tiny_llama
 from minillm.vmm import manager as vm
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -34,15 +34,8 @@ TOKENIZER = load_tokenizer(BUNDLED_MODEL)[0]
 
 
 def tiny_model(seed: int = 0, kv_heads: int = 2, head_dim: int = 16, layers: int = 2) -> LlamaForCausalLM:
-    config = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
-                         head_dim=head_dim, max_position_embeddings=256)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # sharper logits than the default init: greedy choices are not near ties
-        for name, p in model.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.5 if "embed" in name else 0.1)
-    return model
+    return tiny_llama(seed, vocab_size=VOCAB, kv_heads=kv_heads, head_dim=head_dim, layers=layers,
+                      max_position_embeddings=256)
 
 
 def make_engine(model, kv_cache: str, **config) -> LLMEngine:
