@@ -9,6 +9,7 @@ the Chapter 13 measurement at a tiny size. Every request loop is bounded in coun
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -278,8 +279,11 @@ def test_a_killed_instance_is_routed_around(fleet):
     url, procs, pool = fleet
     home = complete(url, prompt=SYSTEM + "Prologue.", max_tokens=2)
     victim = int(home.headers["x-minillm-instance"])
-    # A long whole (non-streamed) request in flight on the victim when it dies: retried elsewhere.
-    long = ThreadPoolExecutor(1).submit(complete, url, prompt=SYSTEM + "Chorus.", max_tokens=400, ignore_eos=True)
+    # A whole (non-streamed) request in flight on the victim when it dies: retried elsewhere. The
+    # victim is frozen first (SIGSTOP), so the request cannot finish there before the kill however
+    # slowly this test's thread is scheduled; its health check times out only after seconds.
+    procs[victim].proc.send_signal(signal.SIGSTOP)
+    long = ThreadPoolExecutor(1).submit(complete, url, prompt=SYSTEM + "Chorus.", max_tokens=40, ignore_eos=True)
     deadline = time.monotonic() + 20
     while pool.instances[victim].in_flight == 0 and not long.done() and time.monotonic() < deadline:
         time.sleep(0.01)
