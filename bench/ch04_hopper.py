@@ -38,6 +38,24 @@ Rows (``params``: batch, heads, seq_len, head_dim, causal, dtype; extra keys bel
                   N = 4k and 16k
 ================  ==========================================================================
 
+The ``backward`` part (``params["pass"] = "bwd"``; the forward rows carry no ``pass``): the
+Hopper backward (`flash_attention_hopper_backward`, `bwd_default_config`) against
+``sdpa_flash`` and ``sdpa_cudnn`` (``torch.autograd.grad`` of a saved forward) and ``fa2``
+(our FlashAttention-2 backward, `flash_attention_backward`, on the same ``out``/``lse``), at
+the same points, with its own budget ``MINILLM_CH04_HOPPER_BWD_BUDGET_S`` (default 240):
+
+================  ==========================================================================
+``TFLOPs``        `minillm.costs.nominal_attention_flops` with ``backward=True`` (2.5x the
+                  forward, FA2's convention) / median time (preprocess, kernels and dQ's
+                  conversion included); one row per peer
+``time_ms``       the same times
+``rel_err``       the largest of ‖dX − dX_cudnn‖ / ‖dX_cudnn‖ over dQ, dK, dV (peer: fa2's)
+``ablation``      ``TFLOPs`` with ``params["ablation"]``: the default config and the same with
+                  one switch flipped (`BWD_ABLATIONS`), at N = 4k and 16k
+================  ==========================================================================
+
+``MINILLM_CH04_HOPPER_PARTS`` (default ``forward,backward``) picks the parts to run.
+
 How the defaults (`DEFAULT_CONFIGS`) were chosen, printing only (no results file; the H100
 output is in ``bench/results/raw/nvidia-h100.bench_ch04_hopper.log``):
 ``python -m bench.ch04_hopper --sweep`` (tiles x switches at N = 4k), ``--ws-sweep`` (warp
@@ -55,9 +73,10 @@ import torch
 import torch.nn.functional as F
 
 from minillm.costs import nominal_attention_flops
-from minillm.kernels.ch04_flash_attention import flash_attention
+from minillm.kernels.ch04_flash_attention import flash_attention, flash_attention_backward
 from minillm.kernels.ch04_flash_attention_hopper import (
-    ABLATIONS, HopperConfig, ablated, default_config, flash_attention_fp8, flash_attention_hopper, prepare_fp8,
+    ABLATIONS, BWD_ABLATIONS, HopperBwdConfig, HopperConfig, ablated, bwd_ablated, bwd_default_config,
+    default_config, flash_attention_fp8, flash_attention_hopper, flash_attention_hopper_backward, prepare_fp8,
 )
 
 from bench.common import Results, attempt, cuda_device, dtype_name, free_memory, rel_err, sweep_start
@@ -80,6 +99,16 @@ OUTLIER_FRACTION, OUTLIER_STD = 0.001, 10.0
 def budget_s() -> float:
     """Seconds after which no new point is started: ``MINILLM_CH04_HOPPER_BUDGET_S`` (default 240)."""
     return float(os.environ.get("MINILLM_CH04_HOPPER_BUDGET_S", "240"))
+
+
+def bwd_budget_s() -> float:
+    """The backward part's budget: ``MINILLM_CH04_HOPPER_BWD_BUDGET_S`` (default 240)."""
+    return float(os.environ.get("MINILLM_CH04_HOPPER_BWD_BUDGET_S", "240"))
+
+
+def parts() -> list[str]:
+    """The parts to run: ``MINILLM_CH04_HOPPER_PARTS``, comma-separated (default both)."""
+    return [p.strip() for p in os.environ.get("MINILLM_CH04_HOPPER_PARTS", "forward,backward").split(",") if p.strip()]
 
 
 def _sdpa(backend_name: str, causal: bool) -> Callable:
@@ -107,8 +136,13 @@ def _timed(fn: Callable, timer: Callable) -> tuple[float, Any]:
 
 
 def run(results: Results, device) -> None:
-    """The FP8 errors, then the sweep with its ablations, on ``device`` (CUDA)."""
-    sweep_points(results, cuda_device(device, "the Chapter 4 Hopper benchmark"))
+    """The FP8 errors, then the sweep with its ablations, then the backward part, on
+    ``device`` (CUDA); `parts` picks which."""
+    device = cuda_device(device, "the Chapter 4 Hopper benchmark")
+    if "forward" in parts():
+        sweep_points(results, device)
+    if "backward" in parts():
+        backward_points(results, device)
 
 
 def sweep_points(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, tokens: int = TOKENS,
@@ -213,6 +247,96 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
                 f"per block of {block_config.block_n} keys" + (f"; {status}" if status else ""))
 
 
+# ----------------------------------------------------------------------------------------
+# The backward part
+# ----------------------------------------------------------------------------------------
+def _autograd_backward(attn: Callable, q, k, v, dout) -> Callable:
+    """A callable that runs the backward of ``attn(q, k, v)`` (one saved forward) for ``dout``."""
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attn(qg, kg, vg)
+    return lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)
+
+
+def _grads_and_ms(fn: Callable, timer: Callable) -> tuple[Any, float]:
+    """``(one untimed result of fn(), median ms of fn)``."""
+    return fn(), timer(fn)
+
+
+def _grads_err(grads, ref) -> float:
+    """The largest relative error of ``(dq, dk, dv)`` against ``ref``'s."""
+    return max(rel_err(g, r) for g, r in zip(grads, ref))
+
+
+def backward_points(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, tokens: int = TOKENS,
+                    hidden: int = HIDDEN, dtype=torch.bfloat16, ablation_seq_lens=ABLATION_SEQ_LENS,
+                    timer: Callable | None = None) -> None:
+    """The backward rows (see the module's docstring), most important points first, until
+    `bwd_budget_s` is spent. ``timer`` as in `sweep_points`."""
+    timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, bwd_budget_s(), timer, WARMUP_MS, REP_MS)
+    for head_dim in head_dims:
+        for causal in CAUSAL:
+            for n in seq_lens:
+                if out_of_time():
+                    return
+                t0 = time.perf_counter()
+                _bwd_point(results, device, gen, n, head_dim, causal, timer, n in ablation_seq_lens, tokens, hidden,
+                           dtype)
+                free_memory()
+                print(f"  [{BENCHMARK}] backward D={head_dim} causal={causal} N={n}: "
+                      f"{time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def _bwd_point(results: Results, device, gen, n: int, head_dim: int, causal: bool, timer, ablations: bool,
+               tokens: int, hidden: int, dtype) -> None:
+    batch, heads = max(1, tokens // n), hidden // head_dim
+    shape = (batch, heads, n, head_dim)
+    q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype, generator=gen) for _ in range(4))
+    flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal, backward=True)
+    tflops = lambda ms: flops / (ms * 1e-3) / 1e12 if ms else None  # noqa: E731
+    params = _params(batch, heads, n, head_dim, causal, dtype_name(dtype), **{"pass": "bwd"})
+    config = bwd_default_config(head_dim, causal)
+    with torch.no_grad():
+        out, lse = flash_attention_hopper(q, k, v, causal=causal, return_lse=True)
+    ours = lambda cfg: lambda: flash_attention_hopper_backward(dout, q, k, v, out, lse, causal=causal,  # noqa: E731
+                                                               config=cfg)
+    ours_grads = ours(config)()
+    ours_ms = timer(ours(config))
+    # Each peer's backward callable is built inside `attempt`: SDPA's forward itself may refuse.
+    peers = {name: (lambda name=name: _autograd_backward(_sdpa(name, causal), q, k, v, dout))
+             for name in ("sdpa_flash", "sdpa_cudnn")}
+    peers["fa2"] = lambda: (lambda: flash_attention_backward(dout, q, k, v, out, lse, causal=causal))
+    peer_grads, peer_tflops = {}, {}
+    for name, make in peers.items():
+        res, status = attempt(lambda: _grads_and_ms(make(), timer), allow_errors=True)
+        peer_ms = res[1] if res else None
+        if res:
+            peer_grads[name] = res[0]
+        peer_tflops[name] = tflops(peer_ms)
+        row_note = f"ours: {config.describe()}" + (f"; {status}" if status else "")
+        results.add(BENCHMARK, params, "time_ms", ours_ms, name, peer_ms, note=row_note)
+        results.add(BENCHMARK, params, "TFLOPs", tflops(ours_ms), name, tflops(peer_ms), note=row_note)
+    ref = peer_grads.get("sdpa_cudnn") or peer_grads.get("sdpa_flash")
+    if ref is not None:
+        results.add(BENCHMARK, params, "rel_err", _grads_err(ours_grads, ref), "fa2",
+                    _grads_err(peer_grads["fa2"], ref) if "fa2" in peer_grads else None,
+                    note="max over dQ, dK, dV of ‖ours − ref‖/‖ref‖; ref: "
+                         + ("sdpa_cudnn" if "sdpa_cudnn" in peer_grads else "sdpa_flash"))
+    print(f"  [{BENCHMARK}] backward D={head_dim} causal={causal} N={n}: hopper {tflops(ours_ms):.0f}, "
+          + ", ".join(f"{k_} {v_ or 0:.0f}" for k_, v_ in peer_tflops.items()) + " TFLOP/s", flush=True)
+    if not ablations:
+        return
+    for switch in BWD_ABLATIONS:
+        variant = bwd_ablated(config, switch)
+        if variant.dq == "separate" and switch in ("tma_reduce", "fuse_preprocess"):
+            continue  # these act on the atomic dQ only (the "dq" row flips a separate default to atomic)
+        res, status = attempt(lambda: timer(ours(variant)), allow_errors=True)
+        row_note = f"ours: {config.describe()}; peer: {variant.describe()}" + (f"; {status}" if status else "")
+        results.add(BENCHMARK, {**params, "ablation": switch}, "TFLOPs", tflops(ours_ms), switch, tflops(res),
+                    note=row_note)
+        print(f"  [{BENCHMARK}]   backward ablation {switch}: {tflops(res) or 0:.0f} TFLOP/s"
+              + (f" ({status})" if status else ""), flush=True)
+
+
 def outlier_inputs(shape, device, gen) -> torch.Tensor:
     """N(0, 1) with a fraction `OUTLIER_FRACTION` of the entries N(0, `OUTLIER_STD`²) instead."""
     x = torch.randn(shape, device=device, generator=gen)
@@ -263,6 +387,8 @@ def summary(results: Results | dict) -> str:
     ablation_lines, error_lines = [], []
     for r in select(data, BENCHMARK, "TFLOPs"):
         p = r["params"]
+        if p.get("pass") == "bwd":
+            continue  # `backward_summary`
         key = (p["head_dim"], p["causal"], p["seq_len"])
         if "ablation" in p:
             ratio = "—" if r.get("ratio") is None else f"{r['ratio']:.2f}"
@@ -280,6 +406,8 @@ def summary(results: Results | dict) -> str:
             row["frac"] = r["fraction_of_ceiling"]
     for r in select(data, BENCHMARK, "rel_err"):
         p = r["params"]
+        if p.get("pass") == "bwd":
+            continue
         error_lines.append(f"{p['head_dim']:>4} {str(p['causal']):>6} {p['dtype']:>9} {p.get('inputs', ''):>9} "
                            f"{'V/' + p['v_scale'] if 'v_scale' in p else '':>8} "
                            f"{r['ours']:.2e} ({r['peer']} "
@@ -306,6 +434,57 @@ def summary(results: Results | dict) -> str:
         lines += ablation_lines
     if error_lines:
         lines += ["", "rel. error vs fp32 (D causal dtype inputs V-scale: ours (peer))"] + error_lines
+    forward = "\n".join(lines) if t or ablation_lines or error_lines else ""
+    backward = backward_summary(data)
+    return "\n\n".join(part for part in (forward, "backward\n" + backward if backward else "") if part)
+
+
+def backward_summary(data: dict) -> str:
+    """The backward rows: per point Hopper, cuDNN, flash and FA2 TFLOP/s, the ratios and the
+    gradient error; then the ablations. Empty when there are none."""
+    from minillm.results import rows as select
+
+    t: dict[tuple, dict] = {}
+    ablation_lines = []
+    for r in select(data, BENCHMARK, "TFLOPs"):
+        p = r["params"]
+        if p.get("pass") != "bwd":
+            continue
+        key = (p["head_dim"], p["causal"], p["seq_len"])
+        if "ablation" in p:
+            peer = "—" if r["peer_value"] is None else f"{r['peer_value']:.0f}"
+            gain = f"{r['ours'] / r['peer_value']:.2f}" if r["peer_value"] else "—"
+            ablation_lines.append(f"{p['head_dim']:>4} {str(p['causal']):>6} {p['seq_len']:>6} {p['ablation']:>16} "
+                                  f"{r['ours']:>6.0f} {peer:>7} {gain:>6}")
+            continue
+        row = t.setdefault(key, {})
+        row["ours"] = r["ours"]
+        row[r["peer"]] = r["peer_value"]
+    for r in select(data, BENCHMARK, "rel_err"):
+        p = r["params"]
+        if p.get("pass") == "bwd":
+            t.setdefault((p["head_dim"], p["causal"], p["seq_len"]), {})["err"] = r["ours"]
+    if not t and not ablation_lines:
+        return ""
+
+    def f(x):
+        return "—" if x is None else f"{x:.0f}"
+
+    def ratio(a, b):
+        return f"{a / b:.2f}" if a and b else "—"
+
+    lines = [f"{'D':>4} {'causal':>6} {'N':>6} {'hopper':>6} {'cudnn':>6} {'flash':>6} {'fa2':>6} {'/cudnn':>6} "
+             f"{'/fa2':>5} {'rel err':>8}"]
+    for key in sorted(t, key=lambda k: (-k[0], k[1], k[2])):
+        row = t[key]
+        o = row.get("ours")
+        err = row.get("err")
+        lines.append(f"{key[0]:>4} {str(key[1]):>6} {key[2]:>6} {f(o):>6} {f(row.get('sdpa_cudnn')):>6} "
+                     f"{f(row.get('sdpa_flash')):>6} {f(row.get('fa2')):>6} {ratio(o, row.get('sdpa_cudnn')):>6} "
+                     f"{ratio(o, row.get('fa2')):>5} {'—' if err is None else format(err, '.1e'):>8}")
+    if ablation_lines:
+        lines += ["", f"{'D':>4} {'causal':>6} {'N':>6} {'switch flipped':>16} {'ours':>6} {'flipped':>7} {'gain':>6}"]
+        lines += ablation_lines
     return "\n".join(lines)
 
 
@@ -454,7 +633,59 @@ def sweep(n: int = 4096, head_dims=HEAD_DIMS, causals=CAUSAL, fp8: bool = True) 
             free_memory()
 
 
+#: Backward candidates of `bwd_sweep` per head dim (the H100 sweeps that chose
+#: `BWD_DEFAULT_CONFIGS`): dK/dV tiles with dQ by atomics or by the separate pass, and the
+#: separate pass's own tiles. `bwd_sweep` adds the default with each switch flipped.
+_SEPARATE = dict(dq="separate", dq_num_stages=3)
+BWD_SWEEP = {
+    128: [HopperBwdConfig(64, 128, 8, 3), HopperBwdConfig(64, 128, 8, 2), HopperBwdConfig(32, 128, 8, 2),
+          HopperBwdConfig(64, 128, 8, 3, **_SEPARATE), HopperBwdConfig(32, 128, 8, 3, **_SEPARATE),
+          HopperBwdConfig(64, 128, 8, 2, **_SEPARATE), dataclasses.replace(HopperBwdConfig(64, 128, 8, 3, **_SEPARATE),
+                                                                       dq_num_stages=4),
+          HopperBwdConfig(64, 128, 8, 3, dq="separate", dq_block_m=64, dq_block_n=128, dq_num_warps=4)],
+    64: [HopperBwdConfig(64, 128, 8, 3), HopperBwdConfig(64, 128, 8, 3, tma_reduce=False),
+         HopperBwdConfig(64, 128, 8, 2, tma_reduce=False), HopperBwdConfig(128, 128, 8, 3),
+         HopperBwdConfig(128, 128, 8, 2, tma_reduce=False), HopperBwdConfig(64, 128, 8, 3, **_SEPARATE),
+         HopperBwdConfig(128, 128, 8, 3, **_SEPARATE), HopperBwdConfig(64, 128, 8, 3, dq="separate", dq_block_n=128)],
+}
+
+
+def bwd_sweep(seq_lens=(4096, 16384)) -> None:
+    """Time every `BWD_SWEEP` config and each default with one switch flipped (prints only)."""
+    from bench.common import time_ms
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device)
+    gen.manual_seed(0)
+    timer = lambda fn: time_ms(fn, warmup=WARMUP_MS, rep=REP_MS)  # noqa: E731
+    for head_dim in HEAD_DIMS:
+        for causal in CAUSAL:
+            for n in seq_lens:
+                batch, heads = max(1, TOKENS // n), HIDDEN // head_dim
+                q, k, v, dout = (torch.randn((batch, heads, n, head_dim), device=device, dtype=torch.bfloat16,
+                                             generator=gen) for _ in range(4))
+                flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal, backward=True)
+                out, lse = flash_attention_hopper(q, k, v, causal=causal, return_lse=True)
+                cudnn = _autograd_backward(_sdpa("sdpa_cudnn", causal), q, k, v, dout)
+                ref = cudnn()
+                print(f"D={head_dim} causal={causal} N={n}: cudnn {flops / timer(cudnn) / 1e9:.0f} TFLOP/s",
+                      flush=True)
+                default = bwd_default_config(head_dim, causal)
+                configs = BWD_SWEEP[head_dim] + [bwd_ablated(default, s) for s in BWD_ABLATIONS]
+                for cfg in dict.fromkeys(configs):
+                    fn = lambda: flash_attention_hopper_backward(dout, q, k, v, out, lse,  # noqa: E731
+                                                                 causal=causal, config=cfg)
+                    res, status = attempt(lambda: _grads_and_ms(fn, timer), allow_errors=True)
+                    msg = (f"{flops / res[1] / 1e9:6.0f} TFLOP/s  err {_grads_err(res[0], ref):.1e}" if res
+                           else f"failed: {status[:200]}")
+                    print(f"   {cfg.describe():110s} {msg}", flush=True)
+                free_memory()
+
+
 if __name__ == "__main__":
+    if "--bwd-sweep" in sys.argv:
+        bwd_sweep()
+        raise SystemExit(0)
     if "--candidates" in sys.argv:
         candidate_sweep()
         raise SystemExit(0)

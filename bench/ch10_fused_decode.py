@@ -395,7 +395,8 @@ def labelled(model):
         class Labelled:  # the fused kernels, each in its range
             pass
         lk = Labelled()
-        for attr, label in (("add_rmsnorm", "norms"), ("rope_write_kv", "rotary"), ("silu_mul", "elementwise")):
+        for attr, label in (("add_rmsnorm", "norms"), ("rope_write_kv", "rotary"), ("silu_mul", "elementwise"),
+                            ("add_rmsnorm_gemv", "gemm"), ("silu_mul_gemv", "gemm"), ("decode_gemv", "gemm")):
             setattr(lk, attr, getattr(kern, attr))
             wrap(lk, attr, label)
         fused.k = lk

@@ -36,7 +36,8 @@ paged peers read the same tokens from a pool of blocks of 16 in shuffled order
 Rows (``params``: kind, batch, context, q_heads, kv_heads, head_dim, dtype, page_bytes, block_size):
 
 ======================  =====================================================================
-``time_ms``             median ``triton.testing.do_bench`` time (cold L2), one row per peer
+``time_ms``             median over 3 interleaved rounds (`bench.common.interleaved_times`) of the
+                        median ``triton.testing.do_bench`` time (cold L2), one row per peer
 ``TFLOPs``              prefill: `minillm.costs.attention_head_flops` · q_heads · B / time
 ``bandwidth_TBps``      decode: `minillm.costs.decode_attention_bytes` / time, fraction of copy
 ``rel_err``             ours against ``paged_flash_decoding`` / ``paged_prefill`` (fp32 norms)
@@ -95,7 +96,7 @@ from minillm.kernels.ch07_flash_decoding import flash_decode_attention
 
 from bench.common import (
     Results, attempt, cuda_device, dtype_name, fraction, free_memory, paged_cache, rel_err, sequence_kv, sweep_start,
-    time_sdpa,
+    interleaved_times, time_sdpa,
 )
 
 BENCHMARK = "ch11_virtual_memory"
@@ -306,10 +307,7 @@ def _decode(results, params, device, gen, batch, context, q_heads, kv_heads, hea
         "torch_memory": lambda: flash_decode_attention(q, kt_pool, vt_pool, one_block, lens, max_seq_len=context,
                                                        out=outs["t"], lse=lse),
     }
-    ms = {}
-    for name, fn in calls.items():
-        fn()
-        ms[name] = timer(fn)
+    ms = interleaved_times(calls, timer)
     sdpa_ms, _ = attempt(lambda: time_sdpa(q, k_virt[:, :context].transpose(1, 2), v_virt[:, :context].transpose(1, 2),
                                            None, timer)[0], allow_errors=True)
     ms["sdpa_virtual"] = sdpa_ms
@@ -346,10 +344,7 @@ def _prefill(results, params, device, gen, batch, context, q_heads, head_dim, dt
                                                          causal=True, out=out_p),
         "torch_memory": lambda: flash_attention(q4, *kt, causal=True, out=out_t),
     }
-    ms = {}
-    for name, fn in calls.items():
-        fn()
-        ms[name] = timer(fn)
+    ms = interleaved_times(calls, timer)
     flops = attention_head_flops(context, context, head_dim, causal=True) * q_heads * batch
     tflops = lambda t: flops / (t * 1e-3) / 1e12 if t else None  # noqa: E731
     for peer in ("paged_prefill", "torch_memory"):

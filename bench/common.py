@@ -16,6 +16,7 @@ import json
 import math
 import os
 import platform
+import statistics
 from pathlib import Path
 from typing import Any, Callable
 
@@ -86,6 +87,20 @@ def time_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
         return float(q[0] if isinstance(q, (list, tuple)) else q)
 
 
+def interleaved_times(calls: dict[str, Callable[[], Any]], timer: Callable[[Callable[[], Any]], float],
+                      rounds: int = 3) -> dict[str, float]:
+    """``{name: ms}``, the median over ``rounds`` rounds of ``timer(fn)``, the calls taking
+    turns within each round. Two kernels a few percent apart are then compared under the same
+    drift of clocks and temperature, instead of one measured minutes after the other."""
+    for fn in calls.values():  # compile and warm up every call first
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            times[name].append(timer(fn))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 #: Calls captured per CUDA graph by `graph_time_ms` (its timings are per call).
 GRAPH_REPEATS = 20
 
@@ -106,32 +121,13 @@ def graph_time_ms(fn, repeats: int = GRAPH_REPEATS, timer: Callable[[Callable[[]
     flush, and a flush would not reach inside the graph anyway). Each callable is called
     once on a side stream first (compilation, tuning, allocation happen outside the capture,
     as capture requires)."""
-    import torch
+    from minillm.kernels.base import capture_calls, graph_ms_per_call
 
     fns = list(fn) if isinstance(fn, (list, tuple)) else [fn]
     calls = -(-repeats // len(fns)) * len(fns)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    if timer is not None:
-        return timer(graph.replay) / calls
-    graph.replay()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2] / calls
+    if timer is None:
+        return graph_ms_per_call(fns, calls)
+    return timer(capture_calls(fns, calls).replay) / calls
 
 
 def cpu_time_ms(fn: Callable[[], Any], warmup: int = 2, min_reps: int = 5, min_time_s: float = 0.25,

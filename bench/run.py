@@ -38,6 +38,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("ch08_flat_gemm", "bench.ch08_flat_gemm"),
     ("ch09_engine", "bench.ch09_engine"),
     ("ch10_fused_decode", "bench.ch10_fused_decode"),
+    ("ch10_host_overhead", "bench.ch10_host_overhead"),   # host time only: runs on any machine
     ("ch11_virtual_memory", "bench.ch11_virtual_memory"),   # needs cuda-bindings
     ("ch12_mla", "bench.ch12_mla"),
     ("ch13_tensor_parallel", "bench.ch13_tensor_parallel"),   # needs 2 GPUs; records nothing with one

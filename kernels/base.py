@@ -32,7 +32,8 @@ import triton  # noqa: E402  (after the switch above)
 import triton.language as tl  # noqa: E402
 
 __all__ = ["triton", "tl", "interpreting", "launch", "LOG2E", "LN2", "LOG2E_C", "LN2_C", "CPU_NUM_SMS", "block_d",
-           "dot_precision", "scale_and_window", "num_sms", "head_dim_offsets", "online_softmax_update"]
+           "dot_precision", "scale_and_window", "num_sms", "head_dim_offsets", "online_softmax_update",
+           "capture_calls", "graph_ms_per_call"]
 
 
 def interpreting() -> bool:
@@ -106,6 +107,39 @@ def _num_sms(device: torch.device) -> int:
 # ----------------------------------------------------------------------------------------
 # Helpers inside the kernels
 # ----------------------------------------------------------------------------------------
+def capture_calls(fns: list, calls: int) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``calls`` calls of the callables ``fns`` in turn (call ``i`` is
+    ``fns[i % len(fns)]``). Each is called once on a side stream first, so that compilation,
+    tuning and allocations happen outside the capture, as capture requires."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    return graph
+
+
+def graph_ms_per_call(fns: list, calls: int, replays: int = 10) -> float:
+    """Milliseconds per call of ``fns`` captured ``calls`` times in one graph (`capture_calls`):
+    the median of ``replays`` replays timed with CUDA events, after one warm-up replay."""
+    graph = capture_calls(fns, calls)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2] / calls
+
+
 @triton.jit
 def head_dim_offsets(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Column offsets for the addresses of a ``[rows, BLOCK_D]`` tile, and ``d_ok: [1, BLOCK_D]``,

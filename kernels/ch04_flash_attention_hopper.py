@@ -1,4 +1,4 @@
-"""Chapter 4, on Hopper: the FlashAttention forward with FlashAttention-3's ideas, in Triton.
+"""Chapter 4, on Hopper: FlashAttention with FlashAttention-3's ideas, in Triton.
 
 FlashAttention-2 (`minillm.kernels.ch04_flash_attention`) was designed for the A100. On an H100
 the same algorithm leaves a third of the tensor cores idle, because Hopper adds hardware that
@@ -57,7 +57,12 @@ no meaning to the interpreter, so it computes the same function either way).
 
 Layout: ``q: [batch, q_heads, q_len, head_dim]``, ``k, v: [batch, kv_heads, kv_len, head_dim]``
 (GQA: ``q_heads % kv_heads == 0``); causal masks are bottom-right aligned, as in the rest of
-the chapter. Forward only (no autograd; the training path stays FA2's).
+the chapter.
+
+The backward (`flash_attention_hopper_backward`, the last section of this module) applies
+the same ideas to FA2's dK/dV and dQ kernels, with its own switches (`HopperBwdConfig`);
+`attention_backward` takes it on sm_90 only and FA2's backward elsewhere. There is no
+autograd wrapper: the training path (`flash_attention`) stays FA2's.
 """
 from __future__ import annotations
 
@@ -67,7 +72,7 @@ from dataclasses import dataclass, replace
 import torch
 from minillm.kernels.base import (  # shared by every chapter's attention kernels
     tl, triton,
-    LN2_C, LOG2E, block_d, dot_precision, head_dim_offsets, interpreting, num_sms, online_softmax_update,
+    LN2_C, LOG2E, LOG2E_C, block_d, dot_precision, head_dim_offsets, interpreting, num_sms, online_softmax_update,
     scale_and_window,
 )
 from minillm.kernels.ch04_flash_attention import kv_segments, visible_mask
@@ -664,3 +669,544 @@ def prepare_fp8(q, k, v, config: HopperConfig, rotate: bool = False, rotation_se
     v_rows = config.block_n if config.v_scale == "block" else triton.cdiv(v.shape[2], config.block_n) * config.block_n
     v8t, v_scale = quantize_blocks(v, max(v_rows, config.block_n), transpose=True)
     return q8, k8, v8t, (q_scale, k_scale, v_scale)
+
+
+# ========================================================================================
+# The backward on Hopper
+#
+# The same gradients as FA2's backward (`minillm.kernels.ch04_flash_attention`, where they
+# are derived): with P rebuilt from the saved logsumexp L and ``D = rowsum(dO ∘ O)``,
+#
+#     dV = Pᵀ dO,   dP = dO Vᵀ,   dS = P ∘ (dP − D),   dK = scale · dSᵀ Q,   dQ = scale · dS K.
+#
+# One program per K/V block (``block_n`` keys of one KV head) keeps K, V and the dK, dV
+# accumulators on chip and streams the Q/dO blocks that see them (all the query heads of a
+# GQA group). What changes on Hopper, each a switch of `HopperBwdConfig`:
+#
+# 1. **TMA** (``tma``): Q, dO (and K, V once) arrive through host-made 4-d descriptors, as in
+#    the forward; rows past a head's end read as zeros. Off: masked pointer loads.
+# 2. **Where dQ is summed** (``dq``). ``"atomic"`` (FA2's CUDA code, FA3): the dK/dV program
+#    already holds dS, so it also computes ``dS K`` for the Q block (five matmuls per tile
+#    pair) and adds it into an fp32 ``[batch, q_heads, q_len, head_dim]`` buffer, which a
+#    last pass scales and converts. ``"separate"`` (our FA2): a second kernel, one program
+#    per Q block, recomputes S and dP (seven matmuls per pair) and keeps dQ in registers:
+#    deterministic, no fp32 buffer, but 40 % more tensor-core work.
+# 3. **TMA reduction** (``tma_reduce``, with ``"atomic"``): the dQ tile goes to global memory
+#    as *one* bulk ``cp.reduce.async.bulk.tensor`` (the TMA adds it in L2) rather than one
+#    ``atomicAdd`` per element issued by the threads. (Triton's interpreter has no TMA
+#    reduction: there the element-wise atomics run.)
+# 4. **The preprocess** (``fuse_preprocess``): the kernel that computes D also zeroes the
+#    rows of the fp32 dQ buffer it visits: one pass over those rows instead of a separate
+#    memset.
+# 5. **Causal load balance** (``longest_first``): causal K/V blocks near the start see the
+#    most queries. The programs are numbered so that, within a head, the longest start
+#    first and the short ones fill the gaps at the end (off: the shortest first).
+# 6. **Warp specialization** (``warp_specialize``): the loop over unmasked Q blocks marked
+#    ``warp_specialize=True`` (producer warps issue the loads).
+# 7. **Which way the tiles face** (``qk_tiles``). FA2's kernel computes ``Sᵀ = K Qᵀ`` (keys x
+#    queries), so that Pᵀ and dSᵀ come out as the *first* operands of ``dV += Pᵀ dO`` and
+#    ``dK += dSᵀ Q``; K and V are then first operands too, which Hopper's ``wgmma`` may take
+#    from registers (64 registers per thread at head dim 128 with 8 warps, on top of the
+#    dK and dV accumulators' 128). With ``S = Q Kᵀ`` (queries x keys) K and V are only ever
+#    *second* operands, which ``wgmma`` reads from shared memory, and P, dS are transposed
+#    through shared memory instead (as FA3 does). Measured on an H100, the transposes cost
+#    Triton more registers than they free (190-250 spilled values per thread instead of
+#    54-64) and half the speed at head dim 128: the switch stays off.
+#
+# Correctness is checked against `minillm.reference.ch04_flash_attention.fa2_backward`
+# (float64 NumPy) in `tests/test_ch04_flash_attention_hopper_kernels.py`.
+# ========================================================================================
+@triton.jit
+def q_segments(start_n, q_len, kv_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """The Q blocks that see keys ``[start_n, start_n + BLOCK_N)``, split like `kv_segments`:
+    ``lo <= full_lo <= full_hi <= hi`` with blocks in ``[lo, full_lo)`` and ``[full_hi, hi)``
+    masked (the diagonal, and the ragged last block) and ``[full_lo, full_hi)`` not.
+
+    Causal (bottom-right aligned: row ``i`` sits at position ``i + kv_len − q_len``): rows from
+    ``start_n − off`` on see some key of the block, rows from ``start_n + BLOCK_N − 1 − off``
+    on see all of them. Clamped to >= 0 before dividing (compiled ``//`` truncates, the
+    interpreter's floors)."""
+    off = kv_len - q_len
+    if CAUSAL:
+        first = start_n - off
+        all_first = start_n + BLOCK_N - 1 - off
+    else:
+        first = 0
+        all_first = 0
+    lo = tl.maximum(first, 0) // BLOCK_M * BLOCK_M
+    hi = tl.maximum(q_len, lo)
+    full_lo = tl.minimum((tl.maximum(all_first, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, hi)
+    full_hi = tl.minimum(tl.maximum(q_len // BLOCK_M * BLOCK_M, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _row_stats(LSE_head, Delta_head, offs_m, q_len, stride_lm, stride_dm, MASKED: tl.constexpr):
+    """``(L · log2 e, D)`` of rows ``offs_m`` (rows past ``q_len``: 0, 0)."""
+    rows = offs_m.to(tl.int64)
+    if MASKED:
+        in_m = offs_m < q_len
+        lse = tl.load(LSE_head + rows * stride_lm, mask=in_m, other=0.0)
+        delta = tl.load(Delta_head + rows * stride_dm, mask=in_m, other=0.0)
+    else:
+        lse = tl.load(LSE_head + rows * stride_lm)
+        delta = tl.load(Delta_head + rows * stride_dm)
+    return lse * LOG2E_C, delta
+
+
+@triton.jit
+def _add_dq(dq, desc_dq, DQ_head, offs_m, offs_d, d_ok, q_len, stride_dqm, b, h, start_m,
+            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TMA_REDUCE: tl.constexpr):
+    """Add one ``[BLOCK_M, BLOCK_D]`` fp32 dQ tile into the accumulation buffer: one TMA bulk
+    reduction (rows past the head's end dropped by the descriptor), or element-wise atomics."""
+    if TMA_REDUCE:
+        desc_dq.atomic_add([b, h, start_m, 0], dq.reshape(1, 1, BLOCK_M, BLOCK_D))
+    else:
+        rows = offs_m.to(tl.int64)[:, None]
+        tl.atomic_add(DQ_head + rows * stride_dqm + offs_d[None, :], dq, mask=(offs_m < q_len)[:, None] & d_ok,
+                      sem="relaxed")
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, desc_q, desc_do, desc_dq, Q_head, DO_head, DQ_head, LSE_head, Delta_head,
+               stride_qm, stride_dom, stride_dqm, stride_lm, stride_dm,
+               offs_n, offs_m, offs_d, d_ok, b, h, start_m, q_len, kv_len, qk_scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+               DQ_ATOMIC: tl.constexpr, TMA_REDUCE: tl.constexpr, QK_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """One (Q block, K/V block) pair: ``dV += Pᵀ dO``, ``dK += dSᵀ Q`` (unscaled) and, with
+    ``DQ_ATOMIC``, ``dQ += dS K`` added into the fp32 buffer. ``QK_TILES``: S, P, dP, dS are
+    ``[BLOCK_M, BLOCK_N]`` (queries x keys) and Pᵀ, dSᵀ are transposed for their matmuls;
+    else they are computed transposed (keys x queries), as in FA2's kernel."""
+    q = _load_rows(desc_q, Q_head, offs_m, offs_d, d_ok, q_len, stride_qm, b, h, start_m, BLOCK_M, BLOCK_D, TMA)
+    do = _load_rows(desc_do, DO_head, offs_m, offs_d, d_ok, q_len, stride_dom, b, h, start_m, BLOCK_M, BLOCK_D,
+                    TMA)
+    lse2, delta = _row_stats(LSE_head, Delta_head, offs_m, q_len, stride_lm, stride_dm, MASKED)
+    if QK_TILES:  # queries x keys: K and V only ever the second operand (shared memory)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
+        if MASKED:  # a row that sees no key has L = -inf and 2^(+inf) = inf here: the mask replaces it
+            p = tl.where(visible_mask(offs_m[:, None], offs_n[None, :], q_len, kv_len, 0, CAUSAL, False), p, 0.0)
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = (p * (dp - delta[:, None])).to(q.dtype)
+        dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PRECISION)
+    else:  # keys x queries: Pᵀ and dSᵀ come out as the first operands of dV's and dK's matmuls
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        pT = tl.math.exp2(sT * qk_scale - lse2[None, :])
+        if MASKED:
+            pT = tl.where(visible_mask(offs_m[None, :], offs_n[:, None], q_len, kv_len, 0, CAUSAL, False), pT, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
+        ds = tl.trans(dsT)
+    if DQ_ATOMIC:
+        dq = tl.dot(ds, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_D], unscaled
+        _add_dq(dq, desc_dq, DQ_head, offs_m, offs_d, d_ok, q_len, stride_dqm, b, h, start_m, BLOCK_M, BLOCK_D,
+                TMA_REDUCE)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_steps(dk, dv, k, v, desc_q, desc_do, desc_dq, Q, DO, DQ, LSE, Delta,
+                stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+                stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, stride_lm, stride_db, stride_dh, stride_dm,
+                offs_n, offs_m0, offs_d, d_ok, b, first_head, group, lo, hi, q_len, kv_len, qk_scale,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+                DQ_ATOMIC: tl.constexpr, TMA_REDUCE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                QK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Q blocks ``[lo, hi)`` of each of the ``group`` query heads that read this KV head, in
+    one flat loop over (head, Q block) pairs (nested loops keep more values alive and spill)."""
+    n_blocks = tl.cdiv(hi - lo, BLOCK_M)
+    per_head = tl.maximum(n_blocks, 1)  # a pipelined loop computes addresses before its trip test
+    b64 = b.to(tl.int64)
+    for it in tl.range(0, group * n_blocks, warp_specialize=WARP_SPECIALIZE):
+        h = first_head + it // per_head
+        start_m = lo + (it % per_head) * BLOCK_M
+        h64 = h.to(tl.int64)
+        dk, dv = _dkdv_step(
+            dk, dv, k, v, desc_q, desc_do, desc_dq,
+            Q + b64 * stride_qb + h64 * stride_qh, DO + b64 * stride_dob + h64 * stride_doh,
+            DQ + b64 * stride_dqb + h64 * stride_dqh, LSE + b64 * stride_lb + h64 * stride_lh,
+            Delta + b64 * stride_db + h64 * stride_dh, stride_qm, stride_dom, stride_dqm, stride_lm, stride_dm,
+            offs_n, start_m + offs_m0, offs_d, d_ok, b, h, start_m, q_len, kv_len, qk_scale,
+            MASKED, CAUSAL, DOT_PRECISION, TMA, DQ_ATOMIC, TMA_REDUCE, QK_TILES, BLOCK_M, BLOCK_D)
+    return dk, dv
+
+
+@triton.jit
+def _hopper_dkdv_kernel(
+    Q, K, V, DO, LSE, Delta, DK, DV, DQ, desc_q, desc_k, desc_v, desc_do, desc_dq,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_lb, stride_lh, stride_lm,
+    stride_db, stride_dh, stride_dm,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_dqb, stride_dqh, stride_dqm,
+    kv_heads, group, q_len, kv_len, n_n_blocks, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, TMA_REDUCE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr, QK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Program ``t`` (of ``n_n_blocks · batch · kv_heads``): dK, dV of one K/V block, summed
+    over the group's query heads (and, with ``DQ_ATOMIC``, its share of dQ added into ``DQ``,
+    an fp32 buffer). Heads outermost, as in the forward; within a head, causal blocks go
+    from the longest (the first keys, seen by every later query) unless ``LONGEST_FIRST`` is
+    off."""
+    tile = tl.program_id(0)
+    bh = tile // n_n_blocks
+    n_block = tile % n_n_blocks
+    if CAUSAL and not LONGEST_FIRST:
+        n_block = n_n_blocks - 1 - n_block
+    b = bh // kv_heads
+    kv_h = bh % kv_heads
+    start_n = n_block * BLOCK_N
+    b64, kv_h64 = b.to(tl.int64), kv_h.to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d, d_ok = head_dim_offsets(HEAD_DIM, BLOCK_D)
+    k = _load_rows(desc_k, K + b64 * stride_kb + kv_h64 * stride_kh, offs_n, offs_d, d_ok, kv_len, stride_kn,
+                   b, kv_h, start_n, BLOCK_N, BLOCK_D, TMA)
+    v = _load_rows(desc_v, V + b64 * stride_vb + kv_h64 * stride_vh, offs_n, offs_d, d_ok, kv_len, stride_vn,
+                   b, kv_h, start_n, BLOCK_N, BLOCK_D, TMA)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = q_segments(start_n, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
+    first_head = kv_h * group
+    dk, dv = _dkdv_steps(dk, dv, k, v, desc_q, desc_do, desc_dq, Q, DO, DQ, LSE, Delta,
+                         stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, stride_lm,
+                         stride_db, stride_dh, stride_dm, offs_n, offs_m0, offs_d, d_ok, b, first_head, group,
+                         lo, full_lo, q_len, kv_len, qk_scale, True, CAUSAL, DOT_PRECISION, TMA, DQ_ATOMIC,
+                         TMA_REDUCE, False, QK_TILES, BLOCK_M, BLOCK_D)
+    dk, dv = _dkdv_steps(dk, dv, k, v, desc_q, desc_do, desc_dq, Q, DO, DQ, LSE, Delta,
+                         stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, stride_lm,
+                         stride_db, stride_dh, stride_dm, offs_n, offs_m0, offs_d, d_ok, b, first_head, group,
+                         full_lo, full_hi, q_len, kv_len, qk_scale, False, CAUSAL, DOT_PRECISION, TMA, DQ_ATOMIC,
+                         TMA_REDUCE, WARP_SPECIALIZE, QK_TILES, BLOCK_M, BLOCK_D)
+    dk, dv = _dkdv_steps(dk, dv, k, v, desc_q, desc_do, desc_dq, Q, DO, DQ, LSE, Delta,
+                         stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, stride_lm,
+                         stride_db, stride_dh, stride_dm, offs_n, offs_m0, offs_d, d_ok, b, first_head, group,
+                         full_hi, hi, q_len, kv_len, qk_scale, True, CAUSAL, DOT_PRECISION, TMA, DQ_ATOMIC,
+                         TMA_REDUCE, False, QK_TILES, BLOCK_M, BLOCK_D)
+
+    # Keys that no query sees get dK = dV = 0, still stored; rows past kv_len are dropped.
+    rows = offs_n.to(tl.int64)[:, None]
+    kv_ok = (offs_n < kv_len)[:, None] & d_ok
+    tl.store(DK + b64 * stride_dkb + kv_h64 * stride_dkh + rows * stride_dkn + offs_d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=kv_ok)
+    tl.store(DV + b64 * stride_dvb + kv_h64 * stride_dvh + rows * stride_dvn + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_ok)
+
+
+@triton.jit
+def _dq_steps(dq, q, do, lse2, delta, desc_k, desc_v, K_head, V_head, stride_kn, stride_vn,
+              offs_m, offs_n0, offs_d, d_ok, b, kv_h, lo, hi, q_len, kv_len, qk_scale,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Key blocks ``[lo, hi)`` past one Q block: ``dQ += dS K`` (S and dP recomputed)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k = _load_rows(desc_k, K_head, offs_n, offs_d, d_ok, kv_len, stride_kn, b, kv_h, start_n, BLOCK_N, BLOCK_D,
+                       TMA)
+        v = _load_rows(desc_v, V_head, offs_n, offs_d, d_ok, kv_len, stride_vn, b, kv_h, start_n, BLOCK_N, BLOCK_D,
+                       TMA)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
+        if MASKED:
+            p = tl.where(visible_mask(offs_m[:, None], offs_n[None, :], q_len, kv_len, 0, CAUSAL, False), p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _hopper_dq_kernel(
+    Q, K, V, DO, LSE, Delta, DQ, desc_q, desc_k, desc_v, desc_do,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_lb, stride_lh, stride_lm,
+    stride_db, stride_dh, stride_dm,
+    stride_dqb, stride_dqh, stride_dqm,
+    q_heads, group, q_len, kv_len, n_m_blocks, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The separate dQ pass: program ``t`` (of ``n_m_blocks · batch · q_heads``) computes dQ of
+    one Q block, visiting the key blocks the forward visited (causal: the longest first)."""
+    tile = tl.program_id(0)
+    bh = tile // n_m_blocks
+    m_block = tile % n_m_blocks
+    if CAUSAL:
+        m_block = n_m_blocks - 1 - m_block
+    b = bh // q_heads
+    h = bh % q_heads
+    kv_h = h // group
+    start_m = m_block * BLOCK_M
+    b64, h64, kv_h64 = b.to(tl.int64), h.to(tl.int64), kv_h.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d, d_ok = head_dim_offsets(HEAD_DIM, BLOCK_D)
+    q = _load_rows(desc_q, Q + b64 * stride_qb + h64 * stride_qh, offs_m, offs_d, d_ok, q_len, stride_qm,
+                   b, h, start_m, BLOCK_M, BLOCK_D, TMA)
+    do = _load_rows(desc_do, DO + b64 * stride_dob + h64 * stride_doh, offs_m, offs_d, d_ok, q_len, stride_dom,
+                    b, h, start_m, BLOCK_M, BLOCK_D, TMA)
+    lse2, delta = _row_stats(LSE + b64 * stride_lb + h64 * stride_lh, Delta + b64 * stride_db + h64 * stride_dh,
+                             offs_m, q_len, stride_lm, stride_dm, True)
+    K_head = K + b64 * stride_kb + kv_h64 * stride_kh
+    V_head = V + b64 * stride_vb + kv_h64 * stride_vh
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    lo, full_lo, full_hi, hi = kv_segments(start_m, q_len, kv_len, 0, BLOCK_M, BLOCK_N, CAUSAL, False)
+    dq = _dq_steps(dq, q, do, lse2, delta, desc_k, desc_v, K_head, V_head, stride_kn, stride_vn, offs_m, offs_n0,
+                   offs_d, d_ok, b, kv_h, lo, full_lo, q_len, kv_len, qk_scale, True, CAUSAL, DOT_PRECISION, TMA,
+                   BLOCK_N, BLOCK_D)
+    dq = _dq_steps(dq, q, do, lse2, delta, desc_k, desc_v, K_head, V_head, stride_kn, stride_vn, offs_m, offs_n0,
+                   offs_d, d_ok, b, kv_h, full_lo, full_hi, q_len, kv_len, qk_scale, False, CAUSAL, DOT_PRECISION,
+                   TMA, BLOCK_N, BLOCK_D)
+    dq = _dq_steps(dq, q, do, lse2, delta, desc_k, desc_v, K_head, V_head, stride_kn, stride_vn, offs_m, offs_n0,
+                   offs_d, d_ok, b, kv_h, full_hi, hi, q_len, kv_len, qk_scale, True, CAUSAL, DOT_PRECISION, TMA,
+                   BLOCK_N, BLOCK_D)
+    rows = offs_m.to(tl.int64)[:, None]
+    tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + rows * stride_dqm + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m < q_len)[:, None] & d_ok)
+
+
+@triton.jit
+def _hopper_bwd_preprocess_kernel(
+    O, DO, Delta, DQAcc,
+    stride_ob, stride_oh, stride_om,
+    stride_dob, stride_doh, stride_dom,
+    stride_db, stride_dh, stride_dm,
+    stride_ab, stride_ah, stride_am,
+    q_heads, q_len,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ZERO_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Program ``(i, b·q_heads + h)``: ``D = rowsum(dO ∘ O)`` of rows ``[i·BLOCK_M, (i+1)·BLOCK_M)``
+    (fp32) and, with ``ZERO_DQ``, zeros in the same rows of the fp32 dQ buffer ``DQAcc``."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b64 = (bh // q_heads).to(tl.int64)
+    h64 = (bh % q_heads).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d, d_ok = head_dim_offsets(HEAD_DIM, BLOCK_D)
+    rows = offs_m.to(tl.int64)[:, None]
+    mask = (offs_m < q_len)[:, None] & d_ok
+    o = tl.load(O + b64 * stride_ob + h64 * stride_oh + rows * stride_om + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b64 * stride_dob + h64 * stride_doh + rows * stride_dom + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + b64 * stride_db + h64 * stride_dh + offs_m.to(tl.int64) * stride_dm, delta, mask=offs_m < q_len)
+    if ZERO_DQ:
+        tl.store(DQAcc + b64 * stride_ab + h64 * stride_ah + rows * stride_am + offs_d[None, :],
+                 tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32), mask=mask)
+
+
+@triton.jit
+def _scale_convert_kernel(X, Y, n, scale, BLOCK: tl.constexpr):
+    """``Y = (scale · X)`` in Y's dtype, elementwise over ``n`` contiguous elements."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    tl.store(Y + offs, (tl.load(X + offs, mask=ok) * scale).to(Y.dtype.element_ty), mask=ok)
+
+
+@dataclass(frozen=True)
+class HopperBwdConfig:
+    """How `flash_attention_hopper_backward` runs (switches explained at the head of the
+    backward section). ``block_m`` Q rows streamed past ``block_n`` keys per dK/dV program,
+    ``num_warps``/``num_stages`` of that kernel; ``dq``: ``"atomic"`` or ``"separate"``;
+    ``dq_block_m`` x ``dq_block_n``, ``dq_num_warps``, ``dq_num_stages``: the separate dQ
+    kernel's tile and launch options."""
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+    tma: bool = True
+    dq: str = "atomic"
+    tma_reduce: bool = True
+    fuse_preprocess: bool = True
+    longest_first: bool = True
+    warp_specialize: bool = False
+    qk_tiles: bool = False
+    dq_block_m: int = 128
+    dq_block_n: int = 64
+    dq_num_warps: int = 8
+    dq_num_stages: int = 3
+
+    def describe(self) -> str:
+        on = [name for name in ("tma", "tma_reduce", "fuse_preprocess", "longest_first", "warp_specialize", "qk_tiles")
+              if getattr(self, name) and (self.dq == "atomic" or name not in ("tma_reduce", "fuse_preprocess"))]
+        dq = ("dQ atomic" if self.dq == "atomic" else
+              f"dQ separate {self.dq_block_m}x{self.dq_block_n}/{self.dq_num_warps}w/{self.dq_num_stages}s")
+        return (f"dK/dV tile {self.block_m}x{self.block_n}, {self.num_warps} warps, {self.num_stages} stages, {dq}"
+                + (f", {'+'.join(on)}" if on else ""))
+
+
+#: Per (padded head dim, causal), chosen on an H100 (bf16, N = 4k and 16k, 16k tokens;
+#: ``python -m bench.ch04_hopper --bwd-sweep``). dK/dV tiles 64 x 128 (FA3's at head dim
+#: 128), 8 warps, 3 stages (2: 1-6 % slower). Head dim
+#: 128 spills registers in every candidate (64 x 128 with atomic dQ: 54 values per thread;
+#: 32 x 128 spills less but streams twice the Q blocks: 2-9 % slower); there the separate dQ
+#: pass wins (3-17 %: the dK/dV kernel without the dQ tile spills 6-32 values, not 54-64).
+#: Head dim 64: 128 x 128 tiles without a mask (6-13 % over 64 x 128), and with a causal mask
+#: atomic dQ by element-wise atomics (there the TMA reduction is 8-9 % slower; it is 3-14 %
+#: faster everywhere else).
+BWD_DEFAULT_CONFIGS = {
+    (64, False): HopperBwdConfig(128, 128, 8, 3, dq="separate"),
+    (64, True): HopperBwdConfig(64, 128, 8, 3, tma_reduce=False),
+    (128, False): HopperBwdConfig(64, 128, 8, 3, dq="separate"),
+    (128, True): HopperBwdConfig(64, 128, 8, 3, dq="separate"),
+}
+#: Under the interpreter: small unequal tiles, dQ by atomics, TMA, the fused preprocess and
+#: warp specialization on (the TMA reduction falls back to element-wise atomics there); the
+#: tests flip every switch from here.
+BWD_INTERPRET_CONFIG = HopperBwdConfig(16, 32, 4, 1, dq_block_m=32, dq_block_n=16, dq_num_warps=4, dq_num_stages=1,
+                                       warp_specialize=True)
+#: The switches the backward's ablation flips (name -> what its two settings are).
+BWD_ABLATIONS = {
+    "tma": "host TMA descriptors / pointer loads with masks",
+    "dq": "dQ added with atomics by the dK/dV kernel / a separate dQ kernel (recomputes S and dP)",
+    "tma_reduce": "dQ tile added by one TMA bulk reduction / per-element atomics",
+    "fuse_preprocess": "the preprocess zeroes the fp32 dQ buffer / a separate memset",
+    "longest_first": "causal K/V blocks longest first / shortest first",
+    "warp_specialize": "producer and consumer warps on the unmasked Q loop / software pipelining only",
+    "qk_tiles": "tiles queries x keys, K and V second operands only / keys x queries, K and V first operands",
+}
+
+
+def bwd_default_config(head_dim: int, causal: bool) -> HopperBwdConfig:
+    """The configuration `flash_attention_hopper_backward` uses by default."""
+    if interpreting():
+        return BWD_INTERPRET_CONFIG
+    return BWD_DEFAULT_CONFIGS[(64 if block_d(head_dim) <= 64 else 128, bool(causal))]
+
+
+def bwd_ablated(config: HopperBwdConfig, switch: str) -> HopperBwdConfig:
+    """``config`` with ``switch`` (a key of `BWD_ABLATIONS`) flipped."""
+    if switch == "dq":
+        return replace(config, dq="separate" if config.dq == "atomic" else "atomic")
+    return replace(config, **{switch: not getattr(config, switch)})
+
+
+def hopper_backward_applies(device) -> bool:
+    """Whether `attention_backward` takes the Hopper kernels: on an sm_90 GPU (H100/H200),
+    and in the interpreter (so that the CPU tests run them); FA2's kernels elsewhere."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return interpreting()
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _bwd_descriptors(q, k, v, dout, dq_acc, config: HopperBwdConfig, bd: int, tma: bool):
+    """``(desc_q, desc_k, desc_v, desc_do, desc_dq)``: 4-d descriptors when ``tma``, else the
+    tensors themselves (unused by the kernel). dQ's is made only for the TMA reduction."""
+    if not tma:
+        return q, k, v, dout, dq_acc
+    desc_dq = dq_acc
+    if config.dq == "atomic" and config.tma_reduce and not interpreting():
+        desc_dq = _descriptor(dq_acc, config.block_m, bd)
+    return (_descriptor(q, config.block_m, bd), _descriptor(k, config.block_n, bd), _descriptor(v, config.block_n, bd),
+            _descriptor(dout, config.block_m, bd), desc_dq)
+
+
+def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _launch_bwd_preprocess(out, dout, delta, dq_acc, zero_dq: bool, head_dim: int) -> None:
+    batch, q_heads, q_len = out.shape[:3]
+    block = 64
+    acc = dq_acc if dq_acc is not None else delta  # unused without zero_dq
+    acc_strides = _strides3(dq_acc) if dq_acc is not None else (0, 0, 0)
+    _hopper_bwd_preprocess_kernel[(triton.cdiv(q_len, block), batch * q_heads)](
+        out, dout, delta, acc, *_strides3(out), *_strides3(dout), *_strides3(delta), *acc_strides, q_heads, q_len,
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), ZERO_DQ=zero_dq, BLOCK_M=block, num_warps=4,
+    )
+
+
+def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale: float, config: HopperBwdConfig) -> None:
+    """Preprocess, dK/dV (with dQ by atomics, then its conversion) or dK/dV then dQ."""
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    bd = block_d(head_dim)
+    atomic = config.dq == "atomic"
+    delta = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    dq_acc = None
+    if atomic:
+        dq_acc = (torch.empty if config.fuse_preprocess else torch.zeros)(q.shape, device=q.device,
+                                                                          dtype=torch.float32)
+    _launch_bwd_preprocess(out, dout, delta, dq_acc, atomic and config.fuse_preprocess, head_dim)
+    tma = config.tma and tma_ok(q, k, v, dout) and (dq_acc is None or tma_ok(dq_acc))
+    desc_q, desc_k, desc_v, desc_do, desc_dq = _bwd_descriptors(q, k, v, dout, dq_acc, config, bd, tma)
+    dq_target = dq_acc if atomic else dq
+    n_n_blocks = triton.cdiv(kv_len, config.block_n)
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=bool(causal), DOT_PRECISION=dot_precision(q.dtype), TMA=tma)
+    _hopper_dkdv_kernel[(n_n_blocks * batch * kv_heads,)](
+        q, k, v, dout, lse, delta, dk, dv, dq_target, desc_q, desc_k, desc_v, desc_do, desc_dq,
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(lse), *_strides3(delta),
+        *_strides3(dk), *_strides3(dv), *_strides3(dq_target),
+        kv_heads, q_heads // kv_heads, q_len, kv_len, n_n_blocks, scale, scale * LOG2E, **meta,
+        DQ_ATOMIC=atomic, TMA_REDUCE=atomic and tma and config.tma_reduce and not interpreting(),
+        WARP_SPECIALIZE=config.warp_specialize, LONGEST_FIRST=config.longest_first, QK_TILES=config.qk_tiles,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if atomic:
+        n = dq.numel()
+        _scale_convert_kernel[(triton.cdiv(n, 4096),)](dq_acc, dq, n, scale, BLOCK=4096, num_warps=8)
+        return
+    if tma:  # the dQ kernel's tiles differ from the dK/dV kernel's
+        desc_q, desc_do = _descriptor(q, config.dq_block_m, bd), _descriptor(dout, config.dq_block_m, bd)
+        desc_k, desc_v = _descriptor(k, config.dq_block_n, bd), _descriptor(v, config.dq_block_n, bd)
+    n_m_blocks = triton.cdiv(q_len, config.dq_block_m)
+    _hopper_dq_kernel[(n_m_blocks * batch * q_heads,)](
+        q, k, v, dout, lse, delta, dq, desc_q, desc_k, desc_v, desc_do,
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(lse), *_strides3(delta),
+        *_strides3(dq), q_heads, q_heads // kv_heads, q_len, kv_len, n_m_blocks, scale, scale * LOG2E, **meta,
+        BLOCK_M=config.dq_block_m, BLOCK_N=config.dq_block_n, num_warps=config.dq_num_warps,
+        num_stages=config.dq_num_stages,
+    )
+
+
+def flash_attention_hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
+                                    scale: float | None = None, config: HopperBwdConfig | None = None
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv)`` of attention with the Hopper backward kernels.
+
+    ``q: [batch, q_heads, q_len, head_dim]``, ``k, v: [batch, kv_heads, kv_len, head_dim]``
+    (fp16/bf16, or fp32 for tests), the options as given to the forward; ``out``, ``lse``
+    (``[batch, q_heads, q_len]`` fp32, natural log) as `flash_attention_hopper` (or FA2's
+    forward) returned them; ``dout`` shaped like ``out``. Under GQA ``dk``/``dv`` sum the
+    contributions of each group's query heads. Returns new contiguous tensors in q's dtype.
+    Runs wherever Triton does (tests run it in the interpreter); `attention_backward` picks it
+    on sm_90 only."""
+    _check(q, k, v)
+    if dout.shape != q.shape or out.shape != q.shape or tuple(lse.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)} must be q's shape {tuple(q.shape)} "
+                         f"and lse {tuple(lse.shape)} must be {tuple(q.shape[:3])}")
+    scale, _ = scale_and_window(q.shape[-1], scale, None)
+    config = config or bwd_default_config(q.shape[-1], causal)
+    # Unit-stride rows for the kernels (and 16-byte aligned ones for TMA): copy when needed.
+    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout.to(q.dtype)))
+    lse = lse.float().contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, config)
+    return dq, dk, dv
+
+
+def attention_backward(dout, q, k, v, out, lse, causal: bool = False, scale: float | None = None):
+    """The backward for `flash_attention_hopper`'s outputs on any device: the Hopper kernels
+    where `hopper_backward_applies` (sm_90, or the interpreter), FA2's elsewhere."""
+    if hopper_backward_applies(q.device):
+        return flash_attention_hopper_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    from minillm.kernels.ch04_flash_attention import flash_attention_backward
+
+    return flash_attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)

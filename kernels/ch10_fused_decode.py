@@ -24,6 +24,15 @@ FlashInfer ship them:
    attention.
 3. `silu_mul`: SwiGLU's ``silu(gate) · up`` on the merged gate/up projection ``[T, 2I] -> [T, I]``.
 
+At the handful of rows of a decode step the projections are GEMVs (Chapter 8), and the
+elementwise step before each can be folded into the GEMV's load of x instead: `add_rmsnorm_gemv`
+(each program recomputes its rows' ``1/rms`` from the whole row, a few KB from L2, and
+normalises x as it loads it), `silu_mul_gemv` (SwiGLU's activation as the down projection
+loads its x) and `decode_gemv` (nothing folded). On Hopper they, and `rope_write_kv`, are
+launched as programmatic dependent launches (`pdl_enabled`): inside a CUDA graph the next
+kernel is launched and scheduled while this one runs, and waits (``gdc_wait``) for it to
+finish before reading anything.
+
 A fourth kernel ends the step: `exponential_race`, the draw of each row's next token from its
 probabilities, so that sampling can run inside the step's CUDA graph
 (`minillm.decoding.gpu_sampling` does the temperature and the filters around it). Each row draws
@@ -42,11 +51,18 @@ agrees with the unfused one to the last bit in most elements; in fp32 they compu
 """
 from __future__ import annotations
 
+import functools
+import math
+import os
+from dataclasses import dataclass
+
 import torch
 
-from minillm.kernels.base import head_dim_offsets, launch, tl, triton
+from minillm.kernels.base import graph_ms_per_call, head_dim_offsets, interpreting, launch, tl, triton
+from minillm.kernels.ch08_flat_gemm import store_result
 
-__all__ = ["add_rmsnorm", "exponential_race", "race_uniforms", "rope_write_kv", "silu_mul"]
+__all__ = ["add_rmsnorm", "exponential_race", "race_uniforms", "rope_write_kv", "silu_mul", "add_rmsnorm_gemv",
+           "silu_mul_gemv", "decode_gemv", "pdl_enabled"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -110,16 +126,17 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 # 2. Rotary embedding of q and k + the paged cache write
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _rotate_half(X, stride_h, offs_h, h_ok, offs_i, i_ok, c, s, Like, HALF: tl.constexpr):
-    """Load heads ``offs_h`` of one token and rotate them: ``[x₁·c - x₂·s, x₂·c + x₁·s]``,
-    each product and each sum rounded to the element type ``DT`` of the pointer ``Like`` (the
-    output) as the torch model's ``x·cos + rotate_half(x)·sin`` rounds. Returns the two halves
-    ``[BLOCK_H, BLOCK_I]`` in ``DT``."""
-    DT = Like.dtype.element_ty
+def _load_halves(X, stride_h, offs_h, h_ok, offs_i, i_ok, HALF: tl.constexpr):
+    """Heads ``offs_h`` of one token: the two halves ``[BLOCK_H, BLOCK_I]`` of each, in fp32."""
     mask = h_ok[:, None] & i_ok[None, :]
     base = X + offs_h[:, None] * stride_h + offs_i[None, :]
-    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    return tl.load(base, mask=mask, other=0.0).to(tl.float32), tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rotate_half(x1, x2, c, s, DT: tl.constexpr):
+    """``[x₁·c - x₂·s, x₂·c + x₁·s]``, each product and each sum rounded to ``DT`` (the
+    output's dtype) as the torch model's ``x·cos + rotate_half(x)·sin`` rounds."""
     a1 = (x1 * c).to(DT).to(tl.float32)
     b1 = (-x2 * s).to(DT).to(tl.float32)
     a2 = (x2 * c).to(DT).to(tl.float32)
@@ -135,45 +152,56 @@ def _rope_write_kv_kernel(
     stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
     num_heads, kv_heads, block_size, num_slots,
     HALF: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program ``t``: token ``t``, every head. Rotates its q heads into ``Q_out`` and its k
     heads into the k cache at ``Slots[t]``, and copies its v heads to the v cache there. A
-    slot outside ``[0, num_slots)`` (``-1``: padding) writes no K/V; q is rotated anyway."""
+    slot outside ``[0, num_slots)`` (``-1``: padding) writes no K/V; q is rotated anyway.
+
+    Every load comes before the first store: the compiler does not move a load past a store
+    that may alias it, and at one token per step each round trip to memory is a visible part
+    of the kernel's few microseconds. ``PDL``: as in `_prologue_gemv_kernel`."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs_i = tl.arange(0, BLOCK_I)
     i_ok = offs_i < HALF
     offs_i = tl.minimum(offs_i, HALF - 1)          # padding columns: clamped, masked
-    # The angles of this token: the first half of its cos/sin rows (the second repeats it).
-    c = tl.load(Cos + t * stride_ct + offs_i).to(tl.float32)[None, :]
-    s = tl.load(Sin + t * stride_st + offs_i).to(tl.float32)[None, :]
-
     offs_hq = tl.arange(0, BLOCK_HQ)
     hq_ok = offs_hq < num_heads
     offs_hq = tl.minimum(offs_hq, num_heads - 1).to(tl.int64)
-    q1, q2 = _rotate_half(Q + t * stride_qt, stride_qh, offs_hq, hq_ok, offs_i, i_ok, c, s, Q_out, HALF)
+    offs_hk = tl.arange(0, BLOCK_HK)
+    hk_real = offs_hk < kv_heads
+    offs_hk = tl.minimum(offs_hk, kv_heads - 1).to(tl.int64)
+    slot = tl.load(Slots + t).to(tl.int64)
+    q1, q2 = _load_halves(Q + t * stride_qt, stride_qh, offs_hq, hq_ok, offs_i, i_ok, HALF)
+    k1, k2 = _load_halves(K + t * stride_kt, stride_kh, offs_hk, hk_real, offs_i, i_ok, HALF)
+    v1, v2 = _load_halves(V + t * stride_vt, stride_vh, offs_hk, hk_real, offs_i, i_ok, HALF)
+    DT = Q_out.dtype.element_ty
+    # The angles of this token: the first half of its cos/sin rows (the second repeats it).
+    c = tl.load(Cos + t * stride_ct + offs_i).to(tl.float32)[None, :]
+    s = tl.load(Sin + t * stride_st + offs_i).to(tl.float32)[None, :]
+    q1, q2 = _rotate_half(q1, q2, c, s, DT)
+    k1, k2 = _rotate_half(k1, k2, c, s, DT)
+
     q_dst = Q_out + t * stride_ot + offs_hq[:, None] * stride_oh + offs_i[None, :]
     q_mask = hq_ok[:, None] & i_ok[None, :]
     tl.store(q_dst, q1, mask=q_mask)
     tl.store(q_dst + HALF, q2, mask=q_mask)
-
-    slot = tl.load(Slots + t).to(tl.int64)
     ok = (slot >= 0) & (slot < num_slots)
     slot = tl.where(ok, slot, 0)
     blk = slot // block_size
     off = slot % block_size
-    offs_hk = tl.arange(0, BLOCK_HK)
-    hk_ok = offs_hk < tl.where(ok, kv_heads, 0)     # a token without a slot: no heads to write
-    offs_hk = tl.minimum(offs_hk, kv_heads - 1).to(tl.int64)
+    hk_ok = hk_real & (offs_hk < tl.where(ok, kv_heads, 0))  # a token without a slot: no heads to write
     CT = K_cache.dtype.element_ty
-    k1, k2 = _rotate_half(K + t * stride_kt, stride_kh, offs_hk, hk_ok, offs_i, i_ok, c, s, Q_out, HALF)
     kv_mask = hk_ok[:, None] & i_ok[None, :]
     k_dst = K_cache + blk * stride_kcb + off * stride_kco + offs_hk[:, None] * stride_kch + offs_i[None, :]
     tl.store(k_dst, k1.to(CT), mask=kv_mask)
     tl.store(k_dst + HALF, k2.to(CT), mask=kv_mask)
-    v_src = V + t * stride_vt + offs_hk[:, None] * stride_vh + offs_i[None, :]
     v_dst = V_cache + blk * stride_vcb + off * stride_vco + offs_hk[:, None] * stride_vch + offs_i[None, :]
-    tl.store(v_dst, tl.load(v_src, mask=kv_mask).to(CT), mask=kv_mask)
-    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kv_mask).to(CT), mask=kv_mask)
+    tl.store(v_dst, v1.to(CT), mask=kv_mask)
+    tl.store(v_dst + HALF, v2.to(CT), mask=kv_mask)
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -198,7 +226,8 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     if D % 2:
         raise ValueError(f"head_dim must be even, got {D}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != (Hkv, D):
-        raise ValueError(f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} must be [blocks, block_size, {Hkv}, {D}]")
+        raise ValueError(f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} must be "
+                         f"[blocks, block_size, {Hkv}, {D}]")
     if cos.shape != (T, D) or sin.shape != (T, D):
         raise ValueError(f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)} must be [{T}, {D}]")
     for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("cos", cos),
@@ -218,8 +247,14 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
            v_cache.stride(2), H, Hkv, block_size, num_blocks * block_size,
            HALF=half, BLOCK_I=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(H),
-           BLOCK_HK=triton.next_power_of_2(Hkv), num_warps=4)
+           BLOCK_HK=triton.next_power_of_2(Hkv), num_warps=4, **_pdl_meta(q.device))
     return q_out
+
+
+def _pdl_meta(device: torch.device) -> dict:
+    """The meta-parameters of a kernel with a ``PDL`` switch: on, and launched as a
+    programmatic dependent launch, where `pdl_enabled`."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {}
 
 
 # ----------------------------------------------------------------------------------------
@@ -344,3 +379,344 @@ def race_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
         launch(_race_uniforms_kernel, (B, triton.cdiv(vocab, BLOCK)), seeds, positions, u, u.stride(0), vocab,
                BLOCK=BLOCK, num_warps=4)
     return u
+
+
+# ----------------------------------------------------------------------------------------
+# 5. The GEMV with the elementwise step before it folded into its load of x
+# ----------------------------------------------------------------------------------------
+#: `_prologue_gemv_kernel`'s ``PROLOGUE``: what the kernel computes x from.
+PROLOGUE_NONE = 0
+PROLOGUE_ADD_RMSNORM = 1
+PROLOGUE_SILU_MUL = 2
+
+
+@triton.jit
+def _prologue_rows(X, R, NormW, R_out, m0, M, K, stride_xm, stride_rm, stride_rom, eps, write_residual,
+                   PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """For ``PROLOGUE_ADD_RMSNORM``: each of the program's ``ROWS`` rows' ``1 / rms`` over the
+    whole row (``[BLOCK_M]``, fp32, as `_add_rmsnorm_kernel` computes it), and the summed
+    residual row written to ``R_out`` where ``write_residual`` (one program of the grid).
+    Otherwise zeros (unused)."""
+    cols = tl.arange(0, BLOCK_M)
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if PROLOGUE == 1:
+        offs = tl.arange(0, BLOCK_H)
+        ok = offs < K
+        for r in tl.static_range(ROWS):
+            m = tl.minimum(m0 + r, M - 1).to(tl.int64)
+            s = tl.load(X + m * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                s = (s + tl.load(R + m * stride_rm + offs, mask=ok, other=0.0).to(tl.float32))
+                s = s.to(R_out.dtype.element_ty)
+                # Written by one program only, and not for the repeated last row of a short tile.
+                limit = tl.where(write_residual & (m0 + r < M), K, 0)
+                tl.store(R_out + m * stride_rom + offs, s, mask=offs < limit)
+                s = s.to(tl.float32)
+            row = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / K + eps)
+            rstd = tl.where(cols == r, row, rstd)
+    return rstd
+
+
+@triton.jit
+def _prologue_x(X, R, NormW, m, offs_k, k_ok, K, stride_xm, stride_rm, rstd,
+                PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr, DT: tl.constexpr):
+    """Row ``m``'s x at columns ``offs_k`` (fp32), rounded where the unfused kernels round:
+    ``rmsnorm(x + r) · w`` (`_add_rmsnorm_kernel`) or ``silu(gate) · up`` (`_silu_mul_kernel`,
+    ``X`` then being ``[M, 2K]``: the gate's K columns, then the up projection's)."""
+    x_row = X + m * stride_xm + offs_k
+    if EVEN_K:
+        a = tl.load(x_row).to(tl.float32)
+    else:
+        a = tl.load(x_row, mask=k_ok, other=0.0).to(tl.float32)
+    if PROLOGUE == 0:
+        return a
+    elif PROLOGUE == 1:
+        if HAS_RESIDUAL:
+            a = (a + tl.load(R + m * stride_rm + offs_k, mask=k_ok, other=0.0).to(tl.float32)).to(DT).to(tl.float32)
+        w = tl.load(NormW + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        return ((a * rstd).to(DT).to(tl.float32) * w).to(DT).to(tl.float32)
+    else:
+        up = tl.load(x_row + K, mask=k_ok, other=0.0).to(tl.float32)
+        act = (a / (1.0 + tl.exp(-a))).to(DT).to(tl.float32)
+        return (act * up).to(DT).to(tl.float32)
+
+
+@triton.jit
+def _prologue_gemv_kernel(X, R, NormW, R_out, W, Bias, Out, Partials, Counters, M, N, K, k_per_split, eps,
+                          stride_xm, stride_rm, stride_rom, stride_wn, stride_om, stride_on,
+                          PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, EARLY_W: tl.constexpr,
+                          ROWS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          BLOCK_H: tl.constexpr):
+    """Chapter 8's GEMV (`minillm.kernels.ch08_flat_gemm.gemv`: program ``(i, j, s)``, rows
+    ``i·ROWS …`` times features ``j·BLOCK_N …`` over the ``s``-th run of K) whose x is
+    computed while it is loaded (`_prologue_x`) instead of read from a kernel before it.
+
+    The tile of W for the next step is loaded one step ahead (into registers), its first one
+    before the prologue's pass over the row. With ``PDL`` (a programmatic dependent launch)
+    the program waits for the kernel before it (``gdc_wait``), then lets the next one launch
+    (``gdc_launch_dependents``): the next kernel's launch and scheduling overlap this one's
+    run. With ``EARLY_W`` the first tile of W is loaded before the wait (no kernel before
+    writes the weights), so a GEMV launched early starts streaming while its predecessor
+    finishes. On an H100 (1B Llama, one sequence, two profiled runs) that saved about 1.5 µs on the q/k/v
+    GEMV behind the down projection and cost about 1.5 µs on the o projection, whose early-loading
+    successor (gate/up, 4096 programs) then competes with it for HBM: the launcher turns it
+    on for the GEMVs with a norm folded in, off for the others. W's rows and columns are
+    contiguous (``nn.Linear``'s layout)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_M)
+    m0 = pid_m * ROWS
+    offs_k0 = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    DT = Out.dtype.element_ty
+    w_ptrs = W + w_rows[:, None] * stride_wn + (k_lo + offs_k0).to(tl.int64)[None, :]
+    if EARLY_W:  # no kernel before this one writes the weights
+        w_next = tl.load(w_ptrs, mask=(k_lo + offs_k0 < k_hi)[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if not EARLY_W:
+        w_next = tl.load(w_ptrs, mask=(k_lo + offs_k0 < k_hi)[None, :], other=0.0)
+    rstd = _prologue_rows(X, R, NormW, R_out, m0, M, K, stride_xm, stride_rm, stride_rom, eps,
+                          (pid_n == 0) & (pid_k == 0), PROLOGUE, HAS_RESIDUAL, ROWS, BLOCK_M, BLOCK_H)
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k + offs_k0
+        k_ok = offs_k < K
+        w = w_next.to(tl.float32)
+        w_ptrs += BLOCK_K
+        w_next = tl.load(w_ptrs, mask=(offs_k + BLOCK_K < k_hi)[None, :], other=0.0)  # the next step's tile
+        for r in tl.static_range(ROWS):
+            m = tl.minimum(m0 + r, M - 1).to(tl.int64)
+            row_rstd = tl.sum(tl.where(cols == r, rstd, 0.0), axis=0)
+            x = _prologue_x(X, R, NormW, m, offs_k, k_ok, K, stride_xm, stride_rm, row_rstd, PROLOGUE,
+                            HAS_RESIDUAL, EVEN_K, DT)
+            dots = tl.sum(w * x[None, :], axis=1)
+            acc += tl.where(cols[None, :] == r, dots[:, None], 0.0)
+
+    offs_m = m0 + cols
+    store_result(acc, offs_m[None, :], offs_n[:, None], (cols < ROWS)[None, :] & (offs_m < M)[None, :],
+                 n_ok[:, None], Bias, Out, Partials, Counters, M, N, stride_om, stride_on, HAS_BIAS, SPLIT)
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch as programmatic dependent launches (PDL): on a GPU
+    of compute capability 9.0 or later (Hopper), outside the interpreter, unless
+    ``MINILLM_PDL=0``. Inside a CUDA graph the launches become programmatic edges: the next
+    kernel is scheduled while this one's last programs run, and waits (``gdc_wait``) only
+    before it touches memory. On an H100 a chain of one-program kernels in a graph costs
+    0.99 µs a kernel with PDL against 1.44 without (measured, Triton 3.6)."""
+    if device.type != "cuda" or interpreting() or os.environ.get("MINILLM_PDL", "1") == "0":
+        return False
+    return _capability(device) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+@dataclass
+class _GemvPlan:
+    """A `_prologue_gemv_kernel` launch that depends only on shapes: grid, K per split,
+    meta-parameters and the split-K workspace (kept for the process: a captured CUDA graph
+    keeps using its addresses, as Chapter 8's plans)."""
+    grid: tuple[int, int, int]
+    k_per_split: int
+    meta: dict
+    partials: torch.Tensor | None
+    counters: torch.Tensor | None
+
+
+_GEMV_PLANS: dict[tuple, _GemvPlan] = {}
+
+
+def _gemv_plan(prologue: int, x: torch.Tensor, weight: torch.Tensor, has_bias: bool, has_residual: bool,
+               cfg, pdl: bool) -> _GemvPlan:
+    M, K = x.shape
+    N = weight.shape[0]
+    key = (prologue, cfg, M, N, K, x.dtype, x.device, has_bias, has_residual, pdl)
+    plan = _GEMV_PLANS.get(key)
+    if plan is not None:
+        return plan
+    k_tiles = triton.cdiv(K, cfg.block_k)
+    per_split = triton.cdiv(k_tiles, max(1, min(cfg.split_k, k_tiles)))
+    split = triton.cdiv(k_tiles, per_split)
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), split)
+    partials = counters = None
+    if split > 1:
+        partials = torch.empty(split, M, N, device=x.device, dtype=torch.float32)
+        counters = torch.zeros(grid[0] * grid[1], device=x.device, dtype=torch.int32)
+    meta = dict(PROLOGUE=prologue, HAS_RESIDUAL=has_residual, HAS_BIAS=has_bias, SPLIT=split > 1,
+                EVEN_K=K % cfg.block_k == 0, PDL=pdl, EARLY_W=prologue == PROLOGUE_ADD_RMSNORM, ROWS=cfg.block_m,
+                BLOCK_M=triton.next_power_of_2(cfg.block_m),
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                BLOCK_H=triton.next_power_of_2(K) if prologue == PROLOGUE_ADD_RMSNORM else 1,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if pdl:
+        meta["launch_pdl"] = True
+    plan = _GEMV_PLANS[key] = _GemvPlan(grid, per_split * cfg.block_k, meta, partials, counters)
+    return plan
+
+
+def _check_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, K: int) -> None:
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [M, *] with a contiguous last axis, got {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [N, {K}] with contiguous rows")
+    if weight.dtype != x.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"x and weight must share one dtype among fp16/bf16/fp32, got {x.dtype}, {weight.dtype}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} must be [{weight.shape[0]}]")
+
+
+def _prologue_gemv(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, bias, residual, norm_weight,
+                   r_out, eps: float, out: torch.Tensor | None, config) -> torch.Tensor:
+    """Launch `_prologue_gemv_kernel`; returns ``out [M, N]``. ``x`` is ``[M, K]`` (``[M, 2K]``
+    for SiLU-and-mul); the tile comes from Chapter 8's `pick_config` for a plain GEMV of
+    this shape (the prologue adds a few loads from L2 to each step, not to the weights')."""
+    from minillm.kernels.ch08_flat_gemm import pick_config
+
+    M, N = x.shape[0], weight.shape[0]
+    out = torch.empty((M, N), device=x.device, dtype=x.dtype) if out is None else out
+    if M == 0 or N == 0:
+        return out
+    x_view = x[:, :K]
+    if bias is not None:
+        bias = bias.contiguous()
+    r = residual if residual is not None else x
+    nw = norm_weight if norm_weight is not None else x
+    ro = r_out if r_out is not None else x
+
+    def run(cfg, w=weight, pdl=pdl_enabled(x.device)):
+        plan = _gemv_plan(prologue, x_view, w, bias is not None, residual is not None, cfg, pdl)
+        launch(_prologue_gemv_kernel, plan.grid, x, r, nw, ro, w, bias, out, plan.partials, plan.counters,
+               M, N, K, plan.k_per_split, float(eps), x.stride(0), r.stride(0), ro.stride(0), w.stride(0),
+               out.stride(0), out.stride(1), **plan.meta)
+
+    if config is None:
+        config = _prologue_config(prologue, x_view, weight, bias, residual is not None, run)
+    run(config)
+    return out
+
+
+#: Tiles `_prologue_config` times on a GPU, as ``(BLOCK_N, BLOCK_K, num_warps)`` (one stage, no
+#: split of K). Every program redoes the prologue over its run of K (for the norm, over the whole
+#: row first), a cost the weights do not pay per feature: wider tiles than Chapter 8's best
+#: (2 x 2048) spread it thinner, at the price of fewer programs. On an H100 (bf16, M = 1, the 1B
+#: Llama's shapes, CUDA graphs) these four were the fastest somewhere: 4 x 1024 for the norm
+#: before q/k/v and gate/up, 8 x 1024 for SiLU-and-mul before down (14.1 µs, against 15.6 for
+#: the two kernels) and for o, 16 x 512 for the LM head; 16 x 256 and every split-K variant
+#: (2 or 4 runs) lost by 1-4 µs.
+PROLOGUE_GEMV_TILES = [(4, 1024, 4), (8, 1024, 8), (16, 512, 8), (2, 2048, 4)]
+#: SiLU-and-mul's prologue (two loads and an exponential per element of x, K = the MLP's width)
+#: is the heaviest, and every program redoes it over all of K: only tiles at least this wide
+#: are timed for it. On an H100 (the 1B Llama's down projection) 8 x 1024 was the fastest in
+#: isolation (14.1 µs, 2 x 2048 14.4), and in profiled decode steps it took 14.3-15.7 µs
+#: against 14.6-16.7 for 2 x 2048, which the tuner picked in some runs.
+SILU_MIN_BLOCK_N = 8
+#: `_prologue_config`'s choices: (prologue, with a residual, dtype, M, N, K, device) -> config.
+_PROLOGUE_CONFIGS: dict[tuple, object] = {}
+
+
+def _prologue_config(prologue: int, x_view: torch.Tensor, weight: torch.Tensor, bias, has_residual: bool, run):
+    """The tile of a prologue GEMV: under the interpreter, for fp32, or with
+    ``MINILLM_FLAT_GEMM_AUTOTUNE=0``, Chapter 8's `pick_config` for a plain GEMV of this
+    shape; otherwise each of `PROLOGUE_GEMV_TILES` timed with ``run(cfg, w, pdl)`` inside a
+    CUDA graph (`minillm.kernels.base.graph_ms_per_call`), over copies of the weights that
+    outsize the L2 cache, and the fastest kept for the process. The launches are timed without
+    PDL: chained to copies of itself, a kernel overlaps its own tail, which it does not in a model (on an H100 the
+    chained timing picked 2 x 2048 for the 1B Llama's q/k/v projection, 2 µs slower in the
+    decode step than 4 x 1024). Timed one launch at a time with ``do_bench`` instead, the
+    choice was 1-1.5 µs off for some shapes (launch overheads that a graph does not pay).
+    Call once before capturing a CUDA graph, as with any autotuner."""
+    from minillm.kernels.ch08_flat_gemm import TileConfig, pick_config
+
+    M, K = x_view.shape
+    N = weight.shape[0]
+    key = (prologue, has_residual, x_view.dtype, M, N, K, x_view.device)
+    cfg = _PROLOGUE_CONFIGS.get(key)
+    if cfg is not None:
+        return cfg
+    autotune = os.environ.get("MINILLM_FLAT_GEMM_AUTOTUNE", "1") != "0"
+    if not x_view.is_cuda or interpreting() or x_view.dtype == torch.float32 or not autotune:
+        cfg = pick_config("gemv", x_view, weight, bias)
+    else:
+        l2 = getattr(torch.cuda.get_device_properties(x_view.device), "L2_cache_size", 50 << 20)
+        nbytes = weight.numel() * weight.element_size()
+        copies = [weight] + [torch.empty_like(weight) for _ in range(min(15, -(-2 * l2 // nbytes) - 1))]
+        best = math.inf
+        for block_n, block_k, warps in PROLOGUE_GEMV_TILES:
+            if prologue == PROLOGUE_SILU_MUL and block_n < SILU_MIN_BLOCK_N:
+                continue
+            cand = TileConfig(min(M, 16), block_n, block_k, warps, 1)
+            fns = [lambda w=w, cand=cand: run(cand, w, False) for w in copies]
+            ms = graph_ms_per_call(fns, -(-48 // len(fns)) * len(fns), replays=7)
+            if ms < best:
+                cfg, best = cand, ms
+        del copies
+    _PROLOGUE_CONFIGS[key] = cfg
+    return cfg
+
+
+def add_rmsnorm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     weight: torch.Tensor, bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                     residual_out: torch.Tensor | None = None, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(add_rmsnorm(x, residual, norm_weight, eps)[0], weight, bias), x + residual)``
+    in one kernel: `add_rmsnorm` folded into Chapter 8's GEMV, for decode steps of a few rows.
+
+    - ``x, residual: [M, K]`` (rows may be strided, the last axis contiguous); ``residual=None``
+      (the first layer): no add, the residual returned is ``x`` itself;
+    - ``norm_weight: [K]``; ``weight: [N, K]`` with contiguous rows; ``bias: [N]`` or None;
+    - ``out: [M, N]``, ``residual_out: [M, K]``: optional outputs (``residual_out`` must not
+      be ``x`` or ``residual``: every program reads them, one writes it).
+    - ``config``: a `minillm.kernels.ch08_flat_gemm.TileConfig` (default: `pick_config`'s).
+
+    Every program recomputes its rows' ``1/rms`` from the whole row (a few KB from L2) and
+    normalises x as it loads it, rounding as `add_rmsnorm` rounds: the product equals the
+    unfused pair's up to the order of the fp32 sums."""
+    K = x.shape[-1]
+    _check_gemv(x, weight, bias, K)
+    if norm_weight.shape != (K,) or not norm_weight.is_contiguous():
+        raise ValueError(f"norm_weight {tuple(norm_weight.shape)} must be a contiguous [{K}]")
+    if residual is None:
+        r_out = x
+    else:
+        if residual.shape != x.shape or residual.stride(-1) != 1:
+            raise ValueError(f"residual {tuple(residual.shape)} must be {tuple(x.shape)}, contiguous rows")
+        r_out = torch.empty_like(x) if residual_out is None else residual_out
+        if r_out.data_ptr() in (x.data_ptr(), residual.data_ptr()):
+            raise ValueError("residual_out must not alias x or residual")
+    y = _prologue_gemv(PROLOGUE_ADD_RMSNORM, x, K, weight, bias, residual, norm_weight,
+                       None if residual is None else r_out, eps, out, config)
+    return y, r_out
+
+
+def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """``linear(silu_mul(gate_up), weight, bias)`` in one kernel: ``gate_up [M, 2I]`` (gate
+    columns first, contiguous rows), ``weight [N, I]``, ``bias [N]`` or None -> ``[M, N]``.
+    SwiGLU's activation is computed as the GEMV loads its x, rounded as `silu_mul` rounds."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [M, 2I], got {tuple(gate_up.shape)}")
+    inter = gate_up.shape[1] // 2
+    _check_gemv(gate_up, weight, bias, inter)
+    return _prologue_gemv(PROLOGUE_SILU_MUL, gate_up, inter, weight, bias, None, None, None, 0.0, out, config)
+
+
+def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """``linear(x, weight, bias)`` by the same kernel with nothing folded in (``x [M, K]``,
+    contiguous last axis): Chapter 8's GEMV, launched as a programmatic dependent launch
+    where `pdl_enabled`, so that it chains with the fused kernels around it."""
+    _check_gemv(x, weight, bias, x.shape[-1])
+    return _prologue_gemv(PROLOGUE_NONE, x, x.shape[-1], weight, bias, None, None, None, 0.0, out, config)

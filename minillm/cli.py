@@ -68,6 +68,10 @@ ENGINE_FLAGS: dict[tuple[str, ...], tuple[str, dict]] = {
         choices=["paged", "virtual"],
         help="paged (default): KV blocks and block tables (Chapters 5-6); virtual: each sequence contiguous in "
              "virtual memory, pages mapped as it grows (Chapter 11; on CUDA it needs cuda-bindings)")),
+    ("--overlap-decode",): ("overlap_decode", dict(
+        choices=["auto", "off"],
+        help="launch each decode step before the last one's tokens reach the host, so that scheduling and "
+             "sampling overlap the GPU: auto (default: on CUDA with graphs and on-device sampling) or off")),
 }
 
 

@@ -14,6 +14,10 @@ references.
   `fp8_accumulation_bound`: Hopper's FP8 matrix instructions accumulate in ~14 bits); the
   rotation is orthogonal and leaves exact attention unchanged.
 
+- The backward (`flash_attention_hopper_backward`) against the float64 NumPy backward
+  `minillm.reference.ch04_flash_attention.fa2_backward`: MHA, GQA, odd lengths, q_len !=
+  kv_len both ways, causal and not, dQ by atomics and by the separate pass, every switch.
+
 CPU: small shapes under the interpreter (fp32 exact dots, and fp16). GPU (`make gpu`): bf16
 and fp16, larger shapes, the GPU tile configs.
 """
@@ -27,12 +31,15 @@ import torch
 
 from minillm.kernels.base import interpreting
 from minillm.kernels.ch04_flash_attention_hopper import (
-    ABLATIONS, DEFAULT_CONFIGS, E4M3_MAX, E4M3_UNIT_ROUNDOFF, INTERPRET_CONFIG, HopperConfig, ablated,
-    default_config, flash_attention_fp8, flash_attention_hopper, prepare_fp8, quantize_blocks, random_rotation,
+    ABLATIONS, BWD_ABLATIONS, BWD_DEFAULT_CONFIGS, BWD_INTERPRET_CONFIG, DEFAULT_CONFIGS, E4M3_MAX,
+    E4M3_UNIT_ROUNDOFF, INTERPRET_CONFIG, HopperBwdConfig, HopperConfig, ablated, attention_backward, bwd_ablated,
+    bwd_default_config, default_config, flash_attention_fp8, flash_attention_hopper, flash_attention_hopper_backward,
+    hopper_backward_applies, prepare_fp8, quantize_blocks, random_rotation,
 )
 from minillm.reference import attention
 from minillm.reference import ch04_fp8 as ref8
-from minillm.testing import assert_close, poisoned, random_tensor, skip_fp32_on_gpu, to_numpy
+from minillm.reference.ch04_flash_attention import fa2_backward
+from minillm.testing import assert_close, poisoned, random_tensor, skip_fp32_on_gpu, to_numpy, tolerance
 
 SWITCHES = ("tma", "warp_specialize", "persistent", "overlap")
 
@@ -334,3 +341,157 @@ def test_benchmark_dry_run(device):
         if r["metric"] == "rel_err" and r["params"]["dtype"] == "float16":
             assert r["ours"] < 1e-2
     assert "hopper" in bench.summary(results)
+
+
+@pytest.mark.skipif(not interpreting(), reason="bookkeeping check under the interpreter; the GPU runs the benchmark")
+def test_benchmark_backward_dry_run(device):
+    """`bench.ch04_hopper.backward_points` on tiny shapes with a stand-in timer: every point
+    adds a row per peer (cuDNN refuses on a CPU: recorded with a note), each ablation point a
+    row per switch, the gradient error against a peer is small, and the summary prints them."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from bench import ch04_hopper as bench
+    from bench.common import Results
+
+    results = Results("dry run", {"copy_TBps": 1.0, "bf16_matmul_TFLOPs": 1.0}, env={})
+    bench.backward_points(results, device, head_dims=(16,), seq_lens=(17, 32), tokens=32, hidden=32,
+                          dtype=torch.float16, ablation_seq_lens=(32,), timer=lambda fn: (fn(), 1.0)[1])
+    rows = [r for r in results.rows if r["params"].get("pass") == "bwd"]
+    assert len(rows) == len(results.rows)
+    count = lambda metric, ablation: sum(r["metric"] == metric and ("ablation" in r["params"]) == ablation
+                                         for r in rows)  # noqa: E731
+    points = 2 * 2  # seq_lens x causal
+    assert count("TFLOPs", False) == count("time_ms", False) == points * 3  # sdpa_flash, sdpa_cudnn, fa2
+    assert count("TFLOPs", True) == 2 * len(BWD_ABLATIONS)  # the interpreter's config: dQ by atomics
+    for r in rows:
+        if r["metric"] == "rel_err":
+            assert r["ours"] < 1e-2 and (r["peer_value"] is None or r["peer_value"] < 1e-2)
+    text = bench.summary(results)
+    assert "backward" in text and "longest_first" in text
+
+
+# ----------------------------------------------------------------------------------------
+# The backward
+# ----------------------------------------------------------------------------------------
+def assert_grad_close(got, want, dtype, name, seed):
+    """Gradients are sums of many rounded products: an absolute tolerance scaled by the
+    gradient's largest element (at least 1), and the dtype's rtol (fp16: twice, dS is
+    rounded before its matmuls)."""
+    atol, rtol = tolerance(dtype)
+    scale = max(1.0, float(np.abs(want).max())) if want.size else 1.0
+    factor = 2.0 if dtype == torch.float16 else 1.0
+    assert_close(got, want, dtype, name, seed, atol=factor * atol * scale, rtol=factor * rtol)
+
+
+def check_backward(q, k, v, causal, dtype, seed, config=None, gen=None):
+    """Forward with the Hopper kernel, backward with ``config``; both against float64 NumPy
+    (`attention` for out/lse, `fa2_backward` for the gradients, from the same out/lse)."""
+    dout = random_tensor(q.shape, dtype, q.device, gen or torch.Generator().manual_seed(seed))
+    out, lse = flash_attention_hopper(q, k, v, causal=causal, return_lse=True)
+    dq, dk, dv = flash_attention_hopper_backward(dout, q, k, v, out, lse, causal=causal, config=config)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    qn, kn, vn = (to_numpy(t) for t in (q, k, v))
+    ref_out, ref_lse = attention(qn, kn, vn, causal=causal)
+    rdq, rdk, rdv = fa2_backward(qn, kn, vn, ref_out, ref_lse, to_numpy(dout), causal=causal)
+    label = f"{(config or bwd_default_config(q.shape[-1], causal)).describe()}"
+    assert_grad_close(dq, rdq, dtype, f"dq ({label})", seed)
+    assert_grad_close(dk, rdk, dtype, f"dk ({label})", seed)
+    assert_grad_close(dv, rdv, dtype, f"dv ({label})", seed)
+
+
+BWD_SMALL = [  # batch, q_heads, kv_heads, q_len, kv_len, head_dim, causal
+    (1, 4, 2, 45, 61, 32, True),      # GQA 2:1, q < kv (bottom-right causal)
+    (2, 2, 1, 37, 37, 16, False),     # MQA, odd length
+    (1, 2, 1, 70, 33, 24, True),      # q > kv: the first rows see no key (zero dQ); head dim 24
+    (1, 3, 3, 1, 50, 16, False),      # one query row
+]
+BWD_LARGE = [
+    (2, 8, 2, 333, 517, 128, True),
+    (1, 8, 8, 1000, 1000, 64, True),
+    (2, 4, 1, 517, 333, 64, True),
+    (1, 8, 4, 600, 600, 128, False),
+    (1, 4, 4, 300, 300, 80, False),   # padded head dim
+]
+BWD_CASES = [pytest.param(*c, id=case_id(c)) for c in BWD_SMALL] + [
+    pytest.param(*c, id=case_id(c), marks=pytest.mark.gpu) for c in BWD_LARGE
+]
+
+
+@pytest.mark.parametrize("batch,q_heads,kv_heads,q_len,kv_len,head_dim,causal", BWD_CASES)
+def test_backward(batch, q_heads, kv_heads, q_len, kv_len, head_dim, causal, dtype, device, gen, seed):
+    skip_fp32_on_gpu(dtype, device)
+    q, k, v = make_qkv(batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, device, gen)
+    check_backward(q, k, v, causal, dtype, seed, gen=gen)
+
+
+def bwd_interpreter_configs():
+    """The interpreter's config with each switch flipped, the separate dQ pass with each of its
+    switches flipped, and tile shapes with BLOCK_M <, = and > BLOCK_N."""
+    base = BWD_INTERPRET_CONFIG
+    configs = [base] + [bwd_ablated(base, s) for s in BWD_ABLATIONS]
+    separate = bwd_ablated(base, "dq")
+    configs += [bwd_ablated(separate, s) for s in ("tma", "longest_first", "warp_specialize")]
+    configs += [replace(base, block_m=bm, block_n=bn, dq_block_m=bn, dq_block_n=bm)
+                for bm, bn in ((32, 32), (32, 16))]
+    return list(dict.fromkeys(configs))
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (the GPU runs test_gpu_backward_switches)")
+@pytest.mark.parametrize("config", bwd_interpreter_configs(), ids=lambda c: c.describe())
+def test_backward_every_switch(config, gen, seed):
+    dtype = torch.float32
+    for shape, causal in (((1, 4, 2, 45, 61, 32), True), ((1, 2, 1, 50, 33, 16), True),
+                          ((2, 2, 1, 37, 37, 16), False)):
+        q, k, v = make_qkv(*shape, dtype, "cpu", gen)
+        check_backward(q, k, v, causal, dtype, seed, config, gen)
+
+
+def gpu_bwd_configs(head_dim: int):
+    """Each default config of this head dim with every switch flipped, and two other tiles."""
+    configs = []
+    for causal in (False, True):
+        base = BWD_DEFAULT_CONFIGS[(head_dim, causal)]
+        configs += [base] + [bwd_ablated(base, s) for s in BWD_ABLATIONS]
+    configs += [HopperBwdConfig(64, 64, 4, 3), HopperBwdConfig(32, 128, 8, 2)]
+    return list(dict.fromkeys(configs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_backward_switches(head_dim, device, gen, seed):
+    dtype = torch.bfloat16
+    for config in gpu_bwd_configs(head_dim):
+        # Two cases per config keep the compilations (two per config) within a minute or two.
+        for causal, (q_len, kv_len) in ((False, (333, 333)), (True, (517, 333))):
+            q, k, v = make_qkv(2, 8, 2, q_len, kv_len, head_dim, dtype, device, gen)
+            check_backward(q, k, v, causal, dtype, seed, config, gen)
+
+
+def test_backward_inputs_and_dispatch(device, gen, seed):
+    """Strided inputs and dO (copied as needed), a given scale, an fp32 lse from elsewhere,
+    errors on mismatched shapes, and `attention_backward`'s choice of kernels."""
+    dtype = torch.float32 if torch.device(device).type == "cpu" else torch.float16
+    q = random_tensor((1, 21, 2, 16), dtype, device, gen).transpose(1, 2)
+    k = random_tensor((1, 30, 1, 16), dtype, device, gen).transpose(1, 2)
+    v = random_tensor((1, 30, 1, 16), dtype, device, gen).transpose(1, 2)
+    dout = random_tensor((1, 2, 16, 21), dtype, device, gen).transpose(2, 3)
+    out, lse = flash_attention_hopper(q, k, v, causal=True, scale=0.3, return_lse=True)
+    got = attention_backward(dout, q, k, v, out, lse, causal=True, scale=0.3)
+    qn, kn, vn = (to_numpy(t) for t in (q, k, v))
+    ref_out, ref_lse = attention(qn, kn, vn, causal=True, scale=0.3)
+    want = fa2_backward(qn, kn, vn, ref_out, ref_lse, to_numpy(dout), causal=True, scale=0.3)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert_grad_close(g, w, dtype, name, seed)
+    with pytest.raises(ValueError):
+        flash_attention_hopper_backward(dout, q, k, v, out, lse[:, :, :5])
+    on_hopper = torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    assert hopper_backward_applies(device) == (on_hopper or (torch.device(device).type == "cpu" and interpreting()))
+    if interpreting():
+        assert bwd_default_config(128, True) == BWD_INTERPRET_CONFIG
+    else:
+        assert bwd_default_config(128, True) == BWD_DEFAULT_CONFIGS[(128, True)]
+        assert bwd_default_config(40, False) == BWD_DEFAULT_CONFIGS[(64, False)]

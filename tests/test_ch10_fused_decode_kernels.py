@@ -10,7 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minillm.kernels.ch10_fused_decode import add_rmsnorm, rope_write_kv, silu_mul
+import math
+
+from minillm.kernels.ch08_flat_gemm import TileConfig
+from minillm.kernels.ch10_fused_decode import (add_rmsnorm, add_rmsnorm_gemv, decode_gemv, rope_write_kv, silu_mul,
+                                               silu_mul_gemv)
 from minillm.model.torch_model import RMSNorm, apply_rope, rope_cos_sin
 from minillm.reference import ch10_fused_decode as ref
 from minillm.testing import (assert_close, default_device, fresh_seed, kernel_dtypes, poisoned, random_tensor,
@@ -174,3 +178,110 @@ def test_silu_mul_matches_reference_and_the_model(dtype, T, inter):
     g, u = gate_up.chunk(2, dim=-1)
     want = F.silu(g) * u
     torch.testing.assert_close(got, want, atol=2 * ulps(dtype), rtol=2 * ulps(dtype))
+
+
+# ----------------------------------------------------------------------------------------
+# The GEMV with add_rmsnorm / silu_mul folded in
+# ----------------------------------------------------------------------------------------
+#: (M, N, K, split_k, rows per program): ragged N and K tiles, several programs along M (the
+#: last one short), split-K runs (the CPU tile is 32 x 64: K = 200 is 4 tiles).
+GEMV_CASES = [(1, 96, 72, 1, 1), (3, 100, 200, 3, 2), (5, 33, 64, 1, 16), (2, 70, 130, 2, 2)]
+
+
+@pytest.fixture
+def untuned(monkeypatch):
+    """On a GPU, one config per kernel variant (Chapter 8's first GEMV tile) instead of timing
+    every candidate for every test shape."""
+    monkeypatch.setenv("MINILLM_FLAT_GEMM_AUTOTUNE", "0")
+
+
+def gemv_config(M, split_k, rows):
+    """A small tile on the interpreter; the GPU's own choice (with this split) on a GPU."""
+    if DEVICE.type == "cuda":
+        return None
+    return TileConfig(min(rows, M), 32, 64, 4, 1, split_k)
+
+
+def gemv_tol(dtype, K):
+    """fp32: sums of K products differ from float64 by ~sqrt(K) ulps; fp16/bf16: the default."""
+    return None if dtype != torch.float32 else 1e-5 * max(1.0, math.sqrt(K) / 4)
+
+
+def pair_tol(dtype, K):
+    """Fused against the unfused pair: the same roundings, fp32 sums in another order."""
+    return max(4 * ulps(dtype), gemv_tol(dtype, K) or 0.0)
+
+
+def linear_weight(N, K, dtype, gen, with_bias):
+    w = random_tensor((N, K), dtype, DEVICE, gen, scale=1 / math.sqrt(K))  # outputs of order 1
+    return w, (random_tensor((N,), dtype, DEVICE, gen) if with_bias else None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K,split_k,rows", GEMV_CASES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rmsnorm_gemv_matches_reference_and_the_unfused_pair(dtype, M, N, K, split_k, rows, with_residual,
+                                                                 untuned):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    x = random_tensor((M, K), dtype, DEVICE, gen)
+    r = random_tensor((M, K), dtype, DEVICE, gen) if with_residual else None
+    nw = random_tensor((K,), dtype, DEVICE, gen, scale=0.5) + 1
+    w, b = linear_weight(N, K, dtype, gen, with_bias=with_residual)
+    out = poisoned((M, N), dtype, DEVICE)
+    r_out = poisoned((M, K), dtype, DEVICE) if with_residual else None
+    y, new_r = add_rmsnorm_gemv(x, r, nw, 1e-5, w, b, out=out, residual_out=r_out,
+                                config=gemv_config(M, split_k, rows))
+    want_y, want_r = ref.add_rmsnorm_linear(to_numpy(x), None if r is None else to_numpy(r), to_numpy(nw), 1e-5,
+                                            to_numpy(w), None if b is None else to_numpy(b))
+    assert y is out
+    assert_close(y, want_y, dtype, "y", seed, atol=gemv_tol(dtype, K), rtol=gemv_tol(dtype, K))
+    h, want_r_t = add_rmsnorm(x, r, nw, 1e-5)
+    assert torch.equal(new_r, want_r_t), f"the residual is x + residual, rounded (seed {seed})"
+    unfused = (h.float() @ w.float().T + (0 if b is None else b.float())).to(dtype)
+    torch.testing.assert_close(y, unfused, atol=pair_tol(dtype, K), rtol=pair_tol(dtype, K))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K,split_k,rows", GEMV_CASES)
+def test_silu_mul_gemv_matches_reference_and_the_unfused_pair(dtype, M, N, K, split_k, rows, untuned):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = random_tensor((M, 2 * K), dtype, DEVICE, gen, scale=2.0)
+    w, b = linear_weight(N, K, dtype, gen, with_bias=split_k > 1)
+    out = poisoned((M, N), dtype, DEVICE)
+    y = silu_mul_gemv(gate_up, w, b, out=out, config=gemv_config(M, split_k, rows))
+    assert y is out
+    want = ref.silu_mul_linear(to_numpy(gate_up), to_numpy(w), None if b is None else to_numpy(b))
+    assert_close(y, want, dtype, "y", seed, atol=gemv_tol(dtype, K), rtol=gemv_tol(dtype, K))
+    unfused = (silu_mul(gate_up).float() @ w.float().T + (0 if b is None else b.float())).to(dtype)
+    torch.testing.assert_close(y, unfused, atol=pair_tol(dtype, K), rtol=pair_tol(dtype, K))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K,split_k,rows", GEMV_CASES)
+def test_decode_gemv_matches_reference(dtype, M, N, K, split_k, rows, untuned):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    x = random_tensor((M, K + 3), dtype, DEVICE, gen)[:, 1:K + 1]  # strided rows
+    w, b = linear_weight(N, K, dtype, gen, with_bias=True)
+    y = decode_gemv(x, w, b, config=gemv_config(M, split_k, rows))
+    want = to_numpy(x) @ to_numpy(w).T + to_numpy(b)
+    assert_close(y, want, dtype, "y", seed, atol=gemv_tol(dtype, K), rtol=gemv_tol(dtype, K))
+
+
+def test_prologue_gemv_checks(untuned):
+    x = torch.zeros(2, 16, device=DEVICE)
+    w = torch.zeros(8, 16, device=DEVICE)
+    nw = torch.ones(16, device=DEVICE)
+    r = torch.zeros(2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="alias"):
+        add_rmsnorm_gemv(x, r, nw, 1e-5, w, residual_out=r)
+    with pytest.raises(ValueError):
+        add_rmsnorm_gemv(x, r, nw[:8], 1e-5, w)
+    with pytest.raises(ValueError):
+        silu_mul_gemv(torch.zeros(2, 17, device=DEVICE), w)
+    with pytest.raises(ValueError):
+        decode_gemv(x, torch.zeros(8, 15, device=DEVICE))
+    y, same = add_rmsnorm_gemv(x, None, nw, 1e-5, w)
+    assert same is x and y.shape == (2, 8)

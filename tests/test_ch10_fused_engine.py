@@ -40,12 +40,16 @@ def tiny_model(family: str = "llama", seed: int = 0) -> LlamaForCausalLM:
     return model
 
 
-def teacher_forced_logits(model, fused: bool, prompts, steps: int, graphs: bool = False) -> list[torch.Tensor]:
+def teacher_forced_logits(model, fused: bool, prompts, steps: int, graphs: bool = False,
+                          fold: bool | None = None) -> list[torch.Tensor]:
     """Prefill ``prompts`` in one step, then ``steps`` decode steps feeding fixed tokens; the
-    logits ``[seqs, vocab]`` of every step (through a `ModelRunner`, with CUDA graphs if asked)."""
+    logits ``[seqs, vocab]`` of every step (through a `ModelRunner`, with CUDA graphs if asked;
+    ``fold`` sets `FusedDecode.fold_into_gemv`)."""
     device = model.lm_head.weight.device
     cache = model.new_paged_cache(64, 4)
     enable_fused_decode(model, cache, "on" if fused else "off")
+    if fused and fold is not None:
+        model.fused_decode.fold_into_gemv = fold
     manager = BlockManager(64, 4, enable_prefix_caching=False)
     runner = ModelRunner(model, cache)
     if graphs:
@@ -74,6 +78,18 @@ def test_fused_teacher_forced_logits_match_on_cpu(family):
     prompts = [[1, 2, 3, 4, 5], [9, 8], [100, 101, 102, 103, 104, 105, 106, 107, 108]]
     want = teacher_forced_logits(model, False, prompts, steps=3)
     got = teacher_forced_logits(model, True, prompts, steps=3)
+    for step, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, atol=2e-4, rtol=2e-4, msg=lambda m: f"step {step}: {m}")
+
+
+@on_cpu
+def test_norms_and_swiglu_folded_into_the_gemvs_match_on_cpu():
+    """`FusedDecode.fold_into_gemv`: every projection through Chapter 10's prologue GEMVs
+    (`add_rmsnorm_gemv`, `decode_gemv`, `silu_mul_gemv`), prefill rows included."""
+    model = tiny_model("qwen2")
+    prompts = [[1, 2, 3, 4, 5], [9, 8]]
+    want = teacher_forced_logits(model, False, prompts, steps=2)
+    got = teacher_forced_logits(model, True, prompts, steps=2, fold=True)
     for step, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g, w, atol=2e-4, rtol=2e-4, msg=lambda m: f"step {step}: {m}")
 

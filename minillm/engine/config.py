@@ -49,6 +49,10 @@ class EngineConfig:
             no prefix cache (``enable_prefix_caching`` is set to False), copies the prompt for
             each fork instead of sharing it, counts ``num_blocks`` in pages of every layer's K
             and V, and runs in one process with a K/V (not MLA) model.
+        overlap_decode: launch a pure decode step before the previous step's tokens reach the
+            host, its input ids taken on the device, so that the host's scheduling and sampling
+            overlap the GPU's work (`LLMEngine.overlap_decode`). ``"auto"`` (on CUDA with CUDA
+            graphs and on-device sampling) or ``"off"``.
     """
 
     device: str | None = None
@@ -69,6 +73,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     fused_decode: str = "auto"
     kv_cache: str = "paged"
+    overlap_decode: str = "auto"
 
     def __post_init__(self):
         if self.kv_cache not in ("paged", "virtual"):
@@ -81,6 +86,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         if self.cuda_graphs not in ("all", "decode", "off"):
             raise ValueError(f"cuda_graphs must be 'all', 'decode' or 'off', got {self.cuda_graphs!r}")
+        if self.overlap_decode not in ("auto", "off"):
+            raise ValueError(f"overlap_decode must be 'auto' or 'off', got {self.overlap_decode!r}")
         if self.fused_decode not in ("auto", "on", "off"):
             raise ValueError(f"fused_decode must be 'auto', 'on' or 'off', got {self.fused_decode!r}")
         if self.max_num_seqs < self.max_n:

@@ -8,6 +8,16 @@ CPU), then samples the next token of every request whose sequences are all compu
 fused path of Chapter 10, on the GPU at the end of the step: `minillm.decoding.gpu_sampling`),
 checks the stop conditions, and returns what changed. The server (`minillm.server`) runs `step` in a
 loop in a background thread; `LLM.generate` runs it until everything is done.
+
+Overlapped decode (`LLMEngine.overlap_decode`, on by default on CUDA with graphs and on-device
+sampling; ``EngineConfig(overlap_decode="off")`` turns it off): while every running request is a
+plain decoding sequence, the next decode step is launched before this step's tokens reach the
+host, with those tokens as its input taken on the device (`Scheduler.schedule_ahead`,
+`BlockManager.append_pending`); the host then samples this step, checks the stops and prepares
+the next while the GPU computes. A sequence that stopped has its extra token dropped. Each token
+is computed as in the plain order (same inputs, same keys); only a step's batch may differ by the
+rows of sequences that stopped just before it, which can pick another CUDA-graph bucket and so
+move greedy choices at near-ties, as any change of batch can.
 """
 from __future__ import annotations
 
@@ -66,6 +76,7 @@ class EngineStats:
     requests_finished: int = 0
     requests_aborted: int = 0
     requests_failed: int = 0          # ended by an error in their own sampling (`LLMEngine.failures`)
+    overlapped_steps: int = 0         # decode steps launched before the step ahead of them was sampled
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -73,6 +84,32 @@ class EngineStats:
         rate counts only what `allocate` sees: a chunked prompt's first chunk, and a resumed
         request's output as prompt.)"""
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class _Launched:
+    """A step launched on the device and not sampled yet: its schedule, logits and tokens
+    (device tensors), the tokens' copy on the host (``host``, pinned, valid once ``ready`` has
+    passed; ``None`` when not copied), its launch time and its tokens per request (``record_steps``)."""
+    sched: SchedulerOutput
+    logits: torch.Tensor
+    drawn: torch.Tensor | None
+    host: torch.Tensor | None
+    ready: object | None          # a torch.cuda.Event, or None (nothing to wait for)
+    start: float
+    tokens: dict[str, int]
+
+
+def _copy_to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+    """``tokens`` copied to the host without waiting, and the CUDA event that marks the copy
+    done (``None`` off CUDA, where the copy is made at once)."""
+    if not tokens.is_cuda:
+        return tokens.clone(), None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 class LLMEngine:
@@ -114,10 +151,16 @@ class LLMEngine:
         self.sample_on_device = self.fused_decode
         # A tensor-parallel model (Chapter 13) brings its own runner: each rank runs its shard.
         self.runner = model.make_runner(self.cache) if hasattr(model, "make_runner") else ModelRunner(model, self.cache)
+        self._ahead: _Launched | None = None   # a decode step launched before the last one was sampled
         if config.cuda_graphs != "off":  # a no-op off CUDA or with the torch backend
             self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len,
                                             config.max_num_batched_tokens if config.cuda_graphs == "all" else 0,
                                             **({"sample_tokens": True} if self.sample_on_device else {}))
+        # Overlapped decode: with the tokens drawn on the GPU, a pure decode step is launched
+        # before the last one's tokens reach the host (its input ids are taken on the device),
+        # so the host schedules and samples while the GPU computes (`_step`).
+        self.overlap_decode = bool(config.overlap_decode == "auto" and self.sample_on_device
+                                   and self.device.type == "cuda" and getattr(self.runner, "cuda_graphs", False))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -286,30 +329,64 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _step(self) -> list[Request]:
+        """One step: schedule and launch it (or take the step launched ahead by the previous
+        call), launch the next decode step ahead of it when it can (`overlap_decode`), then
+        sample it; returns the requests that progressed."""
         start = time.perf_counter()
-        sched = self.scheduler.schedule()
-        if not sched.seqs:
-            return []
-        self.cache.copy_blocks(sched.copies)
+        current, self._ahead = self._ahead, None
+        if current is None:
+            sched = self.scheduler.schedule()
+            if not sched.seqs:
+                return []
+            current = self._launch(sched, start)
+        if self.overlap_decode and self._can_launch_ahead(current.sched):
+            self._ahead = self._launch_ahead(current)
+        progressed = self._sample_launched(current)
+        if self._ahead is not None:
+            self._resolve_ahead(self._ahead)
+        return progressed
+
+    def _launch(self, sched: SchedulerOutput, start: float, input_ids: torch.Tensor | None = None) -> _Launched:
+        """Copy-on-write copies, the step's batch, the forward pass (and on-device sampling),
+        without waiting for the GPU; the tokens' copy to the host is queued (`overlap_decode`).
+        ``input_ids``: the step's tokens already on the device (a step launched ahead); else
+        the manager's. Counts the tokens as computed (a step launched ahead: `_resolve_ahead`)."""
+        if sched.copies:  # most steps copy nothing (on CUDA, an empty call still costs a host-to-device copy)
+            self.cache.copy_blocks(sched.copies)
         batch = PagedBatch.from_manager(self.manager, [s.seq_id for s in sched.seqs], sched.num_new_tokens,
                                         device=self.device)
+        if input_ids is not None:
+            batch = dataclasses.replace(batch, input_ids=input_ids)
+        host = event = None
         if self.sample_on_device:  # Chapter 10: the tokens come out of the step with the logits
-            logits, drawn = self.runner.forward_and_sample(batch, self._sampling_rows(sched))
+            rows = self._sampling_rows(sched, ahead=input_ids is not None)
+            logits, drawn = self.runner.forward_and_sample(batch, rows)
+            if self.overlap_decode:
+                host, event = _copy_to_host(drawn)
         else:
             logits, drawn = self.runner.forward(batch), None                          # [seqs, vocab]
-        for seq, count in zip(sched.seqs, sched.num_new_tokens):
-            self.stats.prompt_tokens_computed += max(0, min(seq.num_computed + count, seq.num_prompt_tokens)
-                                                     - seq.num_computed)
-            seq.num_computed += count
+        if input_ids is None:
+            for seq, count in zip(sched.seqs, sched.num_new_tokens):
+                self.stats.prompt_tokens_computed += max(0, min(seq.num_computed + count, seq.num_prompt_tokens)
+                                                         - seq.num_computed)
+                seq.num_computed += count
         for request in sched.requests:
             if request.metrics.first_scheduled is None:  # admitted for the first time
                 request.metrics.first_scheduled = start
                 self.stats.prompt_tokens += len(request.prompt_token_ids)
                 self.stats.cached_prompt_tokens += request.num_cached_tokens or 0
+        tokens: dict[str, int] = {}
         if self.config.record_steps:
-            tokens: dict[str, int] = {}
             for request, count in zip(sched.owners, sched.num_new_tokens):
                 tokens[request.request_id] = tokens.get(request.request_id, 0) + count
+        return _Launched(sched, logits, drawn, host, event, start, tokens)
+
+    def _sample_launched(self, step: _Launched) -> list[Request]:
+        """Wait for ``step``'s tokens, sample, retire what stopped; record the step."""
+        sched, logits = step.sched, step.logits
+        if step.ready is not None:
+            step.ready.synchronize()   # this step's tokens only: a step launched after it may still run
+        drawn = step.host if step.host is not None else step.drawn
         try:
             progressed = self.sample(sched, logits, drawn)
         except Exception:  # a batched part raised (before any request changed): one request at a time
@@ -322,22 +399,74 @@ class LLMEngine:
                     progressed.append(request)
         self.stats.steps += 1
         if self.config.record_steps:
-            self.steps.append(StepRecord(start, time.perf_counter(), tokens, len(self.scheduler.waiting),
+            # A step launched ahead began while the one before it ran: its record starts when
+            # that one's ended, so that the records of consecutive steps do not overlap.
+            start = max(step.start, self.steps[-1].end) if self.steps else step.start
+            self.steps.append(StepRecord(start, time.perf_counter(), step.tokens, len(self.scheduler.waiting),
                                          len(self.scheduler.running), self.manager.num_used_blocks, self.kv_tokens()))
         return progressed
 
-    def _sampling_rows(self, sched: SchedulerOutput) -> SamplingTensors | None:
+    # == overlapped decode (on CUDA: the host's work for one step while the GPU runs the last) ====
+    def _can_launch_ahead(self, sched: SchedulerOutput) -> bool:
+        """Whether the next step can be launched before ``sched``'s tokens are known: ``sched``
+        ran every running request, each a single sequence drawing its next token on the
+        device from the raw logits (no logprobs, processors, beams or forks: nothing that needs
+        the logits or the token on the host before the next step), and the next step would
+        admit nobody (nobody waits, or the batch is full)."""
+        sch = self.scheduler
+        if sched.preempted or len(sched.requests) != len(sch.running):
+            return False
+        if sch.waiting and sch.num_running_seqs < sch.max_num_seqs:
+            return False
+        for request in sch.running:
+            p = request.params
+            if (request.num_seqs != 1 or request.seqs[0].num_uncomputed != 0 or p.n != 1 or p.beam_search
+                    or p.processes_logits or p.logprobs is not None or p.prompt_logprobs is not None):
+                return False
+        return True
+
+    def _launch_ahead(self, current: _Launched) -> _Launched | None:
+        """Launch the decode step after ``current`` with ``current``'s tokens as its input, taken
+        on the device: every running sequence gets a slot for its next token, whose id the
+        managers learn in `_resolve_ahead`. ``None`` when the pool is short (the next step
+        then runs as usual, after this one, and preempts if it must)."""
+        sched = self.scheduler.schedule_ahead()
+        if sched is None:
+            return None
+        row_of = {seq.seq_id: i for i, seq in enumerate(current.sched.seqs)}
+        rows = [row_of[seq.seq_id] for seq in sched.seqs]
+        in_order = rows == list(range(len(rows)))
+        index = slice(0, len(rows)) if in_order else torch.tensor(rows, device=current.drawn.device)
+        self.stats.overlapped_steps += 1
+        return self._launch(sched, time.perf_counter(), input_ids=current.drawn[index])
+
+    def _resolve_ahead(self, ahead: _Launched) -> None:
+        """After the step before ``ahead`` was sampled: each sequence still running has its new
+        token as the one ``ahead`` computes (given to the manager, counted as computed); a
+        sequence that stopped meanwhile gets nothing (its blocks are free already, and its
+        token from ``ahead`` is dropped: its request is no longer ready to sample)."""
+        live = False
+        for seq in ahead.sched.seqs:
+            if seq.finish_reason is None and seq.seq_id in self.manager:
+                self.manager.set_last_token(seq.seq_id, seq.token_ids[-1])
+                seq.num_computed = len(seq.token_ids)
+                live = True
+        if not live:   # everyone stopped: nothing of it will be read
+            self._ahead = None
+
+    def _sampling_rows(self, sched: SchedulerOutput, ahead: bool = False) -> SamplingTensors | None:
         """The sampling parameters of every row of the step (`SamplingTensors`): each
         sequence's request's parameters, key ``seed + index``, position = its length (the
         position of the token it will draw; rows that draw nothing this step are ignored).
         ``None`` when no row samples in the step itself (greedy, beam search, and requests whose
-        logits are processed first: `_sample_from_device` draws those): the argmax suffices."""
+        logits are processed first: `_sample_from_device` draws those): the argmax suffices.
+        ``ahead``: a step launched before its input tokens joined the sequences (one each)."""
         params = [r.params for r in sched.owners]
         if not any(not p.greedy and not p.beam_search and not p.processes_logits for p in params):
             return None
         return SamplingTensors.from_params(params,
                                            [r.seed + s.index for r, s in zip(sched.owners, sched.seqs)],
-                                           [len(s.token_ids) for s in sched.seqs], self.device)
+                                           [len(s.token_ids) + ahead for s in sched.seqs], self.device)
 
     def sample(self, sched: SchedulerOutput, logits: torch.Tensor, tokens: torch.Tensor | None = None
                ) -> list[Request]:
@@ -410,18 +539,21 @@ class LLMEngine:
             else:
                 spans.append((at, k))
             at += k
-        index = torch.tensor(rows, device=logits.device)
-        chosen = tokens[index]
+        # The ready rows are most often the step's first rows in order (a pure decode step):
+        # then a view, not a gather (on CUDA: no host-to-device copy, no kernel).
+        in_order = rows == list(range(len(rows)))
+        index = slice(0, len(rows)) if in_order else torch.tensor(rows, device=tokens.device)
+        chosen = tokens[index]   # on the host already when the step's tokens were copied (`overlap_decode`)
         need_lp = any(r.params.logprobs is not None or r.params.beam_search for r in ready)
         if need_lp or redraw:
-            logits = logits[index].float()
+            logits = logits[index if in_order else index.to(logits.device)].float()
         logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None   # of the raw logits, as vLLM's
         if redraw:
             processed = self._process_logits(ready, logits)              # logit bias, min_tokens, penalties
             again = SamplingTensors.from_params([p for _, p, _, _ in redraw], [key for *_, key, _ in redraw],
                                                 [pos for *_, pos in redraw], logits.device)
             redrawn = processed[torch.tensor([row for row, *_ in redraw], device=logits.device)]
-            chosen = torch.cat([chosen, sample_on_device(redrawn, again)])
+            chosen = torch.cat([chosen, sample_on_device(redrawn, again).to(chosen.device)])
         host = chosen.tolist() if any(span is not None for span in spans) else []
         for request in ready:
             if request.params.prompt_logprobs is not None and request.prompt_logprobs is None:
@@ -542,7 +674,7 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif params.stop and (hit := seq.detokenizer.update(seq.output_ids)) is not None:
             seq.finish_reason, seq.stop_reason = "stop", hit
-        elif len(seq.output_ids) >= params.max_tokens:
+        elif seq.num_output_tokens >= params.max_tokens:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 

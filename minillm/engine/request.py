@@ -67,6 +67,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def num_output_tokens(self) -> int:
+        """``len(output_ids)``, without copying them."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 

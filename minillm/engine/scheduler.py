@@ -119,7 +119,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        queue = list(self.running)                     # oldest first; victims come off the end
+        # The common case, every running sequence decoding, takes its slots in one call; any
+        # other (the budget or the pool too short, a sequence without blocks) goes request by request.
+        queue = [] if self._take_all_running(out) else list(self.running)  # oldest first; victims off the end
+        budget -= out.num_batched_tokens
         while queue and budget > 0:
             request = queue.pop(0)
             while True:
@@ -154,6 +157,62 @@ class Scheduler:
             out.add(request, chunks, copies)
             budget -= sum(count for _, count in chunks)
         return out
+
+    def schedule_ahead(self) -> SchedulerOutput | None:
+        """The decode step after the one running now, scheduled before that one's tokens are
+        known (the engine's overlapped decode): one token for every sequence of every running
+        request, its slot taken with `BlockManager.append_pending`. ``None``, having changed
+        nothing, when the budget or the pool is too short (the next step is then scheduled as
+        usual, once the tokens are known). Admits nobody."""
+        out = SchedulerOutput()
+        for request in self.running:
+            out.requests.append(request)
+            for seq in request.seqs:
+                out.seqs.append(seq)
+                out.owners.append(request)
+        if not out.seqs or len(out.seqs) > self.max_num_batched_tokens:
+            return None
+        try:
+            result = self.manager.append_pending([seq.seq_id for seq in out.seqs])
+        except OutOfBlocks:
+            return None
+        out.num_new_tokens = [1] * len(out.seqs)
+        out.copies = list(result.copies)
+        return out
+
+    def _take_all_running(self, out: SchedulerOutput) -> bool:
+        """Take the slots of every running sequence's uncomputed tokens in one `append_slots`
+        call and add them to ``out``, when they all fit in the step's budget and in the pool:
+        what `_take_blocks` request by request would do then (same slots, same copies, same
+        order), at one call's cost. Returns False, having changed nothing, when they do not."""
+        mgr = self.manager
+        seqs, owners, counts, requests, tokens = [], [], [], [], []
+        for request in self.running:
+            took = False
+            for seq in request.seqs:
+                if seq.seq_id not in mgr:
+                    return False
+                count = len(seq.token_ids) - seq.num_computed
+                if count > 0:
+                    seqs.append(seq)
+                    owners.append(request)
+                    counts.append(count)
+                    tokens.append(seq.token_ids[seq.num_computed:])
+                    took = True
+            if took:
+                requests.append(request)
+        if not seqs or sum(counts) > self.max_num_batched_tokens:
+            return False
+        try:
+            result = mgr.append_slots([seq.seq_id for seq in seqs], tokens)
+        except OutOfBlocks:
+            return False
+        out.seqs += seqs
+        out.owners += owners
+        out.num_new_tokens += counts
+        out.requests += requests
+        out.copies += result.copies
+        return True
 
     def _take_blocks(self, request: Request, budget: int) -> tuple[list[tuple[Sequence, int]], tuple]:
         """Choose how many tokens of each of ``request``'s sequences to compute within

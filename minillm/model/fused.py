@@ -22,6 +22,14 @@ The kernels are `minillm.kernels.ch10_fused_decode`. The merged weights are buil
 tensor: no memory is added, and the torch path (``forward``, the contiguous cache, the
 unfused ``forward_paged``) keeps working on the very same numbers.
 
+When Chapter 8's dispatch picks the GEMV for the step's rows (decode steps of a few
+sequences), three more kernels per layer go: each `add_rmsnorm` is folded into the GEMV that
+reads its output (`add_rmsnorm_gemv`, the final norm into the LM head's), `silu_mul` into the
+down projection's (`silu_mul_gemv`), and the o projection runs on the same kernel
+(`decode_gemv`). On Hopper these kernels chain as programmatic dependent launches
+(`minillm.kernels.ch10_fused_decode.pdl_enabled`). A 1B Llama's decode step of one sequence
+is then 6 kernels a layer instead of 9 (`FusedDecode.fold_into_gemv` forces either way).
+
 The residual stream is carried separately from the block outputs, as vLLM's layers do:
 ``h, residual = add_rmsnorm(block_out, residual, w)`` replaces ``x = x + block_out; h =
 norm(x)``. Logits are computed for the rows that sample only (each sequence's last new token,
@@ -113,6 +121,9 @@ class FusedDecode:
         from minillm.kernels import ch10_fused_decode as kernels
 
         self.model, self.k = model, kernels
+        #: None: fold the norms and SwiGLU into the GEMVs where the dispatch picks the GEMV;
+        #: True/False: always/never (True runs the folded kernels under the interpreter too).
+        self.fold_into_gemv: bool | None = None
         self.weights = []
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
@@ -131,23 +142,53 @@ class FusedDecode:
         residual = None
         for i, (layer, w) in enumerate(zip(model.model.layers, self.weights)):
             ln = layer.input_layernorm
-            h, residual = k.add_rmsnorm(x, residual, ln.weight, ln.eps)
-            qkv = _linear(h, w.qkv, w.qkv_bias)                                         # [N, (H + 2Hkv) D]
+            qkv, residual = self._norm_linear(x, residual, ln, w.qkv, w.qkv_bias)     # [N, (H + 2Hkv) D]
             q = qkv[:, :H * D].view(N, H, D)
             kk = qkv[:, H * D:(H + Hkv) * D].view(N, Hkv, D)
             v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
             q = k.rope_write_kv(q, kk, v, cos, sin, cache.k[i], cache.v[i], batch.slot_mapping)
             out = paged_attention(q, cache, i, batch, scale=D ** -0.5)                  # [N, H, D]
-            x = layer.self_attn.o_proj(out.reshape(N, H * D))
+            x = self._project(out.reshape(N, H * D), layer.self_attn.o_proj)
             ln = layer.post_attention_layernorm
-            h, residual = k.add_rmsnorm(x, residual, ln.weight, ln.eps)
-            x = layer.mlp.down_proj(k.silu_mul(_linear(h, w.gate_up, w.gate_up_bias)))
-        if last_only:  # only the rows that sample: the final norm and lm_head on [batch, hidden]
+            gate_up, residual = self._norm_linear(x, residual, ln, w.gate_up, w.gate_up_bias)
+            down = layer.mlp.down_proj
+            if self._gemv(gate_up, down.weight):  # SwiGLU's activation folded into the down GEMV
+                x = k.silu_mul_gemv(gate_up, down.weight, down.bias)
+            else:
+                x = down(k.silu_mul(gate_up))
+        if last_only and batch.max_seqlen_q != 1:  # only the rows that sample (one new token each: all rows)
             rows = batch.last_token_rows
             x, residual = x[rows], residual[rows]
-        norm = model.model.norm
-        h, _ = k.add_rmsnorm(x, residual, norm.weight, norm.eps)
-        return model.lm_head(h)
+        head = model.lm_head
+        return self._norm_linear(x, residual, model.model.norm, head.weight, head.bias)[0]
+
+    def _gemv(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether this projection runs as a GEMV with its neighbours folded in: where Chapter
+        8's dispatch picks the GEMV for these rows (on CUDA, fp16/bf16), or as `fold_into_gemv`
+        forces (True also under the interpreter, for the tests)."""
+        if self.fold_into_gemv is not None:
+            return self.fold_into_gemv
+        if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype):
+            return False
+        from minillm.engine.gemm_table import table_for_device
+        from minillm.kernels.ch08_flat_gemm import choose_kernel
+
+        return choose_kernel(x.shape[0], weight.shape[0], weight.shape[1], table_for_device(x.device)) == "gemv"
+
+    def _norm_linear(self, x, residual, norm, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(linear(rmsnorm(x + residual)), x + residual)``: one kernel where `_gemv`, else
+        `add_rmsnorm` and the dispatched linear layer."""
+        if self._gemv(x, weight):
+            return self.k.add_rmsnorm_gemv(x, residual, norm.weight, norm.eps, weight, bias)
+        h, residual = self.k.add_rmsnorm(x, residual, norm.weight, norm.eps)
+        return _linear(h, weight, bias), residual
+
+    def _project(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        """``linear(x)``: the same GEMV kernel as its neighbours where `_gemv` (so it chains
+        with them, `minillm.kernels.ch10_fused_decode.pdl_enabled`), else the module."""
+        if self._gemv(x, linear.weight):
+            return self.k.decode_gemv(x, linear.weight, linear.bias)
+        return linear(x)
 
 
 def enable_fused_decode(model, cache: PagedKVCache, mode: str = "auto") -> bool:

@@ -219,24 +219,18 @@ class PagedBatch:
         counts = [num_new_tokens] * len(seq_ids) if isinstance(num_new_tokens, int) else list(num_new_tokens)
         if len(counts) != len(seq_ids):
             raise ValueError(f"{len(seq_ids)} sequences but {len(counts)} new-token counts")
-        ids, positions, slots, tables, lens = [], [], [], [], []
-        for seq_id, n in zip(seq_ids, counts):
-            length = manager.num_tokens(seq_id)
-            if not 1 <= n <= length:
-                raise ValueError(f"sequence {seq_id!r} has {length} tokens; cannot run its last {n}")
-            start = length - n
-            ids.extend(manager.token_ids(seq_id)[start:])
-            positions.extend(range(start, length))
-            slots.extend(manager.slot_mapping(seq_id, start))
-            tables.append(manager.block_table(seq_id))
-            lens.append(length)
+        # Both of minillm's managers gather the step in one pass (`BlockManager.step_inputs`);
+        # any other object with the manager's read-only views works too, one view at a time.
+        gather = getattr(manager, "step_inputs", None)
+        ids, positions, slots, lens, tables = (gather(seq_ids, counts) if gather is not None
+                                               else _step_inputs(manager, seq_ids, counts))
         cu = list(itertools.accumulate(counts, initial=0))
         # Two host-to-device copies per step, not six: the int64 rows, then the int32 rest.
         device = torch.device(device or "cpu")
         total, batch = len(ids), len(lens)
-        wide = torch.tensor(ids + positions + slots, dtype=torch.int64).to(device)
+        wide = _to_device(np.array(ids + positions + slots, dtype=np.int64), device)
         table = padded_block_tables(tables, max_blocks)                               # numpy int32
-        narrow = torch.from_numpy(np.concatenate([np.asarray(cu + lens, dtype=np.int32), table.ravel()])).to(device)
+        narrow = _to_device(np.concatenate([np.array(cu + lens, dtype=np.int32), table.ravel()]), device)
         return cls(
             input_ids=wide[:total],
             positions=wide[total:2 * total],
@@ -248,6 +242,37 @@ class PagedBatch:
             max_seq_len=max(lens, default=0),
             fresh_prefill=bool(lens) and lens == counts,
         )
+
+
+def _step_inputs(manager, seq_ids: list, counts: list[int]
+                 ) -> tuple[list[int], list[int], list[int], list[int], list[list[int]]]:
+    """`BlockManager.step_inputs` through the manager's read-only views (``num_tokens``,
+    ``token_ids``, ``slot_mapping``, ``block_table``), for a manager without it."""
+    ids, positions, slots, lens, tables = [], [], [], [], []
+    for seq_id, n in zip(seq_ids, counts):
+        length = manager.num_tokens(seq_id)
+        if not 1 <= n <= length:
+            raise ValueError(f"sequence {seq_id!r} has {length} tokens; cannot run its last {n}")
+        start = length - n
+        ids.extend(manager.token_ids(seq_id)[start:])
+        positions.extend(range(start, length))
+        slots.extend(manager.slot_mapping(seq_id, start))
+        tables.append(manager.block_table(seq_id))
+        lens.append(length)
+    return ids, positions, slots, lens, tables
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A fresh host array as a tensor on ``device``. To CUDA through pinned memory and without
+    waiting: a copy from pageable memory blocks the host until the GPU has finished everything
+    queued before it (the pinned buffer is not reused before the copy is done: torch's pinned
+    allocator records the copy)."""
+    host = torch.from_numpy(array)
+    if device.type != "cuda":
+        return host.to(device)
+    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    pinned.copy_(host)
+    return pinned.to(device, non_blocking=True)
 
 
 def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -42,9 +42,10 @@ from minillm.paged.allocator import BlockAllocator
 from minillm.paged.errors import DuplicateSequence, OutOfBlocks, RequestTooLong, UnknownSequence
 from minillm.paged.prefix_cache import Block, HashFn, chain_hash
 
-__all__ = ["Admission", "AppendResult", "BlockManager", "blocks_for"]
+__all__ = ["PENDING", "Admission", "AppendResult", "BlockManager", "blocks_for"]
 
 MAX_TOKEN_ID = 2**31 - 1  # token ids are hashed as int32
+PENDING = -1              # a token appended before its id is known (`BlockManager.append_pending`)
 
 
 class Admission(enum.Enum):
@@ -227,6 +228,40 @@ class BlockManager:
         bs, table = self.block_size, seq.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, stop)]
 
+    def step_inputs(self, seq_ids: Sequence, counts: Sequence[int]
+                    ) -> tuple[list[int], list[int], list[int], list[int], list[list[int]]]:
+        """What a forward step over the last ``counts[i]`` tokens of each ``seq_ids[i]`` reads,
+        in one pass (`minillm.model.paged.PagedBatch.from_manager` calls it every step):
+        ``(token_ids, positions, slots, lengths, block_tables)``, the first three flat over the
+        step's tokens, the last two per sequence. The block tables are the manager's own lists,
+        not copies: read them before the next change to the manager.
+
+        Raises `UnknownSequence`, and ``ValueError`` unless ``1 <= counts[i] <= length``."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        lengths: list[int] = []
+        tables: list[list[int]] = []
+        for seq_id, n in zip(seq_ids, counts):
+            seq = self._get(seq_id, "read")
+            tokens, table = seq.token_ids, seq.block_table
+            length = len(tokens)
+            if not 1 <= n <= length:
+                raise ValueError(f"sequence {seq_id!r} has {length} tokens; cannot run its last {n}")
+            start = length - n
+            if n == 1:  # a decode step: one token, no list built
+                ids.append(tokens[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids += tokens[start:]
+                positions += range(start, length)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, length)]
+            lengths.append(length)
+            tables.append(table)
+        return ids, positions, slots, lengths, tables
+
     def ref_count(self, block_id: int) -> int:
         """How many block-table entries point at ``block_id``."""
         return self._alloc.blocks[block_id].ref_count
@@ -365,7 +400,7 @@ class BlockManager:
         seq_ids = list(seq_ids)
         if len(token_ids) != len(seq_ids):
             raise ValueError(f"got {len(seq_ids)} sequences but {len(token_ids)} token entries")
-        batches = [self._check_tokens(_as_list(t), f"append to sequence {sid!r}") for sid, t in zip(seq_ids, token_ids)]
+        batches = [self._check_tokens(_as_list(t), "append to sequence", sid) for sid, t in zip(seq_ids, token_ids)]
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"append_slots got a sequence twice in {seq_ids!r}")
         seqs = [self._get(s, "append to") for s in seq_ids]
@@ -379,6 +414,36 @@ class BlockManager:
             self._append(seq, toks, slots, copies)
         self.stats.cow_copies += len(copies)
         return AppendResult(tuple(slots), tuple(copies))
+
+    def append_pending(self, seq_ids: Sequence) -> AppendResult:
+        """`append_slots` of one token per sequence whose id is not known yet: a step launched
+        while the one before it, which draws these tokens, still runs (the engine's overlapped
+        decode). Until `set_last_token` gives it, the token reads as ``PENDING`` and a block it
+        fills is not offered to the prefix cache."""
+        seq_ids = list(seq_ids)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"append_pending got a sequence twice in {seq_ids!r}")
+        seqs = [self._get(s, "append to") for s in seq_ids]
+        needed = sum(self._new_blocks(seqs, [1] * len(seqs)))
+        if needed > self.num_available_blocks:
+            self._raise_out_of_blocks(f"appending to {len(seqs)} sequence(s)", needed, self.num_available_blocks)
+        slots: list[int] = []
+        copies: list[tuple[int, int]] = []
+        for seq in seqs:
+            self._append(seq, [PENDING], slots, copies)
+        self.stats.cow_copies += len(copies)
+        return AppendResult(tuple(slots), tuple(copies))
+
+    def set_last_token(self, seq_id, token_id: int) -> None:
+        """Give the token `append_pending` appended to ``seq_id`` its id (and, if it filled its
+        block, offer that block to the prefix cache, as `append_slots` would have)."""
+        seq = self._get(seq_id, "set the last token of")
+        if seq.token_ids[-1] != PENDING:
+            raise ValueError(f"sequence {seq_id!r} has no pending token")
+        seq.token_ids[-1] = self._check_tokens([token_id], "set the last token of sequence", seq_id)[0]
+        pos = len(seq.token_ids) - 1
+        if (pos + 1) % self.block_size == 0 and self.enable_prefix_caching:
+            self._register_full_block(seq, pos // self.block_size)
 
     def append_slot(self, seq_id, token_id: int) -> AppendResult:
         """Append one token to one sequence: ``append_slots([seq_id], [token_id])``.
@@ -429,11 +494,18 @@ class BlockManager:
             raise UnknownSequence(seq_id, action) from None
 
     @staticmethod
-    def _check_tokens(token_ids, action: str) -> list[int]:
+    def _check_tokens(token_ids, action: str, seq_id=None) -> list[int]:
+        """``token_ids`` as a list of ints in ``[0, 2**31)``, else the error says it could not
+        ``action`` (followed by ``seq_id`` when given: formatted only then, since `append_slots`
+        checks every sequence of every step)."""
         try:
             tokens = [operator.index(t) for t in token_ids]
         except TypeError:
+            action = action if seq_id is None else f"{action} {seq_id!r}"
             raise TypeError(f"cannot {action}: token ids must be integers, got {token_ids!r}") from None
+        if tokens and 0 <= min(tokens) and max(tokens) <= MAX_TOKEN_ID:
+            return tokens
+        action = action if seq_id is None else f"{action} {seq_id!r}"
         bad = [t for t in tokens if not 0 <= t <= MAX_TOKEN_ID]
         if bad:
             raise ValueError(f"cannot {action}: token ids must lie in [0, 2**31), got {bad[:5]}")
@@ -502,7 +574,7 @@ class BlockManager:
                 table.append(self._alloc.allocate())
             seq.token_ids.append(token)
             slots.append(table[-1] * bs + pos % bs)
-            if (pos + 1) % bs == 0 and self.enable_prefix_caching:
+            if (pos + 1) % bs == 0 and self.enable_prefix_caching and token != PENDING:
                 self._register_full_block(seq, pos // bs)
 
     def _register_full_block(self, seq: _Sequence, i: int) -> None:

@@ -13,12 +13,15 @@ agrees with these up to that rounding.
 - `rope_write_kv`: rotate q and k, then write the rotated k and the untouched v into their
   slots of the paged cache (slot ``-1``: write nothing); returns the rotated q and the caches.
 - `silu_mul`: SwiGLU's activation on the merged gate/up projection: ``[T, 2I] -> [T, I]``.
+- `add_rmsnorm_linear`, `silu_mul_linear`: the two above followed by the linear layer that
+  reads their output (the oracles of the GEMVs that fold them into their load of x).
 """
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["rmsnorm", "add_rmsnorm", "rope_cos_sin", "rotary", "rope_write_kv", "silu_mul"]
+__all__ = ["rmsnorm", "add_rmsnorm", "rope_cos_sin", "rotary", "rope_write_kv", "silu_mul", "add_rmsnorm_linear",
+           "silu_mul_linear"]
 
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -81,3 +84,23 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     inter = gate_up.shape[-1] // 2
     g, u = gate_up[..., :inter], gate_up[..., inter:]
     return g / (1.0 + np.exp(-g)) * u
+
+
+def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    y = x @ np.asarray(weight, dtype=np.float64).T
+    return y if bias is None else y + np.asarray(bias, dtype=np.float64)
+
+
+def add_rmsnorm_linear(x: np.ndarray, residual: np.ndarray | None, norm_weight: np.ndarray, eps: float,
+                       weight: np.ndarray, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(add_rmsnorm(x, residual, norm_weight, eps)[0] @ weightᵀ + bias, x + residual)`` for
+    ``x, residual [M, K]``, ``weight [N, K]``, ``bias [N]``: the next block's projection of the
+    normalised residual stream, and the stream itself."""
+    h, r = add_rmsnorm(x, residual, norm_weight, eps)
+    return _linear(h, weight, bias), r
+
+
+def silu_mul_linear(gate_up: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """``silu_mul(gate_up) @ weightᵀ + bias``: ``gate_up [M, 2I]``, ``weight [N, I]`` -> ``[M, N]``
+    (the MLP's down projection of SwiGLU's activation)."""
+    return _linear(silu_mul(gate_up), weight, bias)

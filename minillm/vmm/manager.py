@@ -54,6 +54,7 @@ import torch
 
 from minillm.model.paged import BACKENDS, PagedKVCache
 from minillm.paged import Admission, AppendResult, BlockManager, BlockManagerStats, blocks_for
+from minillm.paged.block_manager import PENDING
 from minillm.paged.errors import DuplicateSequence, OutOfBlocks, RequestTooLong, UnknownSequence
 from minillm.vmm.pagetable import Geometry, OutOfPages, PageTable, pages_for
 
@@ -246,9 +247,9 @@ class VirtualBlockManager:
     @property
     def num_used_blocks(self) -> int:
         """Blocks (pages of every tensor) the live sequences' tokens need, and the freed
-        parents kept for a pending copy."""
-        g, t = self.geometry, self.table
-        return sum(g.pages_for(t.tokens[t.slot(k)]) for k in self._live_keys())
+        parents kept for a pending copy: those are exactly the page table's active requests
+        (every admission of the table is this manager's), whose pages it counts as they grow."""
+        return self.table.needed_pages
 
     @property
     def num_available_blocks(self) -> int:
@@ -277,7 +278,7 @@ class VirtualBlockManager:
 
     @property
     def num_free_slots(self) -> int:
-        return self.geometry.max_slots - len(self.table.requests)
+        return self.geometry.max_slots - self.table.num_requests
 
     # == read-only views =========================================================================
     def __contains__(self, seq_id) -> bool:
@@ -323,6 +324,35 @@ class VirtualBlockManager:
             raise IndexError(f"positions {start}:{stop} out of range for sequence {seq_id!r} of {n} tokens")
         base = self._slot(seq_id, "read") * self.capacity
         return list(range(base + start, base + stop))
+
+    def step_inputs(self, seq_ids: Sequence, counts: Sequence[int]
+                    ) -> tuple[list[int], list[int], list[int], list[int], list[list[int]]]:
+        """``(token_ids, positions, slots, lengths, block_tables)`` of a step over the last
+        ``counts[i]`` tokens of each ``seq_ids[i]``: `minillm.paged.BlockManager.step_inputs`
+        (block tables of one column, ``[slot]``)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        lengths: list[int] = []
+        tables: list[list[int]] = []
+        for seq_id, n in zip(seq_ids, counts):
+            tokens = self._get(seq_id, "read").token_ids
+            length = len(tokens)
+            if not 1 <= n <= length:
+                raise ValueError(f"sequence {seq_id!r} has {length} tokens; cannot run its last {n}")
+            slot = self._slot(seq_id, "read")
+            start, base = length - n, slot * self.capacity
+            if n == 1:
+                ids.append(tokens[start])
+                positions.append(start)
+                slots.append(base + start)
+            else:
+                ids += tokens[start:]
+                positions += range(start, length)
+                slots += range(base + start, base + length)
+            lengths.append(length)
+            tables.append([slot])
+        return ids, positions, slots, lengths, tables
 
     # == admission ===============================================================================
     def blocks_needed(self, num_tokens: int) -> int:
@@ -390,7 +420,7 @@ class VirtualBlockManager:
         seq_ids = list(seq_ids)
         if len(token_ids) != len(seq_ids):
             raise ValueError(f"got {len(seq_ids)} sequences but {len(token_ids)} token entries")
-        batches = [_check_tokens(_as_list(t), f"append to sequence {s!r}") for s, t in zip(seq_ids, token_ids)]
+        batches = [_check_tokens(_as_list(t), "append to sequence", s) for s, t in zip(seq_ids, token_ids)]
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"append_slots got a sequence twice in {seq_ids!r}")
         seqs = [self._get(s, "append to") for s in seq_ids]
@@ -426,6 +456,32 @@ class VirtualBlockManager:
 
     def append_slot(self, seq_id, token_id: int) -> AppendResult:
         return self.append_slots([seq_id], [token_id])
+
+    def append_pending(self, seq_ids) -> AppendResult:
+        """One slot per sequence for a token whose id is not known yet
+        (`minillm.paged.BlockManager.append_pending`); `set_last_token` gives it.
+
+        The step before is still running then, and may write into the slot of a sequence
+        freed since: so the pages come from the free pool only, never reclaimed (unmapped)
+        from an idle slot; `OutOfBlocks` (nothing changed) when the free pool is short."""
+        seq_ids = list(seq_ids)
+        seqs = [self._get(s, "append to") for s in seq_ids]
+        if any(seq.key is None for seq in seqs):
+            raise ValueError("append_pending cannot copy a pending fork (its parent's rows are needed first)")
+        needed = self._blocks_for_appends(seqs, [1] * len(seqs))
+        if needed > self.num_free_blocks:
+            self._out_of_blocks(f"appending ahead to {len(seqs)} sequence(s) from free pages", needed)
+        result = self.append_slots(seq_ids, [0] * len(seq_ids))
+        for seq_id in seq_ids:
+            self._seqs[seq_id].token_ids[-1] = PENDING
+        return result
+
+    def set_last_token(self, seq_id, token_id: int) -> None:
+        """Give the token `append_pending` appended to ``seq_id`` its id."""
+        tokens = self._get(seq_id, "set the last token of").token_ids
+        if tokens[-1] != PENDING:
+            raise ValueError(f"sequence {seq_id!r} has no pending token")
+        tokens[-1] = _check_tokens([token_id], "set the last token of sequence", seq_id)[0]
 
     def fork(self, parent_id, child_id) -> None:
         """Make ``child_id`` a copy of ``parent_id``. Costs nothing now: the child's first
@@ -463,9 +519,6 @@ class VirtualBlockManager:
         if seq.key is None:
             raise ValueError(f"sequence {seq_id!r} is a fork whose slot is taken at its first append_slots")
         return self.table.slot(seq.key)
-
-    def _live_keys(self) -> list[int]:
-        return [s.key for s in self._seqs.values() if s.key is not None] + list(self._orphans)
 
     def _blocks_for_appends(self, seqs: list[_Seq], counts: list[int]) -> int:
         """New blocks the appends need: the growth of each sequence, and the whole of a
@@ -531,11 +584,17 @@ def _as_list(tokens) -> list:
         return list(tokens)
 
 
-def _check_tokens(token_ids, action: str) -> list[int]:
+def _check_tokens(token_ids, action: str, seq_id=None) -> list[int]:
+    """``token_ids`` as a list of ints in ``[0, 2**31)``, else the error says it could not
+    ``action`` (followed by ``seq_id`` when given: formatted only then)."""
     try:
         tokens = [operator.index(t) for t in token_ids]
     except TypeError:
+        action = action if seq_id is None else f"{action} {seq_id!r}"
         raise TypeError(f"cannot {action}: token ids must be integers, got {token_ids!r}") from None
+    if tokens and 0 <= min(tokens) and max(tokens) <= MAX_TOKEN_ID:
+        return tokens
+    action = action if seq_id is None else f"{action} {seq_id!r}"
     if any(not 0 <= t <= MAX_TOKEN_ID for t in tokens):
         raise ValueError(f"cannot {action}: token ids must lie in [0, 2**31)")
     return tokens

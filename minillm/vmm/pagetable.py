@@ -90,7 +90,10 @@ class Geometry:
         return self.num_tensors * self.tensor_bytes
 
     def pages_for(self, tokens: int) -> int:
-        return pages_for(tokens, self.bytes_per_token, self.page_bytes)
+        """`pages_for` of this geometry (the sizes are checked once, at creation)."""
+        if tokens < 0:
+            raise ValueError(f"bad sizes: tokens={tokens}")
+        return -(-tokens * self.bytes_per_token // self.page_bytes)
 
     def token_offset(self, slot: int, token: int) -> int:
         """Byte offset of ``token`` of the request in ``slot``, from the tensor's base."""
@@ -129,6 +132,9 @@ class PageTable:
         self.tokens = [0] * geometry.max_slots            # tokens of the request in a slot (0 if idle)
         self._slot_of: dict[Hashable, int] = {}
         self._idle = set(range(geometry.max_slots))
+        # pages_for(tokens) summed over the active slots, kept up to date by admit, grow and
+        # release: the engine asks for it for every sequence of every step.
+        self._needed_pages = 0
         self.map_calls = 0
         self.unmap_calls = 0
 
@@ -140,6 +146,17 @@ class PageTable:
     @property
     def requests(self) -> list:
         return list(self._slot_of)
+
+    @property
+    def num_requests(self) -> int:
+        """Active requests (slots in use)."""
+        return len(self._slot_of)
+
+    @property
+    def needed_pages(self) -> int:
+        """Pages of one tensor the active requests need: ``pages_for(tokens)`` summed over
+        the active slots (O(1): a running count)."""
+        return self._needed_pages
 
     def slot(self, req: Hashable) -> int:
         return self._slot_of[req]
@@ -162,7 +179,7 @@ class PageTable:
     def needed_bytes(self) -> int:
         """Bytes of the pages the active requests need (``pages_for(tokens)`` per tensor)."""
         g = self.geometry
-        return sum(g.pages_for(self.tokens[s]) for s in self._slot_of.values()) * g.page_bytes * g.num_tensors
+        return self._needed_pages * g.page_bytes * g.num_tensors
 
     def waste_bytes(self) -> int:
         """Mapped but unused bytes in the pages active requests need: under one page per
@@ -224,12 +241,15 @@ class PageTable:
                 self._map(t, slot, page)
             made += g.num_tensors
             self.mapped_pages[slot] += 1
-        self.tokens[slot] = max(self.tokens[slot], tokens)
+        if tokens > self.tokens[slot]:
+            self._needed_pages += g.pages_for(tokens) - g.pages_for(self.tokens[slot])
+            self.tokens[slot] = tokens
         return made
 
     def release(self, req: Hashable) -> int:
         """End ``req``; returns the (tensor, page) unmappings made (0 under ``"deferred"``)."""
         slot = self._slot_of.pop(req)
+        self._needed_pages -= self.geometry.pages_for(self.tokens[slot])
         self.tokens[slot] = 0
         self._idle.add(slot)
         if self.reclamation == "eager":
