@@ -42,7 +42,7 @@ from minillm.paged.allocator import BlockAllocator
 from minillm.paged.errors import DuplicateSequence, OutOfBlocks, RequestTooLong, UnknownSequence
 from minillm.paged.prefix_cache import Block, HashFn, chain_hash
 
-__all__ = ["PENDING", "Admission", "AppendResult", "BlockManager", "blocks_for"]
+__all__ = ["PENDING", "Admission", "AppendResult", "BlockManager", "as_token_list", "blocks_for", "check_token_ids"]
 
 MAX_TOKEN_ID = 2**31 - 1  # token ids are hashed as int32
 PENDING = -1              # a token appended before its id is known (`BlockManager.append_pending`)
@@ -84,12 +84,30 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def _as_list(tokens) -> list:
+def as_token_list(tokens) -> list:
     """One token id, or an iterable of them, as a list."""
     try:
         return [operator.index(tokens)]
     except TypeError:
         return list(tokens)
+
+
+def check_token_ids(token_ids, action: str, seq_id=None) -> list[int]:
+    """``token_ids`` as a list of ints in ``[0, 2**31)``, else the error says it could not
+    ``action`` (followed by ``seq_id`` when given: formatted only then, since `append_slots`
+    checks every sequence of every step). Shared by the block managers of Chapters 5 and 11."""
+    try:
+        tokens = [operator.index(t) for t in token_ids]
+    except TypeError:
+        action = action if seq_id is None else f"{action} {seq_id!r}"
+        raise TypeError(f"cannot {action}: token ids must be integers, got {token_ids!r}") from None
+    if tokens and 0 <= min(tokens) and max(tokens) <= MAX_TOKEN_ID:
+        return tokens
+    action = action if seq_id is None else f"{action} {seq_id!r}"
+    bad = [t for t in tokens if not 0 <= t <= MAX_TOKEN_ID]
+    if bad:
+        raise ValueError(f"cannot {action}: token ids must lie in [0, 2**31), got {bad[:5]}")
+    return tokens
 
 
 @dataclass
@@ -298,7 +316,7 @@ class BlockManager:
         try:
             num_tokens, hits = operator.index(request), []
         except TypeError:
-            tokens = self._check_tokens(request, "ask about")
+            tokens = check_token_ids(request, "ask about")
             num_tokens, hits = len(tokens), self.prefix_hits(tokens)[1]
         if num_tokens < 1:
             raise ValueError(f"a request needs at least one token, got {num_tokens}")
@@ -310,7 +328,7 @@ class BlockManager:
     def num_cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """Leading tokens of ``token_ids`` that `allocate` would find in the prefix cache now: a
         multiple of ``block_size``, less than ``len(token_ids)``. Changes nothing."""
-        return len(self.prefix_hits(self._check_tokens(token_ids, "look up"))[1]) * self.block_size
+        return len(self.prefix_hits(check_token_ids(token_ids, "look up"))[1]) * self.block_size
 
     def can_append(self, seq_ids: Iterable, num_tokens: int = 1) -> bool:
         """Whether every sequence in ``seq_ids`` can take ``num_tokens`` more tokens now."""
@@ -348,7 +366,7 @@ class BlockManager:
         """
         if seq_id in self._seqs:
             raise DuplicateSequence(seq_id, "allocate")
-        tokens = self._check_tokens(token_ids, "allocate")
+        tokens = check_token_ids(token_ids, "allocate")
         if not tokens:
             raise ValueError(f"cannot allocate sequence {seq_id!r}: the prompt is empty")
         keys, hits = self.prefix_hits(tokens)
@@ -400,7 +418,7 @@ class BlockManager:
         seq_ids = list(seq_ids)
         if len(token_ids) != len(seq_ids):
             raise ValueError(f"got {len(seq_ids)} sequences but {len(token_ids)} token entries")
-        batches = [self._check_tokens(_as_list(t), "append to sequence", sid) for sid, t in zip(seq_ids, token_ids)]
+        batches = [check_token_ids(as_token_list(t), "append to sequence", sid) for sid, t in zip(seq_ids, token_ids)]
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"append_slots got a sequence twice in {seq_ids!r}")
         seqs = [self._get(s, "append to") for s in seq_ids]
@@ -440,7 +458,7 @@ class BlockManager:
         seq = self._get(seq_id, "set the last token of")
         if seq.token_ids[-1] != PENDING:
             raise ValueError(f"sequence {seq_id!r} has no pending token")
-        seq.token_ids[-1] = self._check_tokens([token_id], "set the last token of sequence", seq_id)[0]
+        seq.token_ids[-1] = check_token_ids([token_id], "set the last token of sequence", seq_id)[0]
         pos = len(seq.token_ids) - 1
         if (pos + 1) % self.block_size == 0 and self.enable_prefix_caching:
             self._register_full_block(seq, pos // self.block_size)
@@ -492,24 +510,6 @@ class BlockManager:
             raise UnknownSequence(seq_id, action) from None
         except TypeError:  # unhashable id
             raise UnknownSequence(seq_id, action) from None
-
-    @staticmethod
-    def _check_tokens(token_ids, action: str, seq_id=None) -> list[int]:
-        """``token_ids`` as a list of ints in ``[0, 2**31)``, else the error says it could not
-        ``action`` (followed by ``seq_id`` when given: formatted only then, since `append_slots`
-        checks every sequence of every step)."""
-        try:
-            tokens = [operator.index(t) for t in token_ids]
-        except TypeError:
-            action = action if seq_id is None else f"{action} {seq_id!r}"
-            raise TypeError(f"cannot {action}: token ids must be integers, got {token_ids!r}") from None
-        if tokens and 0 <= min(tokens) and max(tokens) <= MAX_TOKEN_ID:
-            return tokens
-        action = action if seq_id is None else f"{action} {seq_id!r}"
-        bad = [t for t in tokens if not 0 <= t <= MAX_TOKEN_ID]
-        if bad:
-            raise ValueError(f"cannot {action}: token ids must lie in [0, 2**31), got {bad[:5]}")
-        return tokens
 
     def prefix_hits(self, tokens: list[int]) -> tuple[list[bytes], list[Block]]:
         """The keys of the prompt's full blocks, and the leading blocks the cache holds.

@@ -54,7 +54,7 @@ import torch
 
 from minillm.model.paged import BACKENDS, PagedKVCache
 from minillm.paged import Admission, AppendResult, BlockManager, BlockManagerStats, blocks_for
-from minillm.paged.block_manager import PENDING
+from minillm.paged.block_manager import PENDING, as_token_list, check_token_ids
 from minillm.paged.errors import DuplicateSequence, OutOfBlocks, RequestTooLong, UnknownSequence
 from minillm.vmm.pagetable import Geometry, OutOfPages, PageTable, pages_for
 
@@ -62,7 +62,6 @@ __all__ = ["KV_CACHE_MODES", "OutOfSlots", "SimulatedVirtualCache", "SlotKVCache
            "build_kv_cache", "kv_blocks_needed", "page_group_bytes", "slot_capacity"]
 
 KV_CACHE_MODES = ("paged", "virtual")
-MAX_TOKEN_ID = 2**31 - 1
 
 
 class OutOfSlots(OutOfBlocks):
@@ -362,7 +361,7 @@ class VirtualBlockManager:
         try:
             num_tokens = operator.index(request)
         except TypeError:
-            num_tokens = len(_check_tokens(request, "ask about"))
+            num_tokens = len(check_token_ids(request, "ask about"))
         if num_tokens < 1:
             raise ValueError(f"a request needs at least one token, got {num_tokens}")
         needed = self.blocks_needed(num_tokens)
@@ -373,7 +372,7 @@ class VirtualBlockManager:
 
     def num_cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """0: there is no prefix cache."""
-        _check_tokens(token_ids, "look up")
+        check_token_ids(token_ids, "look up")
         return 0
 
     def blocks_to_append(self, seq_ids, num_tokens: int = 1) -> int:
@@ -395,7 +394,7 @@ class VirtualBlockManager:
         than a slot holds), `OutOfBlocks` / `OutOfSlots` (not now), ``ValueError``."""
         if seq_id in self._seqs:
             raise DuplicateSequence(seq_id, "allocate")
-        tokens = _check_tokens(token_ids, "allocate")
+        tokens = check_token_ids(token_ids, "allocate")
         if not tokens:
             raise ValueError(f"cannot allocate sequence {seq_id!r}: the prompt is empty")
         needed = self.blocks_needed(len(tokens))
@@ -420,7 +419,7 @@ class VirtualBlockManager:
         seq_ids = list(seq_ids)
         if len(token_ids) != len(seq_ids):
             raise ValueError(f"got {len(seq_ids)} sequences but {len(token_ids)} token entries")
-        batches = [_check_tokens(_as_list(t), "append to sequence", s) for s, t in zip(seq_ids, token_ids)]
+        batches = [check_token_ids(as_token_list(t), "append to sequence", s) for s, t in zip(seq_ids, token_ids)]
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"append_slots got a sequence twice in {seq_ids!r}")
         seqs = [self._get(s, "append to") for s in seq_ids]
@@ -481,7 +480,7 @@ class VirtualBlockManager:
         tokens = self._get(seq_id, "set the last token of").token_ids
         if tokens[-1] != PENDING:
             raise ValueError(f"sequence {seq_id!r} has no pending token")
-        tokens[-1] = _check_tokens([token_id], "set the last token of sequence", seq_id)[0]
+        tokens[-1] = check_token_ids([token_id], "set the last token of sequence", seq_id)[0]
 
     def fork(self, parent_id, child_id) -> None:
         """Make ``child_id`` a copy of ``parent_id``. Costs nothing now: the child's first
@@ -575,29 +574,6 @@ class VirtualBlockManager:
 
     def _out_of_blocks(self, what: str, needed: int):
         raise OutOfBlocks(what, needed, self.num_available_blocks, self.num_free_blocks, self.num_cached_blocks)
-
-
-def _as_list(tokens) -> list:
-    try:
-        return [operator.index(tokens)]
-    except TypeError:
-        return list(tokens)
-
-
-def _check_tokens(token_ids, action: str, seq_id=None) -> list[int]:
-    """``token_ids`` as a list of ints in ``[0, 2**31)``, else the error says it could not
-    ``action`` (followed by ``seq_id`` when given: formatted only then)."""
-    try:
-        tokens = [operator.index(t) for t in token_ids]
-    except TypeError:
-        action = action if seq_id is None else f"{action} {seq_id!r}"
-        raise TypeError(f"cannot {action}: token ids must be integers, got {token_ids!r}") from None
-    if tokens and 0 <= min(tokens) and max(tokens) <= MAX_TOKEN_ID:
-        return tokens
-    action = action if seq_id is None else f"{action} {seq_id!r}"
-    if any(not 0 <= t <= MAX_TOKEN_ID for t in tokens):
-        raise ValueError(f"cannot {action}: token ids must lie in [0, 2**31)")
-    return tokens
 
 
 # == the engine's side ========================================================================
