@@ -547,8 +547,11 @@ CANDIDATES = [
 ]
 
 
-def candidate_sweep(seq_lens=(4096, 16384)) -> None:
-    """Time every `CANDIDATES` entry (prints only)."""
+def _sweep_points(seq_lens, num_tensors: int, backward: bool = False):
+    """The points of the print-only sweeps: ``(head_dim, causal, n, tensors, flops, timer)``
+    for every head dim, mask and ``n`` in ``seq_lens``, with ``num_tensors`` random bf16
+    ``[batch, heads, n, head_dim]`` tensors (a fixed token count per point); memory is freed
+    after each point."""
     from bench.common import time_ms
 
     device = torch.device("cuda")
@@ -559,24 +562,31 @@ def candidate_sweep(seq_lens=(4096, 16384)) -> None:
         for causal in CAUSAL:
             for n in seq_lens:
                 batch, heads = max(1, TOKENS // n), HIDDEN // head_dim
-                q, k, v = (torch.randn((batch, heads, n, head_dim), device=device, dtype=torch.bfloat16,
-                                       generator=gen) for _ in range(3))
-                flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal)
-                print(f"D={head_dim} causal={causal} N={n}", flush=True)
-                for hd, fp8, cfg in CANDIDATES:
-                    if hd != head_dim:
-                        continue
-                    if fp8:
-                        prepared = prepare_fp8(q, k, v, cfg)
-                        fn = lambda: flash_attention_fp8(q, k, v, causal=causal, config=cfg,  # noqa: E731
-                                                         prepared=prepared)
-                    else:
-                        fn = lambda: flash_attention_hopper(q, k, v, causal=causal, config=cfg)  # noqa: E731
-                    res, status = attempt(lambda: _timed(fn, timer), allow_errors=True)
-                    msg = f"{flops / res[0] / 1e9:6.0f} TFLOP/s" if res else f"failed: {status[:200]}"
-                    print(f"   {'fp8 ' if fp8 else ''}{cfg.describe()}{', V/head' if cfg.v_scale == 'head' else ''}"
-                          f": {msg}", flush=True)
+                tensors = [torch.randn((batch, heads, n, head_dim), device=device, dtype=torch.bfloat16,
+                                       generator=gen) for _ in range(num_tensors)]
+                flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal, backward=backward)
+                yield head_dim, causal, n, tensors, flops, timer
+                del tensors
                 free_memory()
+
+
+def candidate_sweep(seq_lens=(4096, 16384)) -> None:
+    """Time every `CANDIDATES` entry (prints only)."""
+    for head_dim, causal, n, (q, k, v), flops, timer in _sweep_points(seq_lens, 3):
+        print(f"D={head_dim} causal={causal} N={n}", flush=True)
+        for hd, fp8, cfg in CANDIDATES:
+            if hd != head_dim:
+                continue
+            if fp8:
+                prepared = prepare_fp8(q, k, v, cfg)
+                fn = lambda: flash_attention_fp8(q, k, v, causal=causal, config=cfg,  # noqa: E731
+                                                 prepared=prepared)
+            else:
+                fn = lambda: flash_attention_hopper(q, k, v, causal=causal, config=cfg)  # noqa: E731
+            res, status = attempt(lambda: _timed(fn, timer), allow_errors=True)
+            msg = f"{flops / res[0] / 1e9:6.0f} TFLOP/s" if res else f"failed: {status[:200]}"
+            print(f"   {'fp8 ' if fp8 else ''}{cfg.describe()}{', V/head' if cfg.v_scale == 'head' else ''}"
+                  f": {msg}", flush=True)
 
 
 SWEEP_TILES = {
@@ -650,34 +660,21 @@ BWD_SWEEP = {
 
 def bwd_sweep(seq_lens=(4096, 16384)) -> None:
     """Time every `BWD_SWEEP` config and each default with one switch flipped (prints only)."""
-    from bench.common import time_ms
-
-    device = torch.device("cuda")
-    gen = torch.Generator(device=device)
-    gen.manual_seed(0)
-    timer = lambda fn: time_ms(fn, warmup=WARMUP_MS, rep=REP_MS)  # noqa: E731
-    for head_dim in HEAD_DIMS:
-        for causal in CAUSAL:
-            for n in seq_lens:
-                batch, heads = max(1, TOKENS // n), HIDDEN // head_dim
-                q, k, v, dout = (torch.randn((batch, heads, n, head_dim), device=device, dtype=torch.bfloat16,
-                                             generator=gen) for _ in range(4))
-                flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal, backward=True)
-                out, lse = flash_attention_hopper(q, k, v, causal=causal, return_lse=True)
-                cudnn = _autograd_backward(_sdpa("sdpa_cudnn", causal), q, k, v, dout)
-                ref = cudnn()
-                print(f"D={head_dim} causal={causal} N={n}: cudnn {flops / timer(cudnn) / 1e9:.0f} TFLOP/s",
-                      flush=True)
-                default = bwd_default_config(head_dim, causal)
-                configs = BWD_SWEEP[head_dim] + [bwd_ablated(default, s) for s in BWD_ABLATIONS]
-                for cfg in dict.fromkeys(configs):
-                    fn = lambda: flash_attention_hopper_backward(dout, q, k, v, out, lse,  # noqa: E731
-                                                                 causal=causal, config=cfg)
-                    res, status = attempt(lambda: _grads_and_ms(fn, timer), allow_errors=True)
-                    msg = (f"{flops / res[1] / 1e9:6.0f} TFLOP/s  err {_grads_err(res[0], ref):.1e}" if res
-                           else f"failed: {status[:200]}")
-                    print(f"   {cfg.describe():110s} {msg}", flush=True)
-                free_memory()
+    for head_dim, causal, n, (q, k, v, dout), flops, timer in _sweep_points(seq_lens, 4, backward=True):
+        out, lse = flash_attention_hopper(q, k, v, causal=causal, return_lse=True)
+        cudnn = _autograd_backward(_sdpa("sdpa_cudnn", causal), q, k, v, dout)
+        ref = cudnn()
+        print(f"D={head_dim} causal={causal} N={n}: cudnn {flops / timer(cudnn) / 1e9:.0f} TFLOP/s", flush=True)
+        default = bwd_default_config(head_dim, causal)
+        configs = BWD_SWEEP[head_dim] + [bwd_ablated(default, s) for s in BWD_ABLATIONS]
+        for cfg in dict.fromkeys(configs):
+            fn = lambda: flash_attention_hopper_backward(dout, q, k, v, out, lse,  # noqa: E731
+                                                         causal=causal, config=cfg)
+            res, status = attempt(lambda: _grads_and_ms(fn, timer), allow_errors=True)
+            msg = (f"{flops / res[1] / 1e9:6.0f} TFLOP/s  err {_grads_err(res[0], ref):.1e}" if res
+                   else f"failed: {status[:200]}")
+            print(f"   {cfg.describe():110s} {msg}", flush=True)
+        del out, lse, cudnn, ref
 
 
 if __name__ == "__main__":
