@@ -496,32 +496,43 @@ WS_SWEEP = [  # (tile, warps, stages, ws_loop, programs per SM, overlap)
 ]
 
 
-def ws_sweep(n: int = 4096) -> None:
-    """Warp specialization placed on the tile loop vs the key loop (prints only)."""
+def _sweep_points(seq_lens, num_tensors: int, backward: bool = False, head_dims=HEAD_DIMS, causals=CAUSAL):
+    """The points of the print-only sweeps: ``(head_dim, causal, n, tensors, flops, timer)``
+    for every head dim of ``head_dims``, mask of ``causals`` and ``n`` in ``seq_lens``, with ``num_tensors`` random bf16
+    ``[batch, heads, n, head_dim]`` tensors (a fixed token count per point); memory is freed
+    after each point."""
     from bench.common import time_ms
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device)
     gen.manual_seed(0)
     timer = lambda fn: time_ms(fn, warmup=WARMUP_MS, rep=REP_MS)  # noqa: E731
-    for head_dim in HEAD_DIMS:
-        for causal in CAUSAL:
-            batch, heads = max(1, TOKENS // n), HIDDEN // head_dim
-            q, k, v = (torch.randn((batch, heads, n, head_dim), device=device, dtype=torch.bfloat16, generator=gen)
-                       for _ in range(3))
-            flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal)
-            ref = _sdpa("sdpa_cudnn", causal)(q, k, v)
-            print(f"D={head_dim} causal={causal} N={n}", flush=True)
-            for bm, bn, w, s, loop, per_sm, overlap in WS_SWEEP:
-                for ws in (False, True):
-                    cfg = HopperConfig(bm, bn, w, s, warp_specialize=ws, ws_loop=loop, programs_per_sm=per_sm,
-                                       overlap=overlap)
-                    res, status = attempt(lambda: _timed(
-                        lambda: flash_attention_hopper(q, k, v, causal=causal, config=cfg), timer), allow_errors=True)
-                    msg = (f"{flops / res[0] / 1e9:6.0f} TFLOP/s  err {rel_err(res[1], ref):.1e}" if res
-                           else f"failed: {status[:200]}")
-                    print(f"   {cfg.describe():70s} {msg}", flush=True)
-            free_memory()
+    for head_dim in head_dims:
+        for causal in causals:
+            for n in seq_lens:
+                batch, heads = max(1, TOKENS // n), HIDDEN // head_dim
+                tensors = [torch.randn((batch, heads, n, head_dim), device=device, dtype=torch.bfloat16,
+                                       generator=gen) for _ in range(num_tensors)]
+                flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal, backward=backward)
+                yield head_dim, causal, n, tensors, flops, timer
+                del tensors
+                free_memory()
+
+
+def ws_sweep(n: int = 4096) -> None:
+    """Warp specialization placed on the tile loop vs the key loop (prints only)."""
+    for head_dim, causal, n, (q, k, v), flops, timer in _sweep_points((n,), 3):
+        ref = _sdpa("sdpa_cudnn", causal)(q, k, v)
+        print(f"D={head_dim} causal={causal} N={n}", flush=True)
+        for bm, bn, w, s, loop, per_sm, overlap in WS_SWEEP:
+            for ws in (False, True):
+                cfg = HopperConfig(bm, bn, w, s, warp_specialize=ws, ws_loop=loop, programs_per_sm=per_sm,
+                                   overlap=overlap)
+                res, status = attempt(lambda: _timed(
+                    lambda: flash_attention_hopper(q, k, v, causal=causal, config=cfg), timer), allow_errors=True)
+                msg = (f"{flops / res[0] / 1e9:6.0f} TFLOP/s  err {rel_err(res[1], ref):.1e}" if res
+                       else f"failed: {status[:200]}")
+                print(f"   {cfg.describe():70s} {msg}", flush=True)
 
 
 #: (head_dim, fp8, config) candidates of `candidate_sweep`: the persistent schedulers, and
@@ -545,29 +556,6 @@ CANDIDATES = [
         HopperConfig(128, 128, 8, 3, persistent=False, v_scale="head"),
     )
 ]
-
-
-def _sweep_points(seq_lens, num_tensors: int, backward: bool = False):
-    """The points of the print-only sweeps: ``(head_dim, causal, n, tensors, flops, timer)``
-    for every head dim, mask and ``n`` in ``seq_lens``, with ``num_tensors`` random bf16
-    ``[batch, heads, n, head_dim]`` tensors (a fixed token count per point); memory is freed
-    after each point."""
-    from bench.common import time_ms
-
-    device = torch.device("cuda")
-    gen = torch.Generator(device=device)
-    gen.manual_seed(0)
-    timer = lambda fn: time_ms(fn, warmup=WARMUP_MS, rep=REP_MS)  # noqa: E731
-    for head_dim in HEAD_DIMS:
-        for causal in CAUSAL:
-            for n in seq_lens:
-                batch, heads = max(1, TOKENS // n), HIDDEN // head_dim
-                tensors = [torch.randn((batch, heads, n, head_dim), device=device, dtype=torch.bfloat16,
-                                       generator=gen) for _ in range(num_tensors)]
-                flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal, backward=backward)
-                yield head_dim, causal, n, tensors, flops, timer
-                del tensors
-                free_memory()
 
 
 def candidate_sweep(seq_lens=(4096, 16384)) -> None:
@@ -601,44 +589,33 @@ SWEEP_SWITCHES = ((False, True, 1, False), (False, True, 2, False), (False, Fals
 def sweep(n: int = 4096, head_dims=HEAD_DIMS, causals=CAUSAL, fp8: bool = True) -> None:
     """Time every `SWEEP_TILES` tile with each switch combination at ``N = n`` and print TFLOP/s,
     with cuDNN and FA2 for reference. Compile errors are printed, not raised."""
-    from bench.common import time_ms
-
-    device = torch.device("cuda")
-    gen = torch.Generator(device=device)
-    gen.manual_seed(0)
-    timer = lambda fn: time_ms(fn, warmup=WARMUP_MS, rep=REP_MS)  # noqa: E731
-    for head_dim in head_dims:
-        for causal in causals:
-            batch, heads = max(1, TOKENS // n), HIDDEN // head_dim
-            shape = (batch, heads, n, head_dim)
-            q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(3))
-            flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal)
-            tf = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
-            ref = _sdpa("sdpa_cudnn", causal)(q, k, v)
-            base = {name: tf(_timed(lambda: fn(q, k, v), timer)[0]) for name, fn in _peers(causal).items()}
-            print(f"D={head_dim} causal={causal} N={n}: " + ", ".join(f"{k_} {v_:.0f}" for k_, v_ in base.items()),
-                  flush=True)
-            for bm, bn, w, s in SWEEP_TILES[head_dim]:
-                for ws, persistent, per_sm, overlap in SWEEP_SWITCHES:
-                    cfg = HopperConfig(bm, bn, w, s, tma=True, warp_specialize=ws, persistent=persistent,
-                                       overlap=overlap, programs_per_sm=per_sm)
-                    t0 = time.perf_counter()
-                    res, status = attempt(lambda: _timed(
-                        lambda: flash_attention_hopper(q, k, v, causal=causal, config=cfg), timer),
-                        allow_errors=True)
-                    msg = (f"{tf(res[0]):6.0f} TFLOP/s  err {rel_err(res[1], ref):.1e}" if res
-                           else f"failed: {status[:300]}")
-                    print(f"   {cfg.describe():60s} {msg}  ({time.perf_counter() - t0:.1f} s)", flush=True)
-                for per_sm, overlap in ((1, False), (2, False), (1, True)) if fp8 else ():
-                    cfg = HopperConfig(bm, bn, w, s, programs_per_sm=per_sm, overlap=overlap)
-                    prepared = prepare_fp8(q, k, v, cfg)
-                    res, status = attempt(lambda: _timed(
-                        lambda: flash_attention_fp8(q, k, v, causal=causal, config=cfg, prepared=prepared), timer),
-                        allow_errors=True)
-                    msg = (f"{tf(res[0]):6.0f} TFLOP/s  err {rel_err(res[1], ref):.1e}" if res
-                           else f"failed: {status[:150]}")
-                    print(f"   fp8 {cfg.describe():56s} {msg}", flush=True)
-            free_memory()
+    for head_dim, causal, n, (q, k, v), flops, timer in _sweep_points((n,), 3, head_dims=head_dims,
+                                                                      causals=causals):
+        tf = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+        ref = _sdpa("sdpa_cudnn", causal)(q, k, v)
+        base = {name: tf(_timed(lambda: fn(q, k, v), timer)[0]) for name, fn in _peers(causal).items()}
+        print(f"D={head_dim} causal={causal} N={n}: " + ", ".join(f"{k_} {v_:.0f}" for k_, v_ in base.items()),
+              flush=True)
+        for bm, bn, w, s in SWEEP_TILES[head_dim]:
+            for ws, persistent, per_sm, overlap in SWEEP_SWITCHES:
+                cfg = HopperConfig(bm, bn, w, s, tma=True, warp_specialize=ws, persistent=persistent,
+                                   overlap=overlap, programs_per_sm=per_sm)
+                t0 = time.perf_counter()
+                res, status = attempt(lambda: _timed(
+                    lambda: flash_attention_hopper(q, k, v, causal=causal, config=cfg), timer),
+                    allow_errors=True)
+                msg = (f"{tf(res[0]):6.0f} TFLOP/s  err {rel_err(res[1], ref):.1e}" if res
+                       else f"failed: {status[:300]}")
+                print(f"   {cfg.describe():60s} {msg}  ({time.perf_counter() - t0:.1f} s)", flush=True)
+            for per_sm, overlap in ((1, False), (2, False), (1, True)) if fp8 else ():
+                cfg = HopperConfig(bm, bn, w, s, programs_per_sm=per_sm, overlap=overlap)
+                prepared = prepare_fp8(q, k, v, cfg)
+                res, status = attempt(lambda: _timed(
+                    lambda: flash_attention_fp8(q, k, v, causal=causal, config=cfg, prepared=prepared), timer),
+                    allow_errors=True)
+                msg = (f"{tf(res[0]):6.0f} TFLOP/s  err {rel_err(res[1], ref):.1e}" if res
+                       else f"failed: {status[:150]}")
+                print(f"   fp8 {cfg.describe():56s} {msg}", flush=True)
 
 
 #: Backward candidates of `bwd_sweep` per head dim (the H100 sweeps that chose
