@@ -488,30 +488,19 @@ class LLMEngine:
         logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None   # of the raw logits, as vLLM's
         logits = self._process_logits(ready, logits)      # logit bias, min_tokens, penalties
         argmax = logits.argmax(-1).tolist()
-        for request in ready:
-            if request.params.prompt_logprobs is not None and request.prompt_logprobs is None:
-                request.prompt_logprobs = self._prompt_logprobs(request)
+        self._fill_prompt_logprobs(ready)
         sampled = any(not r.params.greedy and not r.params.beam_search for r in ready)
         # Fused, with sample_on_device off: the logits stay on the device; each draw sends back its token id.
         logits_cpu = (logits if self.fused_decode else logits.cpu()) if sampled else None
         now = time.perf_counter()
-        at = 0
-        for request in ready:
-            k = request.num_seqs
-            view = slice(at, at + k)
-            at += k
-            try:  # one request's error ends that request alone
-                if request.params.beam_search:
-                    self._advance_beams(request, logprobs[view])
-                else:
-                    self.advance_samples(request, argmax[view], logits_cpu[view] if logits_cpu is not None else None,
-                                         logprobs[view] if logprobs is not None else None, now)
-            except Exception as e:
-                self._fail(request, e)
-                continue
-            if not request.seqs:
-                self._finish(request, now)
-        return ready
+
+        def advance(i: int, request: Request, view: slice) -> None:
+            if request.params.beam_search:
+                self._advance_beams(request, logprobs[view])
+            else:
+                self.advance_samples(request, argmax[view], logits_cpu[view] if logits_cpu is not None else None,
+                                     logprobs[view] if logprobs is not None else None, now)
+        return self._advance_each(ready, advance, now)
 
     def _sample_from_device(self, ready: list[Request], rows: list[int], logits: torch.Tensor,
                             tokens: torch.Tensor) -> list[Request]:
@@ -555,20 +544,34 @@ class LLMEngine:
             redrawn = processed[torch.tensor([row for row, *_ in redraw], device=logits.device)]
             chosen = torch.cat([chosen, sample_on_device(redrawn, again).to(chosen.device)])
         host = chosen.tolist() if any(span is not None for span in spans) else []
+        self._fill_prompt_logprobs(ready)
+        now = time.perf_counter()
+
+        def advance(i: int, request: Request, view: slice) -> None:
+            span = spans[i]
+            if span is None:
+                self._advance_beams(request, logprobs[view])
+            else:
+                self.advance_samples(request, None, None, logprobs[view] if logprobs is not None else None, now,
+                                     tokens=host[span[0]:span[0] + span[1]])
+        return self._advance_each(ready, advance, now)
+
+    def _fill_prompt_logprobs(self, ready: list[Request]) -> None:
+        """The prompt logprobs of the requests that ask for them and have none yet."""
         for request in ready:
             if request.params.prompt_logprobs is not None and request.prompt_logprobs is None:
                 request.prompt_logprobs = self._prompt_logprobs(request)
-        now = time.perf_counter()
+
+    def _advance_each(self, ready: list[Request], advance, now: float) -> list[Request]:
+        """``advance(i, request, view)`` for each ready request, ``view`` its sequences' slice
+        of the step's sampled rows; a request whose own advance raises is ended alone
+        (`_fail`), one left without sequences is finished. Returns ``ready``."""
         at = 0
-        for request, span in zip(ready, spans):
+        for i, request in enumerate(ready):
             view = slice(at, at + request.num_seqs)
             at += request.num_seqs
             try:  # one request's error ends that request alone
-                if span is None:
-                    self._advance_beams(request, logprobs[view])
-                else:
-                    self.advance_samples(request, None, None, logprobs[view] if logprobs is not None else None, now,
-                                         tokens=host[span[0]:span[0] + span[1]])
+                advance(i, request, view)
             except Exception as e:
                 self._fail(request, e)
                 continue
