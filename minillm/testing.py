@@ -237,14 +237,17 @@ TINY_MLA_SIZES = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_h
 
 
 def tiny_llama(seed: int = 0, *, vocab_size: int = 256, kv_heads: int = 2, head_dim: int = 16, layers: int = 2,
-               max_position_embeddings: int = 512):
+               max_position_embeddings: int = 512, family: str = "llama", intermediate_size: int = 128,
+               **config_fields):
     """A random minillm `LlamaForCausalLM` (hidden 64, 4 query heads), in eval mode, with sharper
-    weights than its init so that greedy choices are not near ties: what the engine tests run."""
+    weights than its init so that greedy choices are not near ties: what the engine tests run.
+    ``family``: ``"llama"`` or ``"qwen2"``; ``config_fields``: more `ModelConfig` fields
+    (``qkv_bias``, ``rope_theta``, ...)."""
     from minillm.model import LlamaForCausalLM, ModelConfig
 
-    config = ModelConfig(model_type="llama", vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+    config = ModelConfig(model_type=family, vocab_size=vocab_size, hidden_size=64, intermediate_size=intermediate_size,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
-                         head_dim=head_dim, max_position_embeddings=max_position_embeddings)
+                         head_dim=head_dim, max_position_embeddings=max_position_embeddings, **config_fields)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():

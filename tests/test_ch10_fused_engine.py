@@ -17,10 +17,11 @@ import torch
 from minillm.kernels.base import interpreting
 from minillm.engine import BUNDLED_MODEL, EngineConfig, LLMEngine, SamplingParams
 from minillm.engine.model_runner import ModelRunner
-from minillm.model import LlamaForCausalLM, ModelConfig, load_model, load_tokenizer
+from minillm.model import LlamaForCausalLM, load_model, load_tokenizer
 from minillm.model.fused import FusedDecode, enable_fused_decode, supports_fused_decode
 from minillm.model.paged import PagedBatch
 from minillm.paged import BlockManager
+from minillm.testing import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -29,15 +30,8 @@ TOKENIZER = load_tokenizer(BUNDLED_MODEL)[0]
 
 
 def tiny_model(family: str = "llama", seed: int = 0) -> LlamaForCausalLM:
-    config = ModelConfig(model_type=family, vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=512, qkv_bias=family == "qwen2", rope_theta=1e6)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.5 if "embed" in name else 0.1)
-    return model
+    return tiny_llama(seed, vocab_size=VOCAB, family=family, intermediate_size=96, qkv_bias=family == "qwen2",
+                      rope_theta=1e6)
 
 
 def teacher_forced_logits(model, fused: bool, prompts, steps: int, graphs: bool = False,
