@@ -387,6 +387,20 @@ def _ratio(a, b) -> str:
     return f"{a / b:.2f}" if a and b else "—"
 
 
+#: The columns both summary tables start with (`_peer_cells`).
+_PEERS_HEADER = (f"{'D':>4} {'causal':>6} {'N':>6} {'hopper':>6} {'cudnn':>6} {'flash':>6} {'fa2':>6} {'/cudnn':>6} "
+                 f"{'/fa2':>5}")
+
+
+def _peer_cells(key: tuple, row: dict) -> str:
+    """A point ``(head_dim, causal, n)`` and its TFLOP/s: ours, cuDNN, SDPA flash, FA2, and our
+    ratios to cuDNN and FA2 (the columns of `_PEERS_HEADER`)."""
+    o = row.get("ours")
+    return (f"{key[0]:>4} {str(key[1]):>6} {key[2]:>6} {_whole(o):>6} {_whole(row.get('sdpa_cudnn')):>6} "
+            f"{_whole(row.get('sdpa_flash')):>6} {_whole(row.get('fa2')):>6} {_ratio(o, row.get('sdpa_cudnn')):>6} "
+            f"{_ratio(o, row.get('fa2')):>5}")
+
+
 def summary(results: Results | dict) -> str:
     """Per point: Hopper, cuDNN, flash, FA2 and FP8 TFLOP/s and the ratios; then the ablations
     and the errors."""
@@ -423,16 +437,12 @@ def summary(results: Results | dict) -> str:
                            f"{r['ours']:.2e} ({r['peer']} "
                            f"{'—' if r['peer_value'] is None else format(r['peer_value'], '.2e')})")
 
-    lines = [f"{'D':>4} {'causal':>6} {'N':>6} {'hopper':>6} {'cudnn':>6} {'flash':>6} {'fa2':>6} {'/cudnn':>6} "
-             f"{'/fa2':>5} {'of mm':>5} {'fp8':>6} {'fp8/h':>5}"]
+    lines = [f"{_PEERS_HEADER} {'of mm':>5} {'fp8':>6} {'fp8/h':>5}"]
     for key in sorted(t, key=lambda k: (-k[0], k[1], k[2])):
         row = t[key]
-        o = row.get("ours")
         frac = row.get("frac")
-        lines.append(f"{key[0]:>4} {str(key[1]):>6} {key[2]:>6} {_whole(o):>6} {_whole(row.get('sdpa_cudnn')):>6} "
-                     f"{_whole(row.get('sdpa_flash')):>6} {_whole(row.get('fa2')):>6} {_ratio(o, row.get('sdpa_cudnn')):>6} "
-                     f"{_ratio(o, row.get('fa2')):>5} {'—' if frac is None else format(frac, '.0%'):>5} "
-                     f"{_whole(row.get('fp8')):>6} {_ratio(row.get('fp8'), o):>5}")
+        lines.append(f"{_peer_cells(key, row)} {'—' if frac is None else format(frac, '.0%'):>5} "
+                     f"{_whole(row.get('fp8')):>6} {_ratio(row.get('fp8'), row.get('ours')):>5}")
     if ablation_lines:
         lines += ["", f"{'D':>4} {'causal':>6} {'N':>6} {'ablation':>20} {'ours':>6} {'without':>7} {'gain':>6}"]
         lines += ablation_lines
@@ -471,15 +481,10 @@ def backward_summary(data: dict) -> str:
     if not t and not ablation_lines:
         return ""
 
-    lines = [f"{'D':>4} {'causal':>6} {'N':>6} {'hopper':>6} {'cudnn':>6} {'flash':>6} {'fa2':>6} {'/cudnn':>6} "
-             f"{'/fa2':>5} {'rel err':>8}"]
+    lines = [f"{_PEERS_HEADER} {'rel err':>8}"]
     for key in sorted(t, key=lambda k: (-k[0], k[1], k[2])):
-        row = t[key]
-        o = row.get("ours")
-        err = row.get("err")
-        lines.append(f"{key[0]:>4} {str(key[1]):>6} {key[2]:>6} {_whole(o):>6} {_whole(row.get('sdpa_cudnn')):>6} "
-                     f"{_whole(row.get('sdpa_flash')):>6} {_whole(row.get('fa2')):>6} {_ratio(o, row.get('sdpa_cudnn')):>6} "
-                     f"{_ratio(o, row.get('fa2')):>5} {'—' if err is None else format(err, '.1e'):>8}")
+        err = t[key].get("err")
+        lines.append(f"{_peer_cells(key, t[key])} {'—' if err is None else format(err, '.1e'):>8}")
     if ablation_lines:
         lines += ["", f"{'D':>4} {'causal':>6} {'N':>6} {'switch flipped':>16} {'ours':>6} {'flipped':>7} {'gain':>6}"]
         lines += ablation_lines
