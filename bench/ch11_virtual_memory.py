@@ -3,14 +3,15 @@ the paged kernels of Chapters 5 and 7 on the same tokens.
 
 The cache is `minillm.vmm.VirtualKVCache` (one layer's K and V; 2 MB pages mapped through
 ``cuMemMap``; each request a contiguous ``[L, kv_heads, head_dim]`` stretch of a
-``[B, max_len, kv_heads, head_dim]`` virtual tensor). Shapes: bf16, 32 query heads, 8 KV
+``[B, capacity, kv_heads, head_dim]`` virtual tensor, ``capacity`` = L + ``STEPS`` tokens
+rounded up to whole pages, as the engine's slots). Shapes: bf16, 32 query heads, 8 KV
 heads of 128 (Llama-3-8B), batch 1, 8, 32, context L = 4k, 32k (every sequence at L). The
 paged peers read the same tokens from a pool of blocks of 16 in shuffled order
 (`bench.common.paged_cache`).
 
 - **decode** (one query per sequence). Ours: Chapter 7's `flash_decode_attention` on the
   virtual cache seen as a pool with *one block per sequence* (`contiguous_as_paged`: block
-  size ``max_len``, table ``[[0], [1], …]``): with a single block, its table lookup is one
+  size ``capacity``, table ``[[0], [1], …]``): with a single block, its table lookup is one
   load per sequence and every tile is a contiguous run of rows, which is exactly a contiguous
   split-K decode kernel (FA2 with ``q_len = 1`` would also run, but reads K and V once per
   *query* head: 4x the bytes under GQA 4:1). Peers: the same kernel on the paged pool
@@ -219,16 +220,22 @@ def mapping_latency(results: Results, device, pages: int = MAP_PAGES) -> dict[st
 def _point(results, device, gen, batch, context, q_heads, kv_heads, head_dim, block_size, dtype, ceilings, timer):
     from minillm.paged import BlockManager, padded_block_tables
     from minillm.vmm import VirtualKVCache
+    from minillm.vmm.manager import slot_capacity
 
     base = {"batch": batch, "context": context, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
             "dtype": dtype_name(dtype), "block_size": block_size}
     max_len = context + STEPS
+    # Each slot is a whole number of pages, as in the engine (`minillm.vmm.manager`): the
+    # contiguous kernel's "block" is then a multiple of its tile and every tile lies in one
+    # block (`blocks_per_tile` = 1). A slot of context + STEPS tokens exactly would not be,
+    # and would send the kernel down the per-row gather path.
+    capacity = slot_capacity(max_len, kv_heads * head_dim * dtype.itemsize, page_bytes(device))
     made, status = attempt(lambda: paged_cache(SEED, batch, kv_heads, context, head_dim, block_size, dtype, device, gen))
     if made is None:
         results.add(BENCHMARK, {**base, "kind": "decode"}, "oom", True, note=f"paged pool: {status}")
         return
     k_pool, v_pool, tables = made
-    cache = VirtualKVCache(1, kv_heads, head_dim, batch, max_len, dtype=dtype, device=device)
+    cache = VirtualKVCache(1, kv_heads, head_dim, batch, capacity, dtype=dtype, device=device)
     try:
         page = cache.page_bytes
         base["page_bytes"] = page
@@ -237,7 +244,7 @@ def _point(results, device, gen, batch, context, q_heads, kv_heads, head_dim, bl
             kb, vb = sequence_kv(b, SEED, context, kv_heads, head_dim, dtype, device)
             cache.k[0][b, :context].copy_(kb)
             cache.v[0][b, :context].copy_(vb)
-        k_virt, v_virt = cache.k[0], cache.v[0]                  # [B, max_len, Hkv, D]
+        k_virt, v_virt = cache.k[0], cache.v[0]                  # [B, capacity, Hkv, D]
         k_torch, v_torch = k_virt[:, :context].clone(), v_virt[:, :context].clone()  # ordinary memory
         _decode(results, {**base, "kind": "decode"}, device, gen, batch, context, q_heads, kv_heads, head_dim, dtype,
                 k_virt, v_virt, k_torch, v_torch, k_pool, v_pool, tables, ceilings.get("copy_TBps"), timer)
@@ -287,12 +294,19 @@ def _point(results, device, gen, batch, context, q_heads, kv_heads, head_dim, bl
         cache.close()
 
 
+def page_bytes(device: torch.device) -> int:
+    """The page `VirtualKVCache` maps on ``device``: the driver's granularity (2 MB)."""
+    from minillm.vmm.driver import device_granularity
+
+    return device_granularity(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _decode(results, params, device, gen, batch, context, q_heads, kv_heads, head_dim, dtype, k_virt, v_virt,
             k_torch, v_torch, k_pool, v_pool, tables, copy_tbps, timer):
     add = lambda *a, **kw: results.add(BENCHMARK, params, *a, **kw)  # noqa: E731
     q = torch.randn(batch, q_heads, head_dim, device=device, dtype=dtype, generator=gen)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    kv_pool, one_block = contiguous_as_paged(k_virt)  # [B, max_len, Hkv, D] = B blocks of max_len
+    kv_pool, one_block = contiguous_as_paged(k_virt)  # [B, capacity, Hkv, D] = B blocks of capacity
     vv_pool, _ = contiguous_as_paged(v_virt)
     kt_pool, _ = contiguous_as_paged(k_torch)
     vt_pool, _ = contiguous_as_paged(v_torch)

@@ -62,7 +62,7 @@ from minillm.kernels.base import graph_ms_per_call, head_dim_offsets, interpreti
 from minillm.kernels.ch08_flat_gemm import store_result
 
 __all__ = ["add_rmsnorm", "exponential_race", "race_uniforms", "rope_write_kv", "silu_mul", "add_rmsnorm_gemv",
-           "silu_mul_gemv", "decode_gemv", "pdl_enabled"]
+           "silu_mul_gemv", "decode_gemv", "pdl_enabled", "PROLOGUE_CONFIGS"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -442,7 +442,7 @@ def _prologue_x(X, R, NormW, m, offs_k, k_ok, K, stride_xm, stride_rm, rstd,
         return (act * up).to(DT).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled variant per tile, whatever the batch
 def _prologue_gemv_kernel(X, R, NormW, R_out, W, Bias, Out, Partials, Counters, M, N, K, k_per_split, eps,
                           stride_xm, stride_rm, stride_rom, stride_wn, stride_om, stride_on,
                           PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -624,8 +624,9 @@ PROLOGUE_GEMV_TILES = [(4, 1024, 4), (8, 1024, 8), (16, 512, 8), (2, 2048, 4)]
 #: isolation (14.1 µs, 2 x 2048 14.4), and in profiled decode steps it took 14.3-15.7 µs
 #: against 14.6-16.7 for 2 x 2048, which the tuner picked in some runs.
 SILU_MIN_BLOCK_N = 8
-#: `_prologue_config`'s choices: (prologue, with a residual, dtype, M, N, K, device) -> config.
-_PROLOGUE_CONFIGS: dict[tuple, object] = {}
+#: `_prologue_config`'s tuned choices, for inspection: (prologue, with a residual, dtype, rows
+#: bucket, N, K, device) -> config.
+PROLOGUE_CONFIGS: dict[tuple, object] = {}
 
 
 def _prologue_config(prologue: int, x_view: torch.Tensor, weight: torch.Tensor, bias, has_residual: bool, run):
@@ -638,19 +639,22 @@ def _prologue_config(prologue: int, x_view: torch.Tensor, weight: torch.Tensor, 
     chained timing picked 2 x 2048 for the 1B Llama's q/k/v projection, 2 µs slower in the
     decode step than 4 x 1024). Timed one launch at a time with ``do_bench`` instead, the
     choice was 1-1.5 µs off for some shapes (launch overheads that a graph does not pay).
-    Call once before capturing a CUDA graph, as with any autotuner."""
-    from minillm.kernels.ch08_flat_gemm import TileConfig, pick_config
+    Call once before capturing a CUDA graph, as with any autotuner.
 
-    M, K = x_view.shape
-    N = weight.shape[0]
-    key = (prologue, has_residual, x_view.dtype, M, N, K, x_view.device)
-    cfg = _PROLOGUE_CONFIGS.get(key)
-    if cfg is not None:
-        return cfg
+    The choice is shared by the row counts of one power-of-two bucket (rows per program =
+    the bucket, up to 16; the rows past M are masked): an eager engine whose batch shrinks
+    one request at a time then tunes and compiles five variants, not one per batch size."""
+    from minillm.kernels.ch08_flat_gemm import GEMV_MAX_ROWS, TileConfig, pick_config
+
     autotune = os.environ.get("MINILLM_FLAT_GEMM_AUTOTUNE", "1") != "0"
     if not x_view.is_cuda or interpreting() or x_view.dtype == torch.float32 or not autotune:
-        cfg = pick_config("gemv", x_view, weight, bias)
-    else:
+        return pick_config("gemv", x_view, weight, bias)
+    M, K = x_view.shape
+    N = weight.shape[0]
+    rows = min(triton.next_power_of_2(M), GEMV_MAX_ROWS)
+    key = (prologue, has_residual, x_view.dtype, rows, N, K, x_view.device)
+    cfg = PROLOGUE_CONFIGS.get(key)
+    if cfg is None:
         l2 = getattr(torch.cuda.get_device_properties(x_view.device), "L2_cache_size", 50 << 20)
         nbytes = weight.numel() * weight.element_size()
         copies = [weight] + [torch.empty_like(weight) for _ in range(min(15, -(-2 * l2 // nbytes) - 1))]
@@ -658,13 +662,13 @@ def _prologue_config(prologue: int, x_view: torch.Tensor, weight: torch.Tensor, 
         for block_n, block_k, warps in PROLOGUE_GEMV_TILES:
             if prologue == PROLOGUE_SILU_MUL and block_n < SILU_MIN_BLOCK_N:
                 continue
-            cand = TileConfig(min(M, 16), block_n, block_k, warps, 1)
+            cand = TileConfig(rows, block_n, block_k, warps, 1)
             fns = [lambda w=w, cand=cand: run(cand, w, False) for w in copies]
             ms = graph_ms_per_call(fns, -(-48 // len(fns)) * len(fns), replays=7)
             if ms < best:
                 cfg, best = cand, ms
         del copies
-    _PROLOGUE_CONFIGS[key] = cfg
+        PROLOGUE_CONFIGS[key] = cfg
     return cfg
 
 

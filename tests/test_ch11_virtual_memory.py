@@ -272,6 +272,7 @@ def test_bench_bookkeeping_on_cpu(monkeypatch):
 
     monkeypatch.setattr(minillm.vmm, "VirtualKVCache", FakeCache)
     monkeypatch.setattr(b, "mapping_latency", lambda results, device: None)
+    monkeypatch.setattr(b, "page_bytes", lambda device: 256)
     monkeypatch.setattr(b, "STEPS", 4)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     res = Results("cpu-test", {"copy_TBps": 1.0, "bf16_matmul_TFLOPs": 1.0}, env={})

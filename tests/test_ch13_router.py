@@ -161,6 +161,7 @@ OTHER = "Thou art a plain-spoken messenger from the court of Denmark, and thy ne
 
 @pytest.fixture(scope="module")
 def fleet():
+    pytest.importorskip("fastapi")   # the server's and the router's dependency (the `serve` extra)
     from minillm.router.app import create_router_app
     from minillm.router.launch import RouterThread, spawn_instances, stop_instances
 
@@ -306,6 +307,7 @@ def test_a_killed_instance_is_routed_around(fleet):
 # == the measurement ============================================================================
 
 def test_routing_measurement_at_a_tiny_size():
+    pytest.importorskip("fastapi")
     from minillm.experiments.ch13_routing import RoutingWorkload, compare_routing, format_table, result_rows
 
     workload = RoutingWorkload.random(num_systems=3, requests_per_system=4, system_len=32, suffix_len=8, seed=0)

@@ -21,6 +21,7 @@ import pytest
 from minillm import BUNDLED_MODEL
 from minillm.router.launch import InstanceProcess
 
+pytest.importorskip("fastapi")   # the server's own dependency (the `serve` extra)
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
 LONG = {"prompt": "ROMEO:", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}

@@ -86,6 +86,15 @@ class TensorParallelRunner:
         self.model.broadcast(command)
         return self.model.worker.execute(command)
 
+    def warm_up(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0,
+                sample_tokens: bool = False) -> int:
+        """`ModelRunner.warm_up` on every rank (the padding steps' collectives run on all)."""
+        if not self.local.can_capture():
+            return 0
+        command = ("warm_up", max_num_seqs, max_model_len, max_num_batched_tokens, sample_tokens)
+        self.model.broadcast(command)
+        return self.model.worker.execute(command)
+
     @property
     def graphs(self):
         return self.local.graphs

@@ -157,6 +157,10 @@ class Worker:
             return 0
         return count
 
+    def op_warm_up(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0,
+                   sample_tokens: bool = False) -> int:
+        return self.runner.warm_up(max_num_seqs, max_model_len, max_num_batched_tokens, sample_tokens)
+
     def op_new_cache(self, batch: int, max_len: int):
         self.contiguous = self.model.new_cache(batch, max_len)
         return self.contiguous

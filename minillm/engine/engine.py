@@ -156,6 +156,9 @@ class LLMEngine:
             self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len,
                                             config.max_num_batched_tokens if config.cuda_graphs == "all" else 0,
                                             **({"sample_tokens": True} if self.sample_on_device else {}))
+        else:  # compile and tune each decode batch size now, not inside the first requests' steps
+            self.runner.warm_up(config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens,
+                                sample_tokens=self.sample_on_device)
         # Overlapped decode: with the tokens drawn on the GPU, a pure decode step is launched
         # before the last one's tokens reach the host (its input ids are taken on the device),
         # so the host schedules and samples while the GPU computes (`_step`).

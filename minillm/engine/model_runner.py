@@ -35,6 +35,8 @@ since only one runs at a time):
 Before each capture the bucket's step runs once eagerly: Triton compiles its kernels and
 Chapter 8's flat GEMM tunes its tiles then (neither may happen during a capture). On a CPU,
 for the torch attention backend, and for a step that fits no bucket, `forward` runs eagerly.
+An engine without graphs on CUDA runs the same padding steps once at start-up (`warm_up`):
+otherwise the first requests' steps would pay for compiling and tuning, a second or more.
 
 **Sampling in the graph (Chapter 10).** With ``capture_cuda_graphs(..., sample_tokens=True)``
 each step shape gets the tokens on the GPU too: its graph ends with the argmax of the logits
@@ -59,7 +61,7 @@ from minillm.decoding.gpu_sampling import SamplingTensors, sample
 from minillm.model.paged import PagedBatch, PagedKVCache
 from minillm.paged import blocks_for
 
-__all__ = ["ModelRunner", "choose_tokens", "decode_buckets", "token_buckets"]
+__all__ = ["ModelRunner", "choose_tokens", "decode_buckets", "step_shapes", "token_buckets"]
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -67,6 +69,17 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     ``max_num_seqs`` itself. A step of ``B`` sequences runs the smallest bucket >= ``B``."""
     sizes = {1, 2, 4, 8, *range(16, max_num_seqs + 1, 16), max_num_seqs}
     return sorted(b for b in sizes if b <= max_num_seqs)
+
+
+def step_shapes(max_num_seqs: int, max_num_batched_tokens: int = 0, smallest_mixed: int = 64
+                ) -> list[tuple[str, int]]:
+    """The step shapes that get a graph, largest first: ``("decode", b)`` for every decode
+    bucket, and with ``max_num_batched_tokens > 0`` ``("mixed", t)`` for every token bucket
+    from ``smallest_mixed``."""
+    shapes = [("decode", b) for b in decode_buckets(max_num_seqs)]
+    if max_num_batched_tokens > 0:
+        shapes += [("mixed", t) for t in token_buckets(max_num_batched_tokens, smallest_mixed)]
+    return sorted(shapes, key=lambda s: -s[1])
 
 
 def token_buckets(max_num_batched_tokens: int, smallest: int = 64) -> list[int]:
@@ -154,6 +167,37 @@ class ModelRunner:
         if not self.can_capture():
             return 0
         self.graphs.clear()
+        self._static_buffers(max_num_seqs, max_model_len, max_num_batched_tokens, sample_tokens)
+        pool = None
+        # Largest first: the first capture sizes the shared pool, the smaller ones fit in it.
+        for kind, bucket in tqdm(step_shapes(max_num_seqs, max_num_batched_tokens), desc="capturing CUDA graphs",
+                                 disable=not progress):
+            batch, sampling = self._padding_step(kind, bucket)   # compiles and tunes, then record
+            self.graphs[(kind, bucket)], pool = self.capture(batch, pool, sampling)
+        self._keep_alive = _reused_kernel_buffers()
+        return len(self.graphs)
+
+    @torch.inference_mode()
+    def warm_up(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0,
+                sample_tokens: bool = False) -> int:
+        """Without graphs: run the padding step of every shape `capture_cuda_graphs` would
+        record, and of mixed steps down to 16 tokens (Chapter 8's smallest flat-GEMM bucket;
+        an eager step is not padded up to 64), and the sampler with ``sample_tokens``: Triton
+        compiles, and the GEMMs and GEMVs time their tiles, for every batch size and token
+        bucket before the first request rather than inside a request's step. Returns the
+        number of steps run (0 where graphs could not run either: the torch backend, a CPU)."""
+        if not self.can_capture():
+            return 0
+        self._static_buffers(max_num_seqs, max_model_len, max_num_batched_tokens, sample_tokens)
+        shapes = step_shapes(max_num_seqs, max_num_batched_tokens, smallest_mixed=16)
+        for kind, bucket in shapes:
+            self._padding_step(kind, bucket)
+        torch.cuda.synchronize(self.cache.pool.device)
+        return len(shapes)
+
+    def _static_buffers(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+                        sample_tokens: bool) -> None:
+        """The step buffers the graphs read (`_static_batch`), sized for the largest step."""
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.max_blocks = blocks_for(max_model_len, self.cache.block_size)
         max_tokens = max(max_num_seqs, max_num_batched_tokens)
@@ -169,25 +213,20 @@ class ModelRunner:
             cu_decode=torch.arange(max_num_seqs + 1, **int32),         # decode steps: one row each, fixed
         )
         self._sampling = SamplingTensors.empty(max_num_seqs, device) if sample_tokens else None
-        shapes = [("decode", b) for b in decode_buckets(max_num_seqs)]
-        if max_num_batched_tokens > 0:
-            shapes += [("mixed", t) for t in token_buckets(max_num_batched_tokens)]
-        pool = None
-        # Largest first: the first capture sizes the shared pool, the smaller ones fit in it.
-        for kind, bucket in tqdm(sorted(shapes, key=lambda s: -s[1]), desc="capturing CUDA graphs",
-                                 disable=not progress):
-            batch = self._static_batch(kind, bucket)
-            # Everything padding: nothing is written, nothing read. Run once (compile, tune), then record.
-            self._buf["slot_mapping"].fill_(-1)
-            self._buf["seq_lens"].zero_()
-            self._buf["cu_seqlens_q"].zero_()
-            logits = self.model.forward_paged(batch, self.cache, last_only=True)
-            sampling = self._sampling.view(logits.shape[0]) if self._sampling is not None else None
-            if sampling is not None:
-                sample(logits, sampling)          # compiles the sampler's kernels too
-            self.graphs[(kind, bucket)], pool = self.capture(batch, pool, sampling)
-        self._keep_alive = _reused_kernel_buffers()
-        return len(self.graphs)
+
+    def _padding_step(self, kind: str, bucket: int) -> tuple[PagedBatch, SamplingTensors | None]:
+        """Run one step of ``bucket`` padding rows eagerly (and the sampler, if the buffers have
+        its rows): nothing is written, nothing read, every kernel of that shape compiled and
+        tuned. Returns the static batch and sampling rows, for `capture`."""
+        batch = self._static_batch(kind, bucket)
+        self._buf["slot_mapping"].fill_(-1)
+        self._buf["seq_lens"].zero_()
+        self._buf["cu_seqlens_q"].zero_()
+        logits = self.model.forward_paged(batch, self.cache, last_only=True)
+        sampling = self._sampling.view(logits.shape[0]) if self._sampling is not None else None
+        if sampling is not None:
+            sample(logits, sampling)
+        return batch, sampling
 
     def can_capture(self) -> bool:
         """Whether graphs can run here: a CUDA pool and the Triton attention kernels."""

@@ -23,8 +23,8 @@ import functools
 from typing import Any
 
 __all__ = ["MISSING", "CudaError", "bindings", "available", "check", "ensure_context", "allocation_prop",
-           "access_descs", "granularity", "reserve", "free_range", "create", "map_page", "unmap", "release",
-           "mem_info"]
+           "access_descs", "granularity", "device_granularity", "reserve", "free_range", "create", "map_page",
+           "unmap", "release", "mem_info"]
 
 MISSING = ("the virtual-memory cache needs NVIDIA's Python bindings of the CUDA driver: "
            "pip install cuda-bindings  (or: pip install -e '.[vmm]'), and an NVIDIA GPU")
@@ -121,6 +121,12 @@ def granularity(prop, recommended: bool = False) -> int:
     flag = d.CUmemAllocationGranularity_flags
     option = flag.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED if recommended else flag.CU_MEM_ALLOC_GRANULARITY_MINIMUM
     return int(check(d.cuMemGetAllocationGranularity(prop, option)))
+
+
+def device_granularity(device_index: int) -> int:
+    """The smallest page ``device_index`` maps (2 MB on current GPUs), its context made current."""
+    ensure_context(device_index)
+    return granularity(allocation_prop(device_index))
 
 
 def reserve(size: int, alignment: int = 0) -> int:

@@ -592,9 +592,7 @@ def _page_bytes(model, config, device: torch.device) -> int:
         ok, why = drv.available()
         if not ok:
             raise RuntimeError(f"kv_cache='virtual' on CUDA needs the driver bindings ({why}). {drv.MISSING}")
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        drv.ensure_context(index)
-        return drv.granularity(drv.allocation_prop(index))
+        return drv.device_granularity(device.index if device.index is not None else torch.cuda.current_device())
     _, kv_heads, head_dim, elem = _kv_dims(model)
     return config.block_size * kv_heads * head_dim * elem
 
