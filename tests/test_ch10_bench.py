@@ -1,6 +1,7 @@
 """Chapter 10's benchmark module on the CPU: it imports, its random model and decode batch
 build, and its profiler labels wrap the model (both paths) without changing what it computes.
 The timings themselves run on CUDA only (``make gpu``)."""
+import math
 import pytest
 import torch
 
@@ -123,8 +124,10 @@ def test_hf_static_part_bookkeeping_on_cpu():
         mine = [r for r in rows if r["params"]["batch"] == batch]
         ours = [r for r in mine if r["metric"] == "tpot_ms" and r["peer"] is None]
         peer = [r for r in mine if r["peer"] == "hf_static"]
-        assert len(ours) == 1 and ours[0]["ours"] > 0
-        assert len(peer) == 1 and peer[0]["ours"] == ours[0]["ours"] and peer[0]["peer_value"] > 0
+        # (T(n) - T(1)) / (n - 1) of a few tokens on a loaded CPU can come out at or below zero:
+        # the bookkeeping is what this test checks, not the timings' sign
+        assert len(ours) == 1 and math.isfinite(ours[0]["ours"])
+        assert len(peer) == 1 and peer[0]["ours"] == ours[0]["ours"] and math.isfinite(peer[0]["peer_value"])
         assert peer[0]["ratio"] == pytest.approx(peer[0]["peer_value"] / peer[0]["ours"])
         assert [r["metric"] for r in mine if r["params"].get("peer") == "hf_static_compile"] == ["skipped"]
     assert results.to_dict()["rows"]  # JSON-safe
