@@ -23,7 +23,7 @@ from minillm.engine import LLMEngine, SamplingParams
 from minillm.experiments import ch09_engine_benchmark as bench
 from minillm.engine import model_runner
 from minillm.engine.engine import StepRecord
-from minillm.engine.model_runner import CapturedGraph, ModelRunner, decode_buckets, token_buckets
+from minillm.engine.model_runner import CapturedGraph, ModelRunner, decode_buckets, step_shapes, token_buckets
 from minillm.engine.request import RequestMetrics
 from minillm.model import LlamaForCausalLM, ModelConfig, load_tokenizer
 from minillm.model import paged as paged_module
@@ -183,6 +183,12 @@ def test_buckets():
     assert decode_buckets(6) == [1, 2, 4, 6]
     assert token_buckets(2048) == [64, 128, 256, 512, 1024, 2048]
     assert token_buckets(100) == [64, 100]
+    # what capture records and an eager engine's warm-up runs: every decode bucket and every
+    # token bucket, largest first (the warm-up from 16 tokens: an eager step is not padded)
+    assert step_shapes(6, 100) == [("mixed", 100), ("mixed", 64), ("decode", 6), ("decode", 4), ("decode", 2),
+                                   ("decode", 1)]
+    assert step_shapes(4, 0) == [("decode", 4), ("decode", 2), ("decode", 1)]
+    assert [t for k, t in step_shapes(2, 100, smallest_mixed=16) if k == "mixed"] == [100, 64, 32, 16]
 
 
 class _ReplayByRerun:
