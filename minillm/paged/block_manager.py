@@ -42,7 +42,8 @@ from minillm.paged.allocator import BlockAllocator
 from minillm.paged.errors import DuplicateSequence, OutOfBlocks, RequestTooLong, UnknownSequence
 from minillm.paged.prefix_cache import Block, HashFn, chain_hash
 
-__all__ = ["PENDING", "Admission", "AppendResult", "BlockManager", "as_token_list", "blocks_for", "check_token_ids"]
+__all__ = ["PENDING", "Admission", "AppendResult", "BlockManager", "as_token_list", "blocks_for", "check_token_ids",
+           "gather_step_inputs"]
 
 MAX_TOKEN_ID = 2**31 - 1  # token ids are hashed as int32
 PENDING = -1              # a token appended before its id is known (`BlockManager.append_pending`)
@@ -90,6 +91,35 @@ def as_token_list(tokens) -> list:
         return [operator.index(tokens)]
     except TypeError:
         return list(tokens)
+
+
+def gather_step_inputs(seqs, counts: Sequence[int], block_size: int
+                       ) -> tuple[list[int], list[int], list[int], list[int], list[list[int]]]:
+    """`BlockManager.step_inputs` over ``seqs``, ``(seq_id, token_ids, block_table)`` triples
+    (any paged layout: the virtual cache's is one block of ``block_size = capacity`` per
+    sequence, table ``[slot]``), running the last ``counts[i]`` tokens of each."""
+    bs = block_size
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    lengths: list[int] = []
+    tables: list[list[int]] = []
+    for (seq_id, tokens, table), n in zip(seqs, counts):
+        length = len(tokens)
+        if not 1 <= n <= length:
+            raise ValueError(f"sequence {seq_id!r} has {length} tokens; cannot run its last {n}")
+        start = length - n
+        if n == 1:  # a decode step: one token, no list built
+            ids.append(tokens[start])
+            positions.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+        else:
+            ids += tokens[start:]
+            positions += range(start, length)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, length)]
+        lengths.append(length)
+        tables.append(table)
+    return ids, positions, slots, lengths, tables
 
 
 def check_token_ids(token_ids, action: str, seq_id=None) -> list[int]:
@@ -255,30 +285,12 @@ class BlockManager:
         not copies: read them before the next change to the manager.
 
         Raises `UnknownSequence`, and ``ValueError`` unless ``1 <= counts[i] <= length``."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        lengths: list[int] = []
-        tables: list[list[int]] = []
-        for seq_id, n in zip(seq_ids, counts):
-            seq = self._get(seq_id, "read")
-            tokens, table = seq.token_ids, seq.block_table
-            length = len(tokens)
-            if not 1 <= n <= length:
-                raise ValueError(f"sequence {seq_id!r} has {length} tokens; cannot run its last {n}")
-            start = length - n
-            if n == 1:  # a decode step: one token, no list built
-                ids.append(tokens[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                ids += tokens[start:]
-                positions += range(start, length)
-                slots += [table[p // bs] * bs + p % bs for p in range(start, length)]
-            lengths.append(length)
-            tables.append(table)
-        return ids, positions, slots, lengths, tables
+        seqs = ((seq_id, *self._tokens_and_table(seq_id)) for seq_id in seq_ids)
+        return gather_step_inputs(seqs, counts, self.block_size)
+
+    def _tokens_and_table(self, seq_id) -> tuple[list[int], list[int]]:
+        seq = self._get(seq_id, "read")
+        return seq.token_ids, seq.block_table
 
     def ref_count(self, block_id: int) -> int:
         """How many block-table entries point at ``block_id``."""

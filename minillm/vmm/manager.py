@@ -54,7 +54,7 @@ import torch
 
 from minillm.model.paged import BACKENDS, PagedKVCache
 from minillm.paged import Admission, AppendResult, BlockManager, BlockManagerStats, blocks_for
-from minillm.paged.block_manager import PENDING, as_token_list, check_token_ids
+from minillm.paged.block_manager import PENDING, as_token_list, check_token_ids, gather_step_inputs
 from minillm.paged.errors import DuplicateSequence, OutOfBlocks, RequestTooLong, UnknownSequence
 from minillm.vmm.pagetable import Geometry, OutOfPages, PageTable, pages_for
 
@@ -329,29 +329,8 @@ class VirtualBlockManager:
         """``(token_ids, positions, slots, lengths, block_tables)`` of a step over the last
         ``counts[i]`` tokens of each ``seq_ids[i]``: `minillm.paged.BlockManager.step_inputs`
         (block tables of one column, ``[slot]``)."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        lengths: list[int] = []
-        tables: list[list[int]] = []
-        for seq_id, n in zip(seq_ids, counts):
-            tokens = self._get(seq_id, "read").token_ids
-            length = len(tokens)
-            if not 1 <= n <= length:
-                raise ValueError(f"sequence {seq_id!r} has {length} tokens; cannot run its last {n}")
-            slot = self._slot(seq_id, "read")
-            start, base = length - n, slot * self.capacity
-            if n == 1:
-                ids.append(tokens[start])
-                positions.append(start)
-                slots.append(base + start)
-            else:
-                ids += tokens[start:]
-                positions += range(start, length)
-                slots += range(base + start, base + length)
-            lengths.append(length)
-            tables.append([slot])
-        return ids, positions, slots, lengths, tables
+        seqs = ((seq_id, self._get(seq_id, "read").token_ids, [self._slot(seq_id, "read")]) for seq_id in seq_ids)
+        return gather_step_inputs(seqs, counts, self.capacity)
 
     # == admission ===============================================================================
     def blocks_needed(self, num_tokens: int) -> int:
