@@ -2,7 +2,7 @@
 
 Replace each ``raise NotImplementedError(...)`` with your implementation: Exercises 4.1–4.4 in
 NumPy, 4.5–4.7 as Triton kernels (write the body of the ``@triton.jit`` function, then
-delete the ``raise`` at the top of its launcher). Tests
+delete the ``raise`` at the top of its launcher), 4.8 a schedule in NumPy and a kernel. Tests
 compare your functions with the float64 references in `minillm.reference.ch04_flash_attention`
 and `minillm.reference.ch01_naive_attention` on fresh random inputs, including scores in the hundreds,
 blocks that do not divide the sequence, more queries than keys (whose first rows see no key
@@ -23,7 +23,7 @@ import math
 import numpy as np
 import torch
 
-from minillm.kernels.base import tl, triton  # Triton as this machine runs it (no GPU: the interpreter)
+from minillm.kernels.base import num_sms, tl, triton  # Triton as this machine runs it (no GPU: the interpreter)
 
 #: The codes of Exercise 4.2: what a program does with one (Q block, K block) pair.
 SKIP, MASKED, FULL = 0, 1, 2
@@ -224,3 +224,93 @@ def tma_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
         *descs, q_heads, kv_heads, kv_len, scale, HEAD_DIM=d,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 4.8 (Section 11, Hopper): persistent programs that walk a schedule of tiles.
+# ---------------------------------------------------------------------------------------------
+def causal_tile_order(key_blocks, batch_heads: int, num_programs: int) -> np.ndarray:
+    """Exercise 4.8 (part 1) — the order in which a persistent grid takes the forward's tiles.
+
+    A tile is one query block of one (sequence, head): tile ``t = bh·n + i`` is query block
+    ``i`` of ``bh = b·q_heads + h``, with ``n = len(key_blocks)`` blocks per head and
+    ``batch_heads`` heads (heads outermost, as in the chapter's Hopper kernel). Its work is
+    ``key_blocks[i]``, the number of key blocks its loop visits: all equal without a mask,
+    growing down the rows when causal (Exercise 4.2), 0 for a block that sees no key.
+
+    ``num_programs`` programs walk your order round robin: program ``p`` computes the tiles
+    ``order[p], order[p + num_programs], order[p + 2·num_programs], …``. Return ``order``, an
+    integer array of shape ``[batch_heads·n]`` holding every tile exactly once, such that the
+    busiest program's work (the sum of ``key_blocks`` over its tiles) exceeds the average,
+    ``total work / num_programs``, by at most the work of one longest tile,
+    ``max(key_blocks)``. The row-major order ``0, 1, 2, …`` does not, nor does the chapter's
+    longest-first-within-each-head; ``num_programs`` may exceed the number of tiles.
+    """
+    raise NotImplementedError("Exercise 4.8 (causal_tile_order): not started. Read its docstring; hints: python -m minillm.grade 4 --hint 4.8")
+
+
+@triton.jit
+def persistent_forward_kernel(Q, K, V, O, LSE, TileOrder, Owner, q_heads, kv_heads, q_len, kv_len, n_m_blocks,
+                              n_tiles, scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              NUM_STAGES: tl.constexpr):
+    """Exercise 4.8 (part 2) — Exercise 4.5's forward with a persistent grid.
+
+    The grid has ``tl.num_programs(0)`` programs, usually fewer than the ``n_tiles`` tiles
+    (and sometimes more). Program ``pid`` computes the tiles ``TileOrder[pid]``,
+    ``TileOrder[pid + num_programs]``, … (``TileOrder: [n_tiles]`` int32, a permutation of the
+    tiles) until the list runs out. Tile ``t`` is query block ``t % n_m_blocks`` (``BLOCK_M``
+    rows) of ``bh = t // n_m_blocks = b·q_heads + h``. ``Q, O: [batch, q_heads, q_len,
+    HEAD_DIM]``, ``K, V: [batch, kv_heads, kv_len, HEAD_DIM]`` (contiguous; GQA: query head
+    ``h`` reads KV head ``h // (q_heads // kv_heads)``) and ``LSE: [batch, q_heads, q_len]``
+    fp32: these are the tensors' starting addresses, not a head's slab.
+
+    For each tile do what Exercise 4.5's program does (causal: bottom-right aligned, the loop
+    stops at the diagonal; ``O = acc / l`` in O's dtype, ``LSE = m + log l``; rows past
+    ``q_len`` are never loaded or stored; rows that see no key get 0 and ``-inf``), and record
+    ``Owner[t] = pid`` (int32), which the launcher returns. Write the key loop as
+    ``tl.range(..., num_stages=NUM_STAGES)`` (the compiler's software pipeline; the
+    interpreter ignores it) and use ``tl.dot(..., input_precision=DOT_PRECISION)``.
+    """
+    pid = tl.program_id(0)
+    d = tl.arange(0, HEAD_DIM)
+    pass  # your code: the loop over this program's tiles; per tile: its id, its head and rows, 4.5's body, Owner
+
+
+def persistent_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                       scale: float | None = None, num_programs: int | None = None, tile_order=None,
+                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exercise 4.8 (launcher, complete) — ``q: [batch, q_heads, q_len, d]``, ``k, v: [batch,
+    kv_heads, kv_len, d]`` (``d`` a power of two >= 16) -> ``(out, lse, owner)``: ``out`` (in q's
+    dtype, written into ``out`` if given) and ``lse`` as `fa2_forward` returns them, and
+    ``owner: [n_tiles]`` int32, the program that computed each tile (-1: none did).
+    ``num_programs``: the size of the grid (default: one program per SM); ``tile_order``: the
+    schedule, a permutation of the tiles (default: `causal_tile_order` of the tiles' work)."""
+    raise NotImplementedError("Exercise 4.8 (persistent_forward_kernel): not started. Read its docstring; hints: python -m minillm.grade 4 --hint 4.8")
+    batch, q_heads, q_len, d = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+    BLOCK_M, BLOCK_N = 32, 16
+    n_m_blocks = triton.cdiv(q_len, BLOCK_M)
+    n_tiles = batch * q_heads * n_m_blocks
+    num_programs = num_sms(q.device) if num_programs is None else num_programs
+    if tile_order is None:
+        # The work of query block i: the key blocks its loop visits, up to the diagonal when causal.
+        ends = np.full(n_m_blocks, kv_len)
+        if causal:
+            ends = np.clip((np.arange(n_m_blocks) + 1) * BLOCK_M + kv_len - q_len, 0, kv_len)
+        tile_order = causal_tile_order(-(-ends // BLOCK_N), batch * q_heads, num_programs)
+    tile_order = np.asarray(tile_order)
+    if tile_order.shape != (n_tiles,) or not np.array_equal(np.sort(tile_order), np.arange(n_tiles)):
+        raise ValueError(f"tile_order must hold each of the {n_tiles} tiles 0 … {n_tiles - 1} exactly once, "
+                         f"got {tile_order.tolist()[:20]}")
+    order = torch.as_tensor(tile_order, dtype=torch.int32).to(q.device)
+    owner = torch.full((n_tiles,), -1, dtype=torch.int32, device=q.device)
+    persistent_forward_kernel[(num_programs,)](
+        q, k, v, out, lse, order, owner, q_heads, kv_heads, q_len, kv_len, n_m_blocks, n_tiles, scale,
+        HEAD_DIM=d, CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=2)
+    return out, lse, owner

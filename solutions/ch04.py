@@ -6,7 +6,7 @@ import math
 import numpy as np
 import torch
 
-from minillm.kernels.base import tl, triton  # Triton as this machine runs it (no GPU: the interpreter)
+from minillm.kernels.base import num_sms, tl, triton  # Triton as this machine runs it (no GPU: the interpreter)
 
 SKIP, MASKED, FULL = 0, 1, 2
 
@@ -214,3 +214,99 @@ def tma_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
         *descs, q_heads, kv_heads, kv_len, scale, HEAD_DIM=d,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     return out
+
+
+def causal_tile_order(key_blocks, batch_heads: int, num_programs: int) -> np.ndarray:
+    """Exercise 4.8 (part 1): the longest tiles first, in rounds of ``num_programs`` that
+    alternate direction (zig-zag), so that the program that drew the longest tile of one
+    round draws the shortest of the next."""
+    work = np.tile(np.asarray(key_blocks, dtype=np.int64), batch_heads)   # work of tile bh·n + i
+    longest_first = np.argsort(-work, kind="stable")  # ties stay in tile order: heads together
+    order = longest_first.copy()
+    for start in range(num_programs, len(order), 2 * num_programs):     # every second round backwards
+        order[start:start + num_programs] = longest_first[start:start + num_programs][::-1]
+    return order
+
+
+@triton.jit
+def persistent_forward_kernel(Q, K, V, O, LSE, TileOrder, Owner, q_heads, kv_heads, q_len, kv_len, n_m_blocks,
+                              n_tiles, scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              NUM_STAGES: tl.constexpr):
+    """Exercise 4.8 (part 2): Exercise 4.5's program, once per tile of this program's share
+    of the schedule; every pointer is computed from the bases for each tile."""
+    pid = tl.program_id(0)
+    d = tl.arange(0, HEAD_DIM)
+    for i in tl.range(pid, n_tiles, tl.num_programs(0)):  # this program's tiles: pid, pid + P, ...
+        tile = tl.load(TileOrder + i)
+        bh, m_block = tile // n_m_blocks, tile % n_m_blocks
+        b, h = bh // q_heads, bh % q_heads
+        kv_bh = (b * kv_heads + h // (q_heads // kv_heads)).to(tl.int64)  # GQA: this head's K/V slab
+        Q_t = Q + bh.to(tl.int64) * q_len * HEAD_DIM
+        O_t = O + bh.to(tl.int64) * q_len * HEAD_DIM
+        K_t = K + kv_bh * kv_len * HEAD_DIM
+        V_t = V + kv_bh * kv_len * HEAD_DIM
+        rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        in_m = rows < q_len
+        q = tl.load(Q_t + rows[:, None] * HEAD_DIM + d[None, :], mask=in_m[:, None], other=0.0)
+
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+        l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        hi = kv_len
+        if CAUSAL:  # no key past the block's last row (Exercise 4.5)
+            hi = tl.minimum(kv_len, (m_block + 1) * BLOCK_M + (kv_len - q_len))
+        for start_n in tl.range(0, hi, BLOCK_N, num_stages=NUM_STAGES):  # loads NUM_STAGES - 1 blocks ahead
+            cols = start_n + tl.arange(0, BLOCK_N)
+            k = tl.load(K_t + cols[:, None] * HEAD_DIM + d[None, :], mask=cols[:, None] < kv_len, other=0.0)
+            v = tl.load(V_t + cols[:, None] * HEAD_DIM + d[None, :], mask=cols[:, None] < kv_len, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            visible = cols[None, :] < kv_len
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= rows[:, None] + (kv_len - q_len))
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            l = alpha * l + tl.sum(p, axis=1)
+            acc = alpha[:, None] * acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m = m_new
+
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        tl.store(O_t + rows[:, None] * HEAD_DIM + d[None, :], out.to(O.dtype.element_ty), mask=in_m[:, None])
+        tl.store(LSE + bh.to(tl.int64) * q_len + rows, m + tl.log(l), mask=in_m)
+        tl.store(Owner + tile, pid)
+
+
+def persistent_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                       scale: float | None = None, num_programs: int | None = None, tile_order=None,
+                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exercise 4.8 (launcher): a grid of ``num_programs`` programs and the schedule they walk."""
+    batch, q_heads, q_len, d = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+    BLOCK_M, BLOCK_N = 32, 16
+    n_m_blocks = triton.cdiv(q_len, BLOCK_M)
+    n_tiles = batch * q_heads * n_m_blocks
+    num_programs = num_sms(q.device) if num_programs is None else num_programs
+    if tile_order is None:
+        # The work of query block i: the key blocks its loop visits, up to the diagonal when causal.
+        ends = np.full(n_m_blocks, kv_len)
+        if causal:
+            ends = np.clip((np.arange(n_m_blocks) + 1) * BLOCK_M + kv_len - q_len, 0, kv_len)
+        tile_order = causal_tile_order(-(-ends // BLOCK_N), batch * q_heads, num_programs)
+    tile_order = np.asarray(tile_order)
+    if tile_order.shape != (n_tiles,) or not np.array_equal(np.sort(tile_order), np.arange(n_tiles)):
+        raise ValueError(f"tile_order must hold each of the {n_tiles} tiles 0 … {n_tiles - 1} exactly once, "
+                         f"got {tile_order.tolist()[:20]}")
+    order = torch.as_tensor(tile_order, dtype=torch.int32).to(q.device)
+    owner = torch.full((n_tiles,), -1, dtype=torch.int32, device=q.device)
+    persistent_forward_kernel[(num_programs,)](
+        q, k, v, out, lse, order, owner, q_heads, kv_heads, q_len, kv_len, n_m_blocks, n_tiles, scale,
+        HEAD_DIM=d, CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=2)
+    return out, lse, owner

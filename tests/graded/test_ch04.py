@@ -12,7 +12,7 @@ import torch
 
 from minillm import reference as ref
 from minillm.reference import ch04_flash_attention as fa2
-from minillm.testing import assert_close, random_tensor, to_numpy
+from minillm.testing import assert_close, poisoned, random_tensor, to_numpy
 
 tile_ex = pytest.mark.exercise(id="4.1", title="FA2 tile step with an unscaled output", points=3)
 classify_ex = pytest.mark.exercise(id="4.2", title="Causal block skipping", points=2)
@@ -22,6 +22,8 @@ fa2_kernel_ex = pytest.mark.exercise(id="4.5", title="The FlashAttention-2 forwa
 delta_kernel_ex = pytest.mark.exercise(id="4.6", title="The preprocess kernel D in Triton", points=1, kind="triton")
 tma_kernel_ex = pytest.mark.exercise(id="4.7", title="The key loop through tensor descriptors, one matmul ahead",
                                      points=2, kind="triton")
+persistent_ex = pytest.mark.exercise(id="4.8", title="Persistent programs walking a balanced causal schedule",
+                                     points=3, kind="triton")
 
 
 def empty_state(rows, d):
@@ -328,3 +330,162 @@ def test_tma_forward_kernel(impl, batch, q_heads, kv_heads, q_len, kv_len, head_
     want, _ = ref.attention(to_numpy(q), to_numpy(k), to_numpy(v), scale=scale)
     assert_close(out, want, dtype, f"out (q_len {q_len}, kv_len {kv_len}, heads {q_heads}/{kv_heads}, scale {scale})",
                  seed)
+
+
+# --- 4.8 -------------------------------------------------------------------------------------
+
+def key_blocks(q_len, kv_len, block_m, block_n, causal):
+    """The work of each query block: how many key blocks its loop visits (Exercise 4.2)."""
+    classes = brute_force_classes(q_len, kv_len, block_m, block_n) if causal else \
+        np.full((-(-q_len // block_m), -(-kv_len // block_n)), fa2.FULL)
+    return (classes != fa2.SKIP).sum(axis=1)
+
+
+def program_work(order, work, num_programs):
+    """The work of each program when ``num_programs`` walk ``order`` round robin."""
+    loads = np.zeros(num_programs, dtype=np.int64)
+    np.add.at(loads, np.arange(len(order)) % num_programs, work[np.asarray(order)])
+    return loads
+
+
+def check_schedule(order, kb, batch_heads, num_programs, msg):
+    """Every tile once, and the busiest program within one longest tile of the average."""
+    n_tiles = len(kb) * batch_heads
+    order = np.asarray(order)
+    assert order.shape == (n_tiles,), f"{msg}: the order has shape {order.shape}, expected ({n_tiles},): one entry per tile"
+    assert np.issubdtype(order.dtype, np.integer), f"{msg}: tile ids are integers, got dtype {order.dtype}"
+    assert ((order >= 0) & (order < n_tiles)).all(), \
+        f"{msg}: tile ids run from 0 to {n_tiles - 1}, got {order.min()} … {order.max()}"
+    counts = np.bincount(order, minlength=n_tiles)
+    bad = np.flatnonzero(counts != 1)
+    assert not bad.size, (
+        f"{msg}: every tile must appear exactly once, but tile {bad[0]} (query block {bad[0] % len(kb)} of head "
+        f"{bad[0] // len(kb)}) appears {counts[bad[0]]} times ({bad.size} tiles wrong)")
+    work = np.tile(np.asarray(kb, dtype=np.int64), batch_heads)
+    loads = program_work(order, work, num_programs)
+    total, longest = int(work.sum()), int(work.max())
+    # busiest <= total / P + longest, in integers
+    assert loads.max() * num_programs <= total + longest * num_programs, (
+        f"{msg}: program {loads.argmax()} does {loads.max()} key blocks of work, but the average is "
+        f"{total / num_programs:.2f} and one longest tile {longest}: at most {total / num_programs + longest:.2f} "
+        f"allowed. Work per program: {loads.tolist()[:16]}{' …' if num_programs > 16 else ''}")
+    return loads
+
+
+@persistent_ex
+@pytest.mark.parametrize("trial", range(12))
+def test_tile_order_covers_and_balances(impl, trial, seed):
+    rng = np.random.default_rng(seed + trial)
+    q_len = int(rng.integers(1, 300))
+    kv_len = q_len if trial % 3 else int(rng.integers(1, 300))
+    block_m, block_n = int(rng.choice([16, 32, 64])), int(rng.choice([16, 32, 64]))
+    causal = trial % 4 != 3
+    kb = key_blocks(q_len, kv_len, block_m, block_n, causal)
+    batch_heads = int(rng.integers(1, 9))
+    n_tiles = len(kb) * batch_heads
+    num_programs = [1, n_tiles + int(rng.integers(1, 5)), int(rng.integers(2, max(3, n_tiles)))][trial % 3]
+    order = impl.causal_tile_order(kb, batch_heads, num_programs)
+    check_schedule(order, kb, batch_heads, num_programs,
+                   f"key_blocks={kb.tolist()}, batch_heads={batch_heads}, num_programs={num_programs} (seed {seed + trial})")
+
+
+@persistent_ex
+@pytest.mark.parametrize("n,batch_heads,num_programs", [
+    (8, 4, 4),      # N = 256 in blocks of 32: 1 … 8 key blocks per query block
+    (16, 8, 12),
+    (10, 6, 5),
+    (32, 16, 132),  # N = 4096 in blocks of 128, 16 heads, one program per SM of an H100
+])
+def test_tile_order_beats_the_round_robins(impl, n, batch_heads, num_programs):
+    """Square causal attention, where query block i sees i + 1 key blocks. Walked in row-major
+    order, or longest first within each head (the chapter's kernel), the programs' work is
+    unbalanced: the busiest does more than the average plus one longest tile."""
+    kb = np.arange(1, n + 1)
+    order = impl.causal_tile_order(kb, batch_heads, num_programs)
+    work = np.tile(kb, batch_heads)
+    row_major = np.arange(n * batch_heads)
+    per_head_longest_first = np.array([bh * n + i for bh in range(batch_heads) for i in reversed(range(n))])
+    bound = work.sum() / num_programs + n
+    for name, naive in (("row-major", row_major), ("longest first within each head", per_head_longest_first)):
+        assert program_work(naive, work, num_programs).max() > bound, f"the {name} order is balanced here"
+    loads = check_schedule(order, kb, batch_heads, num_programs,
+                           f"square causal, {n} query blocks, {batch_heads} heads, {num_programs} programs")
+    assert loads.max() < program_work(row_major, work, num_programs).max()
+
+
+def tile_name(t, n_m_blocks, q_heads):
+    bh, i = divmod(int(t), n_m_blocks)
+    return f"query block {i} of sequence {bh // q_heads}, head {bh % q_heads} (tile {t})"
+
+
+def check_persistent_run(out, lse, owner, q, k, v, causal, scale, order, num_programs, dtype, seed, msg):
+    """Compare with the reference, naming the tiles that were never computed or computed
+    by the wrong program."""
+    batch, q_heads, q_len, _ = q.shape
+    n_m_blocks = -(-q_len // 32)                       # the launcher's BLOCK_M
+    want_out, want_lse = ref.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal, scale=scale)
+    got = to_numpy(out).reshape(batch * q_heads, q_len, -1)
+    unwritten = [bh * n_m_blocks + i for bh in range(batch * q_heads) for i in range(n_m_blocks)
+                 if np.isnan(got[bh, i * 32:(i + 1) * 32]).any()]
+    assert not unwritten, (
+        f"{msg}: the rows of {tile_name(unwritten[0], n_m_blocks, q_heads)} were never written ({len(unwritten)} of "
+        f"{len(order)} tiles): does every program walk all of its tiles, pid, pid + num_programs, … up to "
+        f"n_tiles? (seed {seed})")
+    assert_close(out, want_out, dtype, f"out {msg}", seed)
+    assert_close(lse, want_lse, dtype, f"lse {msg}", seed)
+    owner = owner.cpu().numpy()
+    expected = np.empty(len(order), dtype=np.int64)
+    expected[np.asarray(order)] = np.arange(len(order)) % num_programs
+    assert (owner >= 0).all(), (
+        f"{msg}: Owner of {tile_name(np.flatnonzero(owner < 0)[0], n_m_blocks, q_heads)} is {owner.min()}: store "
+        f"the program's id in Owner[tile] for every tile it computes")
+    wrong = np.flatnonzero(owner != expected)
+    assert not wrong.size, (
+        f"{msg}: {tile_name(wrong[0], n_m_blocks, q_heads)} was computed by program {owner[wrong[0]]}, but the "
+        f"schedule gives it to program {expected[wrong[0]]} (program p takes TileOrder[p], "
+        f"TileOrder[p + num_programs], …): does the kernel read its tiles from TileOrder? (seed {seed})")
+
+
+@persistent_ex
+@pytest.mark.parametrize("batch,q_heads,kv_heads,q_len,kv_len,head_dim,causal,num_programs", [
+    (1, 1, 1, 1, 1, 16, False, 1),
+    (1, 2, 2, 70, 70, 32, True, 1),    # one program walks all six tiles; ragged tails
+    (2, 4, 2, 20, 53, 16, True, 3),    # GQA, fewer queries than keys (bottom-right causal)
+    (1, 3, 1, 45, 21, 16, True, 5),    # MQA, more queries than keys: the first 24 rows see no key
+    (1, 2, 2, 33, 40, 16, False, 40),  # more programs than tiles: most have nothing to do
+    (2, 2, 1, 50, 37, 16, False, 3),
+])
+def test_persistent_forward_kernel(impl, batch, q_heads, kv_heads, q_len, kv_len, head_dim, causal, num_programs,
+                                   dtype, device, gen, seed):
+    q = random_tensor((batch, q_heads, q_len, head_dim), dtype, device, gen)
+    k = random_tensor((batch, kv_heads, kv_len, head_dim), dtype, device, gen, scale=2.0)  # peaked softmax rows
+    v = random_tensor((batch, kv_heads, kv_len, head_dim), dtype, device, gen)
+    scale = None if seed % 2 else 0.4
+    n_tiles = batch * q_heads * -(-q_len // 32)
+    order = np.random.default_rng(seed).permutation(n_tiles)   # any schedule must give the same output
+    out, lse, owner = impl.persistent_forward(q, k, v, causal=causal, scale=scale, num_programs=num_programs,
+                                              tile_order=order, out=poisoned(q.shape, dtype, device))
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:-1]
+    msg = (f"(q_len {q_len}, kv_len {kv_len}, causal {causal}, heads {q_heads}/{kv_heads}, scale {scale}, "
+           f"{num_programs} programs, tile_order {order.tolist()})")
+    check_persistent_run(out, lse, owner, q, k, v, causal, scale, order, num_programs, dtype, seed, msg)
+
+
+@persistent_ex
+def test_persistent_forward_with_your_schedule(impl, device, gen, seed):
+    """The default schedule is your `causal_tile_order`: the work each program did, read from
+    ``owner``, is within one longest tile of the average."""
+    batch, q_heads, q_len, head_dim, num_programs = 1, 4, 130, 16, 3
+    q, k, v = (random_tensor((batch, q_heads, q_len, head_dim), torch.float32, device, gen) for _ in range(3))
+    out, lse, owner = impl.persistent_forward(q, k, v, causal=True, num_programs=num_programs,
+                                              out=poisoned(q.shape, torch.float32, device))
+    want_out, want_lse = ref.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True)
+    assert_close(out, want_out, torch.float32, "out (your schedule, causal, 130 rows, 4 heads, 3 programs)", seed)
+    assert_close(lse, want_lse, torch.float32, "lse (your schedule)", seed)
+    owner = owner.cpu().numpy()
+    assert ((owner >= 0) & (owner < num_programs)).all(), f"owner {owner.tolist()}: every tile, by one of 3 programs"
+    work = np.tile(key_blocks(q_len, q_len, 32, 16, True), batch * q_heads)   # the launcher's 32 x 16 tiles
+    loads = np.bincount(owner, weights=work, minlength=num_programs)
+    assert loads.max() <= work.sum() / num_programs + work.max(), (
+        f"work per program {loads.tolist()} (key blocks): the busiest exceeds the average "
+        f"{work.sum() / num_programs:.2f} by more than one longest tile ({work.max()})")
