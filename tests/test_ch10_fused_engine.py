@@ -259,3 +259,32 @@ def test_gpu_eager_engine_tunes_everything_before_the_first_request():
         engine.step()
     assert engine.runner.num_replays == 0 and engine.runner.num_eager >= 16
     assert (set(ch10_fused_decode.PROLOGUE_CONFIGS), set(ch08_flat_gemm.TUNING_TIMES)) == tuned
+
+
+@pytest.mark.gpu
+def test_gpu_staged_batches_give_the_same_tokens_as_device_batches():
+    """With graphs, the engine builds each step's batch on the host and the runner stages it
+    into the graphs' buffers in two copies (`ModelRunner._stage`, with overlapped decode); the
+    same batches sent from the device field by field (`ModelRunner._copy_fields`) replay the
+    same graphs on the same inputs: the same tokens, through admissions, mixed steps, batches
+    that shrink and grow, sampled requests, and stops."""
+    model, _ = load_model(BUNDLED_MODEL, device="cuda", dtype=torch.bfloat16)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, VOCAB, int(n)).tolist() for n in rng.integers(2, 70, 12)]
+    params = [SamplingParams(temperature=0.8 if i % 3 == 0 else 0, top_p=0.9, seed=i, ignore_eos=True,
+                             max_tokens=int(rng.integers(1, 40)), stop_token_ids=list(range(0, VOCAB, 9)) if i % 4 == 1
+                             else ()) for i in range(len(prompts))]
+    outputs, staged = [], []
+    for host in (True, False):
+        engine = LLMEngine(model, TOKENIZER, EngineConfig(num_blocks=128, max_num_seqs=8, seed=0))
+        assert engine.runner.cuda_graphs and engine.overlap_decode
+        if not host:
+            engine._batch_device = engine.device
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        outputs.append([(done[i].outputs[0].token_ids, done[i].outputs[0].finish_reason) for i in ids])
+        staged.append((engine.stats.overlapped_steps, engine.runner.num_replays))
+    assert outputs[0] == outputs[1]
+    assert staged[0][0] > 0 and staged[0][1] > 0
