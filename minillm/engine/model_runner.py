@@ -216,8 +216,8 @@ class ModelRunner:
         self._buf["block_tables"].fill_(-1)
         self._rows = (wide, narrow)
         pin = device.type == "cuda"
-        self._mirrors = [[wide.cpu().pin_memory() if pin else wide.cpu(),
-                          narrow.cpu().pin_memory() if pin else narrow.cpu(), None] for _ in range(2)]
+        self._mirrors = [[wide.cpu().pin_memory() if pin else wide.clone(),
+                          narrow.cpu().pin_memory() if pin else narrow.clone(), None] for _ in range(2)]
         self._turn = 0
         self._sampling = SamplingTensors.empty(max_num_seqs, device) if sample_tokens else None
 
@@ -353,9 +353,10 @@ class ModelRunner:
         dev_narrow.copy_(narrow, non_blocking=True)
         if on_device:
             s.input_ids[:n].copy_(batch.input_ids)
-        event = torch.cuda.Event()
-        event.record()
-        self._mirrors[self._turn][2] = event
+        if dev_wide.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._mirrors[self._turn][2] = event
 
     def describe(self) -> str:
         """``"eager"``, or the captured graphs by kind and bucket."""
