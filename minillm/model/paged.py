@@ -204,6 +204,8 @@ class PagedBatch:
         """This batch on ``device``, its host tensors moved in one copy per dtype (through
         pinned memory, without waiting: `_to_device`); tensors already there are kept."""
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:   # a tensor's device always has its index
+            device = torch.device("cuda", torch.cuda.current_device())
         moved = {}
         for names in (("input_ids", "positions", "slot_mapping"), ("cu_seqlens_q", "seq_lens", "block_tables")):
             fields = {n: getattr(self, n) for n in names if getattr(self, n).device != device}
