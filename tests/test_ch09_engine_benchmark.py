@@ -238,6 +238,7 @@ def test_padded_graph_steps_equal_eager(monkeypatch, device):
         """The padding contract, as the graph saw it: the step's rows first, then padding
         tokens with slot -1 and padding sequences of length 0 (and no queries)."""
         logits = original_replay(self, graph, batch, sampling)
+        batch = batch.to(graph.batch.seq_lens.device)   # the engine builds a graph step's batch on the host
         s, n, B = graph.batch, batch.num_tokens, batch.batch_size
         assert torch.equal(s.input_ids[:n], batch.input_ids) and torch.equal(s.positions[:n], batch.positions)
         assert torch.equal(s.slot_mapping[:n], batch.slot_mapping) and bool((s.slot_mapping[n:] == -1).all())

@@ -10,6 +10,8 @@ tolerance, and every token the fused engine chose greedy for the torch model.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -259,3 +261,50 @@ def test_gpu_eager_engine_tunes_everything_before_the_first_request():
         engine.step()
     assert engine.runner.num_replays == 0 and engine.runner.num_eager >= 16
     assert (set(ch10_fused_decode.PROLOGUE_CONFIGS), set(ch08_flat_gemm.TUNING_TIMES)) == tuned
+
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_staged_batches_fill_the_graph_buffers_as_field_copies(device):
+    """`ModelRunner._stage` (a host batch through the pinned mirrors, two copies) leaves what a
+    graph reads exactly as `ModelRunner._copy_fields` (a device batch, field by field): each
+    step's rows, padding tokens with slot -1, padding sequences of length 0 (and, in a mixed
+    step, no queries), the block tables, over steps of every kind in turn (so the two mirrors
+    hold stale rows of other steps), input ids taken on the device included."""
+    from types import SimpleNamespace
+
+    from minillm.engine.model_runner import CapturedGraph
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev = torch.device(device)
+    cache = SimpleNamespace(pool=torch.empty(1, device=dev), block_size=4, kernels=None)
+    runners = [ModelRunner(None, cache) for _ in range(2)]
+    for r in runners:
+        r._static_buffers(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=32, sample_tokens=False)
+    manager = BlockManager(64, 4, enable_prefix_caching=False)
+    rng = np.random.default_rng(0)
+    for i in range(8):
+        manager.allocate(i, rng.integers(0, VOCAB, int(rng.integers(1, 30))).tolist())
+    for step in range(24):
+        B = int(rng.integers(1, 9))
+        seqs = rng.choice(8, B, replace=False).tolist()
+        decode = step % 3 != 2
+        counts = [1] * B if decode else [int(rng.integers(1, 1 + min(4, manager.num_tokens(s)))) for s in seqs]
+        host = PagedBatch.from_manager(manager, seqs, counts, max_blocks=16)
+        if step % 4 == 1:   # a step launched ahead: its input ids on the device
+            host = dataclasses.replace(host, input_ids=host.input_ids.to(dev))
+        bucket = next(b for b in ((1, 2, 4, 8) if decode else (16, 32)) if b >= host.num_tokens)
+        kind = "decode" if decode else "mixed"
+        graphs = [CapturedGraph(None, r._static_batch(kind, bucket), None) for r in runners]
+        runners[0]._stage(graphs[0], host)
+        runners[1]._copy_fields(graphs[1], host.to(dev))
+        a, b = graphs[0].batch, graphs[1].batch
+        n = host.num_tokens
+        assert torch.equal(a.input_ids[:n], b.input_ids[:n]) and torch.equal(a.positions[:n], b.positions[:n])
+        assert torch.equal(a.slot_mapping, b.slot_mapping) and torch.equal(a.seq_lens, b.seq_lens)
+        assert torch.equal(a.block_tables[:B, :16], b.block_tables[:B, :16])
+        assert torch.equal(a.cu_seqlens_q, b.cu_seqlens_q)
+        assert bool((a.slot_mapping[n:] == -1).all()) and bool((a.seq_lens[B:] == 0).all())
+        for s in seqs:   # the sequences grow between steps: the tables and lengths change
+            manager.append_slots([s], [int(rng.integers(0, VOCAB))])

@@ -300,3 +300,26 @@ def test_overlapped_decode_samples_the_same_tokens():
     plain, overlapped = _engine(False), _engine(True)
     assert _outputs(overlapped, prompts, params) == _outputs(plain, prompts, params)
     assert overlapped.stats.overlapped_steps > 0
+
+
+def test_append_pending_takes_the_slots_append_slots_would():
+    """`BlockManager.append_pending` (its one-loop common case, and the general path when a
+    fork shares a partly filled block) takes the same slots, copies and blocks as
+    `append_slots` of real tokens."""
+    from minillm.paged import BlockManager
+
+    for fork in (False, True):
+        managers = [BlockManager(32, 4, enable_prefix_caching=False) for _ in range(2)]
+        for m in managers:
+            m.allocate("a", [1, 2, 3, 4])          # at a block boundary: takes a new block
+            m.allocate("b", [5, 6])                # partly filled: no new block
+            if fork:
+                m.fork("b", "c")                   # shared and partly filled: copy-on-write
+        seqs = ["a", "b", "c"] if fork else ["a", "b"]
+        pending = managers[0].append_pending(seqs)
+        real = managers[1].append_slots(seqs, [7] * len(seqs))
+        assert pending.slots == real.slots and pending.copies == real.copies and bool(real.copies) == fork
+        assert [managers[0].block_table(s) for s in seqs] == [managers[1].block_table(s) for s in seqs]
+        for s in seqs:
+            managers[0].set_last_token(s, 7)
+            assert managers[0].token_ids(s) == managers[1].token_ids(s)

@@ -164,6 +164,10 @@ class LLMEngine:
         # so the host schedules and samples while the GPU computes (`_step`).
         self.overlap_decode = bool(config.overlap_decode == "auto" and self.sample_on_device
                                    and self.device.type == "cuda" and getattr(self.runner, "cuda_graphs", False))
+        # With graphs, the step's batch is built on the host and staged by the runner into its
+        # graphs' buffers in two copies (`ModelRunner.replay`), rather than sent field by field.
+        self._batch_device = (torch.device("cpu") if isinstance(self.runner, ModelRunner) and self.runner.cuda_graphs
+                              else self.device)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -357,7 +361,7 @@ class LLMEngine:
         if sched.copies:  # most steps copy nothing (on CUDA, an empty call still costs a host-to-device copy)
             self.cache.copy_blocks(sched.copies)
         batch = PagedBatch.from_manager(self.manager, [s.seq_id for s in sched.seqs], sched.num_new_tokens,
-                                        device=self.device)
+                                        device=self._batch_device)
         if input_ids is not None:
             batch = dataclasses.replace(batch, input_ids=input_ids)
         host = event = None
@@ -422,9 +426,7 @@ class LLMEngine:
         if sch.waiting and sch.num_running_seqs < sch.max_num_seqs:
             return False
         for request in sch.running:
-            p = request.params
-            if (request.num_seqs != 1 or request.seqs[0].num_uncomputed != 0 or p.n != 1 or p.beam_search
-                    or p.processes_logits or p.logprobs is not None or p.prompt_logprobs is not None):
+            if not request.plain or len(request.seqs) != 1 or request.seqs[0].num_uncomputed != 0:
                 return False
         return True
 
@@ -448,10 +450,10 @@ class LLMEngine:
         token as the one ``ahead`` computes (given to the manager, counted as computed); a
         sequence that stopped meanwhile gets nothing (its blocks are free already, and its
         token from ``ahead`` is dropped: its request is no longer ready to sample)."""
-        live = False
+        live, manager = False, self.manager
         for seq in ahead.sched.seqs:
-            if seq.finish_reason is None and seq.seq_id in self.manager:
-                self.manager.set_last_token(seq.seq_id, seq.token_ids[-1])
+            if seq.finish_reason is None and seq.seq_id in manager:
+                manager.set_last_token(seq.seq_id, seq.token_ids[-1])
                 seq.num_computed = len(seq.token_ids)
                 live = True
         if not live:   # everyone stopped: nothing of it will be read
@@ -464,10 +466,9 @@ class LLMEngine:
         ``None`` when no row samples in the step itself (greedy, beam search, and requests whose
         logits are processed first: `_sample_from_device` draws those): the argmax suffices.
         ``ahead``: a step launched before its input tokens joined the sequences (one each)."""
-        params = [r.params for r in sched.owners]
-        if not any(not p.greedy and not p.beam_search and not p.processes_logits for p in params):
+        if not any(r.draws_in_step for r in sched.requests):
             return None
-        return SamplingTensors.from_params(params,
+        return SamplingTensors.from_params([r.params for r in sched.owners],
                                            [r.seed + s.index for r, s in zip(sched.owners, sched.seqs)],
                                            [len(s.token_ids) + ahead for s in sched.seqs], self.device)
 
@@ -513,6 +514,8 @@ class LLMEngine:
         drawn again by the same sampler, as does the first step of ``n > 1`` (each of the ``n``
         samples draws from the prompt's logits with its own key); all the tokens come to the
         host in one copy."""
+        if all(r.plain for r in ready):   # the common step: one sequence per request, its token drawn
+            return self._advance_plain(ready, self._chosen(rows, tokens).tolist())
         redraw: list[tuple[int, SamplingParams, int, int]] = []    # (row in rows, params, key, position)
         spans: list[tuple[int, int] | None] = []                   # per request: its tokens' slice of `host`
         at = 0
@@ -531,8 +534,6 @@ class LLMEngine:
             else:
                 spans.append((at, k))
             at += k
-        # The ready rows are most often the step's first rows in order (a pure decode step):
-        # then a view, not a gather (on CUDA: no host-to-device copy, no kernel).
         in_order = rows == list(range(len(rows)))
         index = slice(0, len(rows)) if in_order else torch.tensor(rows, device=tokens.device)
         chosen = tokens[index]   # on the host already when the step's tokens were copied (`overlap_decode`)
@@ -558,6 +559,46 @@ class LLMEngine:
                 self.advance_samples(request, None, None, logprobs[view] if logprobs is not None else None, now,
                                      tokens=host[span[0]:span[0] + span[1]])
         return self._advance_each(ready, advance, now)
+
+    @staticmethod
+    def _chosen(rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens[rows]``. The ready rows are most often the step's first rows in order (a
+        pure decode step): then a view, not a gather (on CUDA: no host-to-device copy, no kernel)."""
+        if rows == list(range(len(rows))):
+            return tokens[:len(rows)]
+        return tokens[torch.tensor(rows, device=tokens.device)]
+
+    def _advance_plain(self, ready: list[Request], tokens: list[int]) -> list[Request]:
+        """`_sample_from_device` for a step whose ready requests are all `Request.plain`: each
+        appends its one token (``tokens[i]``, drawn on the device), and stops or not. A request
+        whose own step raises is ended alone (`_fail`). Returns ``ready``."""
+        now = time.perf_counter()
+        for request, token in zip(ready, tokens):
+            try:
+                metrics = request.metrics
+                metrics.first_token = metrics.first_token or now
+                metrics.last_token = now
+                self._append_token(request, request.seqs[0], token, now)
+            except Exception as e:
+                self._fail(request, e)
+                continue
+            if not request.seqs:
+                self._finish(request, now)
+        return ready
+
+    def _append_token(self, request: Request, seq: Seq, token: int, now: float) -> bool:
+        """Append ``token`` to ``seq`` and, if it stops there, retire it (out of
+        ``request.seqs``, its blocks freed). Returns whether it still runs."""
+        seq.token_ids.append(token)
+        self.stats.generation_tokens += 1
+        if seq.index == 0:
+            request.metrics.token_times.append(now)
+        if not self._stopped(request, seq, token):
+            return True
+        request.done[seq.index] = seq
+        self.scheduler.free_seq(seq)
+        request.seqs = [s for s in request.seqs if s is not seq]
+        return False
 
     def _fill_prompt_logprobs(self, ready: list[Request]) -> None:
         """The prompt logprobs of the requests that ask for them and have none yet."""

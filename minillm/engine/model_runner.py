@@ -125,7 +125,7 @@ class ModelRunner:
         graph = self._graph_for(batch) if self.graphs else None
         if graph is None:
             self.num_eager += 1
-            return self.model.forward_paged(batch, self.cache, last_only=True)
+            return self.model.forward_paged(batch.to(self.cache.pool.device), self.cache, last_only=True)
         self.num_replays += 1
         return self.replay(graph, batch)
 
@@ -139,7 +139,7 @@ class ModelRunner:
         graph = self._graph_for(batch) if self.graphs else None
         if graph is None:
             self.num_eager += 1
-            logits = self.model.forward_paged(batch, self.cache, last_only=True)
+            logits = self.model.forward_paged(batch.to(self.cache.pool.device), self.cache, last_only=True)
             return logits, choose_tokens(logits, sampling)
         self.num_replays += 1
         logits = self.replay(graph, batch, sampling)
@@ -197,21 +197,28 @@ class ModelRunner:
 
     def _static_buffers(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
                         sample_tokens: bool) -> None:
-        """The step buffers the graphs read (`_static_batch`), sized for the largest step."""
+        """The step buffers the graphs read (`_static_batch`), sized for the largest step: views
+        of two contiguous device buffers (the int64 rows, the int32 rest), each with two pinned
+        host mirrors, so that a step built on the host reaches them in two copies (`_stage`)."""
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.max_blocks = blocks_for(max_model_len, self.cache.block_size)
-        max_tokens = max(max_num_seqs, max_num_batched_tokens)
+        T, S, W = max(max_num_seqs, max_num_batched_tokens), max_num_seqs, self.max_blocks
         device = self.cache.pool.device
-        int32 = dict(device=device, dtype=torch.int32)
+        wide = torch.zeros(3 * T, device=device, dtype=torch.int64)        # input ids | positions | slots
+        narrow = torch.zeros(S + S * W + S + 1, device=device, dtype=torch.int32)  # lens | tables | cu
         self._buf = dict(
-            input_ids=torch.zeros(max_tokens, device=device, dtype=torch.int64),
-            positions=torch.zeros(max_tokens, device=device, dtype=torch.int64),
-            slot_mapping=torch.full((max_tokens,), -1, device=device, dtype=torch.int64),
-            seq_lens=torch.zeros(max_num_seqs, **int32),
-            block_tables=torch.full((max_num_seqs, self.max_blocks), -1, **int32),
-            cu_seqlens_q=torch.zeros(max_num_seqs + 1, **int32),       # mixed steps: filled per step
-            cu_decode=torch.arange(max_num_seqs + 1, **int32),         # decode steps: one row each, fixed
+            input_ids=wide[:T], positions=wide[T:2 * T], slot_mapping=wide[2 * T:],
+            seq_lens=narrow[:S], block_tables=narrow[S:S + S * W].view(S, W),
+            cu_seqlens_q=narrow[S + S * W:],                                   # mixed steps: filled per step
+            cu_decode=torch.arange(S + 1, device=device, dtype=torch.int32),  # decode steps: one row each, fixed
         )
+        self._buf["slot_mapping"].fill_(-1)
+        self._buf["block_tables"].fill_(-1)
+        self._rows = (wide, narrow)
+        pin = device.type == "cuda"
+        self._mirrors = [[wide.cpu().pin_memory() if pin else wide.clone(),
+                          narrow.cpu().pin_memory() if pin else narrow.clone(), None] for _ in range(2)]
+        self._turn = 0
         self._sampling = SamplingTensors.empty(max_num_seqs, device) if sample_tokens else None
 
     def _padding_step(self, kind: str, bucket: int) -> tuple[PagedBatch, SamplingTensors | None]:
@@ -281,7 +288,19 @@ class ModelRunner:
                ) -> torch.Tensor:
         """Copy the step (and its sampling rows, if given and the graph samples) into the
         graph's static buffers, pad the rest, replay; returns the first ``batch_size`` rows of
-        the graph's logits (valid until the next replay, as ``graph.tokens``)."""
+        the graph's logits (valid until the next replay, as ``graph.tokens``). A batch on the
+        host (the engine's, `LLMEngine`) is staged in two copies (`_stage`); one on the device
+        is copied field by field."""
+        if batch.seq_lens.device.type == "cpu" and self.cache.pool.is_cuda:
+            self._stage(graph, batch)
+        else:
+            self._copy_fields(graph, batch)
+        if sampling is not None and graph.sampling is not None:
+            graph.sampling.copy_(sampling)
+        graph.graph.replay()
+        return graph.logits[:batch.batch_size]
+
+    def _copy_fields(self, graph: CapturedGraph, batch: PagedBatch) -> None:
         s, n, B = graph.batch, batch.num_tokens, batch.batch_size
         s.input_ids[:n].copy_(batch.input_ids)
         s.positions[:n].copy_(batch.positions)
@@ -294,10 +313,50 @@ class ModelRunner:
         if s.max_seqlen_q > 1:  # mixed: the padding sequences have no queries (cu repeats n)
             s.cu_seqlens_q[:B + 1].copy_(batch.cu_seqlens_q)
             s.cu_seqlens_q[B + 1:].fill_(n)
-        if sampling is not None and graph.sampling is not None:
-            graph.sampling.copy_(sampling)
-        graph.graph.replay()
-        return graph.logits[:B]
+
+    def _stage(self, graph: CapturedGraph, batch: PagedBatch) -> None:
+        """A host ``batch`` into the static buffers: written, padding included, into a pinned
+        mirror of the two device buffers with NumPy (no kernel, no torch op per field), then
+        moved by two asynchronous copies. Where the old code made nine small copies and fills,
+        each a launch of tens of microseconds of host time, this is two.
+
+        Two mirrors are used in turn: the one written now was last copied from two steps ago,
+        and its copy is waited for first (long done: a whole step ran on the GPU since), so a
+        mirror is never rewritten while the GPU may still read it. Input ids on the device (a
+        step launched ahead: `LLMEngine`) are copied after, from the device."""
+        self._turn ^= 1
+        wide, narrow, copied = self._mirrors[self._turn]
+        if copied is not None:
+            copied.synchronize()
+        s, n, B = graph.batch, batch.num_tokens, batch.batch_size
+        T, S = self._buf["input_ids"].shape[0], self._buf["seq_lens"].shape[0]
+        bucket_tokens, bucket_seqs = s.num_tokens, s.batch_size
+        w, m = wide.numpy(), narrow.numpy()
+        on_device = batch.input_ids.device.type != "cpu"
+        if not on_device:
+            w[:n] = batch.input_ids.numpy()
+        w[n:bucket_tokens] = 0                  # padding tokens: a valid id, written nowhere
+        w[T:T + n] = batch.positions.numpy()
+        w[2 * T:2 * T + n] = batch.slot_mapping.numpy()
+        w[2 * T + n:2 * T + bucket_tokens] = -1
+        m[:B] = batch.seq_lens.numpy()
+        m[B:bucket_seqs] = 0                    # padding sequences: length 0, attention reads nothing
+        tables = m[S:S + S * self.max_blocks].reshape(S, self.max_blocks)
+        # Columns past the step's widest table keep stale ids: no length reaches them.
+        tables[:B, :batch.block_tables.shape[1]] = batch.block_tables.numpy()
+        if s.max_seqlen_q > 1:                  # mixed: the padding sequences have no queries (cu repeats n)
+            cu = m[S + S * self.max_blocks:]
+            cu[:B + 1] = batch.cu_seqlens_q.numpy()
+            cu[B + 1:bucket_seqs + 1] = n
+        dev_wide, dev_narrow = self._rows
+        dev_wide.copy_(wide, non_blocking=True)
+        dev_narrow.copy_(narrow, non_blocking=True)
+        if on_device:
+            s.input_ids[:n].copy_(batch.input_ids)
+        if dev_wide.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._mirrors[self._turn][2] = event
 
     def describe(self) -> str:
         """``"eager"``, or the captured graphs by kind and bucket."""

@@ -164,6 +164,13 @@ class Request:
         self.seed = seed                    # completion i samples with a generator seeded seed + i
         self.stop_token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                                  else frozenset(eos_token_ids))
+        # One sequence drawing from the raw logits, nothing read back but its token (no n > 1,
+        # beams, logit processing or logprobs): the engine's fast paths (overlapped decode, the
+        # one-token-per-request sampling step). Fixed for the request's life.
+        self.plain = (params.n == 1 and not params.beam_search and not params.processes_logits
+                      and params.logprobs is None and params.prompt_logprobs is None)
+        # Its token is drawn inside the step by the on-device sampler (`LLMEngine._sampling_rows`).
+        self.draws_in_step = not params.greedy and not params.beam_search and not params.processes_logits
         self.status = RequestStatus.WAITING
         self.seqs: list[Sequence] = []      # live sequences (for beam search: the live beams)
         self.done: dict[int, Sequence] = {}  # finished completions by index
@@ -185,7 +192,10 @@ class Request:
     def ready_to_sample(self) -> bool:
         """Every live sequence has all its tokens computed: the last step produced the logits
         of each one's next token."""
-        return bool(self.seqs) and all(s.num_uncomputed == 0 for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, without a generator
+            return seqs[0].num_uncomputed == 0
+        return bool(seqs) and all(s.num_uncomputed == 0 for s in seqs)
 
     def output(self) -> RequestOutput:
         if self.params.beam_search:  # the hypotheses exist only once the search is over

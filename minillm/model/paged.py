@@ -37,6 +37,7 @@ kernels must agree with it.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -198,6 +199,22 @@ class PagedBatch:
         """``[batch]`` int64, the row of each sequence's last new token (whose logits predict
         its next token)."""
         return self.cu_seqlens_q[1:].long() - 1
+
+    def to(self, device) -> PagedBatch:
+        """This batch on ``device``, its host tensors moved in one copy per dtype (through
+        pinned memory, without waiting: `_to_device`); tensors already there are kept."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:   # a tensor's device always has its index
+            device = torch.device("cuda", torch.cuda.current_device())
+        moved = {}
+        for names in (("input_ids", "positions", "slot_mapping"), ("cu_seqlens_q", "seq_lens", "block_tables")):
+            fields = {n: getattr(self, n) for n in names if getattr(self, n).device != device}
+            if not fields:
+                continue
+            flat = torch.cat([t.reshape(-1) for t in fields.values()]).cpu().numpy()
+            parts = _to_device(flat, device).split([t.numel() for t in fields.values()])
+            moved.update({n: part.view(t.shape) for (n, t), part in zip(fields.items(), parts)})
+        return dataclasses.replace(self, **moved) if moved else self
 
     @classmethod
     def from_manager(cls, manager: BlockManager, seq_ids: Sequence, num_new_tokens: int | Sequence[int] = 1, *,

@@ -285,7 +285,11 @@ class BlockManager:
         not copies: read them before the next change to the manager.
 
         Raises `UnknownSequence`, and ``ValueError`` unless ``1 <= counts[i] <= length``."""
-        seqs = ((seq_id, *self._tokens_and_table(seq_id)) for seq_id in seq_ids)
+        table = self._seqs
+        try:  # every step reads every running sequence: no call per sequence
+            seqs = [(seq_id, table[seq_id].token_ids, table[seq_id].block_table) for seq_id in seq_ids]
+        except (KeyError, TypeError):  # an unknown or unhashable id: raised with its message
+            seqs = [(seq_id, *self._tokens_and_table(seq_id)) for seq_id in seq_ids]
         return gather_step_inputs(seqs, counts, self.block_size)
 
     def _tokens_and_table(self, seq_id) -> tuple[list[int], list[int]]:
@@ -454,6 +458,9 @@ class BlockManager:
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"append_pending got a sequence twice in {seq_ids!r}")
         seqs = [self._get(s, "append to") for s in seq_ids]
+        fast = self._append_pending_unshared(seqs)
+        if fast is not None:
+            return fast
         needed = sum(self._new_blocks(seqs, [1] * len(seqs)))
         if needed > self.num_available_blocks:
             self._raise_out_of_blocks(f"appending to {len(seqs)} sequence(s)", needed, self.num_available_blocks)
@@ -464,13 +471,39 @@ class BlockManager:
         self.stats.cow_copies += len(copies)
         return AppendResult(tuple(slots), tuple(copies))
 
+    def _append_pending_unshared(self, seqs: list[_Sequence]) -> AppendResult | None:
+        """`append_pending`'s common case, in one tight loop: no sequence's last block is both
+        partly filled and shared, so no copy-on-write, and only the sequences at a block
+        boundary take a new block. Same slots and blocks as the general path; ``None``, having
+        changed nothing, when a copy is needed or the pool is short."""
+        bs, blocks = self.block_size, self._alloc.blocks
+        needed = 0
+        for seq in seqs:
+            n = len(seq.token_ids)
+            if n % bs == 0:
+                needed += 1
+            elif blocks[seq.block_table[-1]].ref_count > 1:
+                return None
+        if needed > self.num_available_blocks:
+            return None
+        slots = []
+        for seq in seqs:
+            pos, table = len(seq.token_ids), seq.block_table
+            if pos % bs == 0:
+                table.append(self._alloc.allocate())
+            seq.token_ids.append(PENDING)   # a pending token registers no block (`set_last_token` does)
+            slots.append(table[-1] * bs + pos % bs)
+        return AppendResult(tuple(slots), ())
+
     def set_last_token(self, seq_id, token_id: int) -> None:
         """Give the token `append_pending` appended to ``seq_id`` its id (and, if it filled its
         block, offer that block to the prefix cache, as `append_slots` would have)."""
         seq = self._get(seq_id, "set the last token of")
         if seq.token_ids[-1] != PENDING:
             raise ValueError(f"sequence {seq_id!r} has no pending token")
-        seq.token_ids[-1] = check_token_ids([token_id], "set the last token of sequence", seq_id)[0]
+        if type(token_id) is not int or not 0 <= token_id <= MAX_TOKEN_ID:   # the common case checked inline
+            token_id = check_token_ids([token_id], "set the last token of sequence", seq_id)[0]
+        seq.token_ids[-1] = token_id
         pos = len(seq.token_ids) - 1
         if (pos + 1) % self.block_size == 0 and self.enable_prefix_caching:
             self._register_full_block(seq, pos // self.block_size)
