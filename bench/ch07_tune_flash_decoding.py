@@ -290,7 +290,7 @@ def hopper():
                 t = timer(fn)
                 cells.append(f"{name} {t:.4f}({cudnn / t:.3f})")
             except Exception as e:  # noqa: BLE001
-                cells.append(f"{name} {type(e).__name__}")
+                cells.append(f"{name} {type(e).__name__}: {str(e)[:160]}")
         if h < 128 and b * hkv * h * 2 <= 1100:
             fn = caller(contig, 2 * h, config=dict(TMA=True))
             fn()
