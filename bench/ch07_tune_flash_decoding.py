@@ -2,7 +2,7 @@
 split count, the asynchronized softmax's variants and the host overhead of one call.
 
 Run on a GPU: ``python -m bench.ch07_tune_flash_decoding [part ...]`` (parts: overhead, config,
-async, splits, fused, hopper; default all but hopper). Prints compact tables; times are per call replaying a CUDA
+async, splits, fused, hopper, hopper2; default all but the hopper parts). Prints compact tables; times are per call replaying a CUDA
 graph of 16 calls (`bench.common.graph_time_ms`) unless marked eager."""
 from __future__ import annotations
 
@@ -309,10 +309,49 @@ def hopper():
         torch.cuda.empty_cache()
 
 
+def hopper2():
+    """Second pass: host cost and GPU time (CUDA graph over 4 copies of the cache, so the L2
+    holds none of it) of bulk against pointer loads on one block per sequence, and tile /
+    warp variants on the paged pool."""
+    from bench.common import interleaved_times
+
+    print("\n== hopper2: contiguous, tma vs pointer (eager do_bench x3 interleaved | graph over 4 copies) ==")
+    sms = fd.num_sms(DEV)
+    for pt in [(1, 8, 4096), (1, 32, 4096), (8, 8, 4096), (1, 8, 32768), (8, 8, 32768)]:
+        b, hkv, ctx = pt
+        h = fd.num_splits_heuristic(b, hkv, ctx, sms, 128)
+        copies = [contiguous_inputs(b, hkv, ctx) for _ in range(4 if b * hkv * ctx <= 8 * 32768 else 1)]
+        cfgs = {"ptr": dict(TMA=False), "tma": dict(TMA=True), "tma st4": dict(TMA=True, num_stages=4),
+                "ptr bn64": dict(TMA=False), "tma bn64": dict(TMA=True)}
+        fns = {name: [caller(c, fd.num_splits_heuristic(b, hkv, ctx, sms, 64 if "bn64" in name else 128),
+                             64 if "bn64" in name else None, config=cfg) for c in copies]
+               for name, cfg in cfgs.items()}
+        eager = interleaved_times({n: f[0] for n, f in fns.items()}, timer)
+        graph = {n: graph_time_ms(f, 16, timer) for n, f in fns.items()}
+        host = {n: host_us(fns[n][0], 200) for n in ("ptr", "tma")}
+        print(f"  B={b:2} Hkv={hkv:2} L={ctx:6} S={h:3}: " + " | ".join(
+            f"{n} {eager[n]:.4f}/{graph[n]:.4f}" for n in cfgs) + f" | host us ptr {host['ptr']:.1f} tma {host['tma']:.1f}",
+            flush=True)
+        del copies, fns
+        torch.cuda.empty_cache()
+    print("\n== hopper2: paged 16-token blocks, tile variants (eager do_bench x3 interleaved) ==")
+    for pt in [(1, 8, 32768), (1, 8, 131072), (8, 8, 32768), (32, 8, 4096), (1, 32, 32768)]:
+        b, hkv, ctx = pt
+        paged = inputs(*pt)
+        variants = {"bn128 w4": (128, dict()), "bn64 w4": (64, dict()), "bn64 w4 st4": (64, dict(num_stages=4)),
+                    "bn128 w8": (128, dict(num_warps=8)), "bn128 evict": (128, dict(KV_EVICT="evict_first"))}
+        fns = {n: caller(paged, fd.num_splits_heuristic(b, hkv, ctx, sms, bn), bn, config=cfg)
+               for n, (bn, cfg) in variants.items()}
+        eager = interleaved_times(fns, timer)
+        print(f"  B={b:2} Hkv={hkv:2} L={ctx:6}: " + " | ".join(f"{n} {t:.4f}" for n, t in eager.items()), flush=True)
+        del paged, fns
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     parts = sys.argv[1:] or ["overhead", "config", "async", "splits", "fused"]
     t0 = time.time()
     for part in parts:
         {"overhead": overhead, "config": config, "async": async_variants, "splits": splits, "fused": fused,
-         "hopper": hopper}[part]()
+         "hopper": hopper, "hopper2": hopper2}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)

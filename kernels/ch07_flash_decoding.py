@@ -466,8 +466,8 @@ def _merge_if_last(O_b, LSE_b, Out_b, OutLse_b, counter, h0, group_size, num_spl
 #: need 207-211 registers, two programs per SM, and async ran at 1.00-1.10x the exact speed.
 #: Stages: 2 and 3 tie at small points; 2 lost 5-10 % at some (batch 8 x 8, S = 8), so 3.
 SPLIT_WARPS, SPLIT_STAGES = 4, 3
-#: Bulk (TMA) loads of whole K/V tiles on sm_90 where the pool allows them (`tma_applies`;
-#: ``config={"TMA": False}`` turns them off for one call).
+#: Bulk (TMA) loads of whole K/V tiles on sm_90 where the pool allows them (`tma_applies`);
+#: ``config={"TMA": ...}`` overrides it for one call.
 TMA_ON_HOPPER = True
 #: The eviction policy of stage 1's pointer loads of K and V (``""``: the default policy).
 KV_EVICT = "evict_first"
@@ -477,7 +477,7 @@ KV_EVICT = "evict_first"
 #: (compile the in-kernel exact fallback; False is for measuring its cost only: a split
 #: outside the window is then wrong).
 _STAGE1_DEFAULTS = dict(num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES, ASYNC_LANES=False, FALLBACK=True,
-                        TMA=True, KV_EVICT=KV_EVICT)
+                        TMA=TMA_ON_HOPPER, KV_EVICT=KV_EVICT)
 
 #: Merge the splits inside stage 1 (its last program per (sequence, KV head); one launch) by
 #: default, instead of in a second launch (`reduce_splits`): `_merge_if_last`.
@@ -847,7 +847,7 @@ def tma_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int, bloc
       is ``block_d_`` columns wide and must not spill into the next head), base and strides
       16-byte aligned (the hardware's rule), coordinates within int32."""
     if k_cache.is_cuda:
-        if not TMA_ON_HOPPER or torch.cuda.get_device_capability(k_cache.device) != (9, 0):
+        if not _is_sm90(k_cache.device.index if k_cache.device.index is not None else torch.cuda.current_device()):
             return False
     elif not interpreting():
         return False
@@ -862,19 +862,54 @@ def tma_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int, bloc
     return max(num_blocks + 1, block_size, kv_heads * head_dim) < 2**31
 
 
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+class _Address:
+    """What a host descriptor needs of its tensor at launch time: the address and dtype. A
+    descriptor kept in `_DESCRIPTORS` holds this instead of the tensor, so keeping it does
+    not keep the pool's memory alive."""
+    __slots__ = ("ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+#: ``(address, shape, strides, dtype, box) -> descriptor``: host descriptors reused across
+#: calls (building one runs Python checks; a decode loop asks for the same two every step).
+_DESCRIPTORS: dict[tuple, object] = {}
+
+
 def kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int, block_d_: int):
     """``(desc_k, desc_v)``: host tensor descriptors of the pools seen as ``[num_blocks,
     block_size, kv_heads · head_dim]`` with boxes ``[1, block_n, block_d_]``, or None where
-    `tma_applies` says no. Made per call (a few microseconds; keeping them would keep the
-    pool alive): the launch turns each into the 128-byte ``CUtensorMap`` the kernel reads."""
+    `tma_applies` says no. The launch encodes each into the 128-byte ``CUtensorMap`` the
+    kernel reads (a kernel parameter: a CUDA graph captures it by value)."""
     if not tma_applies(k_cache, v_cache, block_n, block_d_):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     box = [1, block_n, block_d_]
-    return tuple(TensorDescriptor(t, [num_blocks, block_size, kv_heads * head_dim], [t.stride(0), t.stride(1), 1],
-                                  box) for t in (k_cache, v_cache))
+    descs = []
+    for t in (k_cache, v_cache):
+        shape, strides = [num_blocks, block_size, kv_heads * head_dim], [t.stride(0), t.stride(1), 1]
+        if not t.is_cuda:  # the interpreter reads the tensor itself
+            descs.append(TensorDescriptor(t, shape, strides, box))
+            continue
+        key = (t.data_ptr(), t.device.index, *shape, *strides, t.dtype, block_n, block_d_)
+        desc = _DESCRIPTORS.get(key)
+        if desc is None:
+            if len(_DESCRIPTORS) >= WORKSPACE_CACHE_SIZE:
+                _DESCRIPTORS.clear()
+            desc = _DESCRIPTORS[key] = TensorDescriptor(_Address(t.data_ptr(), t.dtype), shape, strides, box)
+        descs.append(desc)
+    return tuple(descs)
 
 
 #: ``key -> (binary, constexprs)`` of `_launch_with_descriptors` (its `launch` cache).
@@ -889,14 +924,14 @@ def _launch_with_descriptors(kernel, grid: tuple, args: tuple, meta: dict):
     a descriptor is not hashable, and its contents (address, shape, strides) are runtime
     values the launcher encodes at every call: the binary depends only on its type (dtype
     and box, fixed by ``meta``). So the key here leaves descriptors out."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     if not _base._FAST or _base._hooks_active():
         return kernel[grid](*args, **meta)
     device = _base._driver.active.get_current_device()
     types = tuple(map(type, args))
     layout = _DESC_LAYOUTS.get((kernel, types))
     if layout is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
         tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
         others = [i for i, t in enumerate(types) if not issubclass(t, (torch.Tensor, TensorDescriptor))]
         layout = _DESC_LAYOUTS[(kernel, types)] = (tensors, others)
