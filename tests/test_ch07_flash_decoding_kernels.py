@@ -650,7 +650,8 @@ def test_benchmark_dry_run(device):
     results = Results("dry run", {"copy_TBps": 1.0, "bf16_matmul_TFLOPs": 1.0}, env={})
     bench.sweep(results, device, q_heads=4, kv_heads_list=(2,), batches=(1, 2), contexts=(160,), head_dim=16,
                 dtype=dtype, timer=lambda fn: (fn(), 1.0)[1], long_point=(1, 2, 96),
-                ablation_points=((1, 2, 96),), ablation_splits=(1, 2, 4), max_cache_bytes=1e9)
+                ablation_points=((1, 2, 96),), ablation_splits=(1, 2, 4), max_cache_bytes=1e9,
+                load_points=((2, 2, 160),))
     rows = results.rows
 
     def count(metric, **params):
@@ -667,6 +668,10 @@ def test_benchmark_dry_run(device):
     splits_rows = [r for r in rows if r["params"].get("kind") == "split_sweep"]
     assert {r["params"]["num_splits"] for r in splits_rows if r["params"]["rule"] == "sweep"} == {1, 2, 4}
     assert {r["params"]["rule"] for r in splits_rows} >= {"sweep", "ours", "fa2", "partition_128", "partition_512"}
+    loads = [r for r in rows if r["params"].get("kind") == "loads"]
+    assert {(r["params"]["layout"], r["params"]["variant"]) for r in loads if r["metric"] == "load_time_ms"} == set(
+        bench.LOAD_VARIANTS)
+    assert {r["params"]["block_size"] for r in loads if r["params"]["layout"] == "contiguous"} == {160 + bench.SLOT_EXTRA}
     tol = 1e-4 if dtype == torch.float32 else 2e-3
     errs = [r["ours"] for r in rows if r["metric"] == "rel_err"]
     assert errs and all(e < tol for e in errs), errs
