@@ -470,7 +470,7 @@ SPLIT_WARPS, SPLIT_STAGES = 4, 3
 #: ``config={"TMA": ...}`` overrides it for one call.
 TMA_ON_HOPPER = True
 #: The eviction policy of stage 1's pointer loads of K and V (``""``: the default policy).
-KV_EVICT = "evict_first"
+KV_EVICT = ""
 #: Stage 1's launch options (``config`` of `flash_decode_attention` overrides them, for measurements):
 #: warps, pipeline stages, ``ASYNC_LANES`` (the asynchronized softmax's running sum and max
 #: as ``[group, BLOCK_N]`` lane tiles instead of per-tile row reductions) and ``FALLBACK``
