@@ -466,10 +466,21 @@ def _merge_if_last(O_b, LSE_b, Out_b, OutLse_b, counter, h0, group_size, num_spl
 #: need 207-211 registers, two programs per SM, and async ran at 1.00-1.10x the exact speed.
 #: Stages: 2 and 3 tie at small points; 2 lost 5-10 % at some (batch 8 x 8, S = 8), so 3.
 SPLIT_WARPS, SPLIT_STAGES = 4, 3
-#: Bulk (TMA) loads of whole K/V tiles on sm_90 where the pool allows them (`tma_applies`);
-#: ``config={"TMA": ...}`` overrides it for one call.
-TMA_ON_HOPPER = True
-#: The eviction policy of stage 1's pointer loads of K and V (``""``: the default policy).
+#: Bulk (TMA) loads of whole K/V tiles on sm_90 where the pool allows them (`tma_applies`),
+#: by default? ``config={"TMA": True}`` asks for them in one call. Off: measured on an H100
+#: (bf16, head dim 128, one block per sequence, `bench.ch07_tune_flash_decoding hopper2` and
+#: the benchmark's ``loads`` rows), they save GPU time only where a call is short (CUDA-graph
+#: times over 4 copies of the cache: 14.9 -> 14.0 us at batch 1 x 8 KV heads x 4k, 31.0 ->
+#: 29.7 us at 1 x 32 x 4k, 52.4 -> 51.9 at 8 x 8 x 4k) and nothing where bandwidth decides
+#: (1 x 8 x 32k: 54.0 -> 53.6 us; 8 x 8 x 32k: 354.8 -> 355.0 us), while every eager call pays
+#: 20-50 us more of host time (the launcher encodes both descriptors at each launch), more
+#: than the GPU time they save. A 16-token paged pool cannot use them at all (a tile is 8
+#: blocks, not one box).
+TMA_ON_HOPPER = False
+#: The eviction policy of stage 1's pointer loads of K and V (``""``: the default policy;
+#: ``"evict_first"``: K/V are read once per step, let them leave L2 first). None: on the H100
+#: ``evict_first`` changed no point of the benchmark's ``loads`` rows by more than 0.4 %
+#: (the L2 is 50 MB, and a decode step streams each byte once either way).
 KV_EVICT = ""
 #: Stage 1's launch options (``config`` of `flash_decode_attention` overrides them, for measurements):
 #: warps, pipeline stages, ``ASYNC_LANES`` (the asynchronized softmax's running sum and max
