@@ -2,8 +2,9 @@
 split count, the asynchronized softmax's variants and the host overhead of one call.
 
 Run on a GPU: ``python -m bench.ch07_tune_flash_decoding [part ...]`` (parts: overhead, config,
-async, splits, fused, hopper, hopper2; default all but the hopper parts). Prints compact tables; times are per call replaying a CUDA
-graph of 16 calls (`bench.common.graph_time_ms`) unless marked eager."""
+async, splits, fused, hopper, hopper2; default all but the hopper parts). Prints compact
+tables; times are per call replaying a CUDA graph of 16 calls (`bench.common.graph_time_ms`)
+unless marked eager."""
 from __future__ import annotations
 
 import sys
@@ -330,7 +331,8 @@ def hopper2():
         graph = {n: graph_time_ms(f, 16, timer) for n, f in fns.items()}
         host = {n: host_us(fns[n][0], 200) for n in ("ptr", "tma")}
         print(f"  B={b:2} Hkv={hkv:2} L={ctx:6} S={h:3}: " + " | ".join(
-            f"{n} {eager[n]:.4f}/{graph[n]:.4f}" for n in cfgs) + f" | host us ptr {host['ptr']:.1f} tma {host['tma']:.1f}",
+            f"{n} {eager[n]:.4f}/{graph[n]:.4f}" for n in cfgs)
+            + f" | host us ptr {host['ptr']:.1f} tma {host['tma']:.1f}",
             flush=True)
         del copies, fns
         torch.cuda.empty_cache()

@@ -24,6 +24,12 @@ a group's ``S`` programs merges, `_merge_if_last`) and FlashDecoding++'s **async
 softmax** (``phi=``: one unified max for every tile, with an exact in-kernel fallback,
 `_async_split`).
 
+How stage 1 loads a tile (`_kv_tiles`): pointer loads through the block table, or on sm_90,
+where a tile is one box of the pool (blocks a multiple of the tile, e.g. Chapter 11's one
+block per sequence), bulk TMA copies through host tensor descriptors (`tma_applies`,
+`kv_descriptors`); both, and an eviction hint, are switches of stage 1's ``config``
+(`TMA_ON_HOPPER`, `KV_EVICT`: the defaults, with the measurements behind them).
+
 Layouts and contract: those of `paged_decode_attention`. Workspace (`split_workspace`): fp32
 partials ``[batch, q_heads, S, head_dim]`` and ``[batch, q_heads, S]`` (split axis next to
 last: one (sequence, head)'s partials are one contiguous run).
@@ -41,7 +47,7 @@ from minillm.kernels.base import (
     online_softmax_update, scale_and_window,
 )
 from minillm.kernels import base as _base
-from minillm.kernels.ch05_paged_attention import (  # Chapter 5's paged tiles, reused as they are
+from minillm.kernels.ch05_paged_attention import (  # Chapter 5's tile addressing, reused as it is
     blocks_per_tile, check_paged, decode_block_n, decode_outputs, tile_rows,
 )
 
@@ -479,7 +485,7 @@ SPLIT_WARPS, SPLIT_STAGES = 4, 3
 TMA_ON_HOPPER = False
 #: The eviction policy of stage 1's pointer loads of K and V (``""``: the default policy;
 #: ``"evict_first"``: K/V are read once per step, let them leave L2 first). None: on the H100
-#: ``evict_first`` changed no point of the benchmark's ``loads`` rows by more than 0.4 %
+#: ``evict_first`` changed no point of the benchmark's ``loads`` rows by more than 0.8 %
 #: (the L2 is 50 MB, and a decode step streams each byte once either way).
 KV_EVICT = ""
 #: Stage 1's launch options (``config`` of `flash_decode_attention` overrides them, for measurements):

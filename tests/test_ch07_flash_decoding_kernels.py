@@ -671,7 +671,8 @@ def test_benchmark_dry_run(device):
     loads = [r for r in rows if r["params"].get("kind") == "loads"]
     assert {(r["params"]["layout"], r["params"]["variant"]) for r in loads if r["metric"] == "load_time_ms"} == set(
         bench.LOAD_VARIANTS)
-    assert {r["params"]["block_size"] for r in loads if r["params"]["layout"] == "contiguous"} == {160 + bench.SLOT_EXTRA}
+    contiguous = {r["params"]["block_size"] for r in loads if r["params"]["layout"] == "contiguous"}
+    assert contiguous == {160 + bench.SLOT_EXTRA}
     tol = 1e-4 if dtype == torch.float32 else 2e-3
     errs = [r["ours"] for r in rows if r["metric"] == "rel_err"]
     assert errs and all(e < tol for e in errs), errs
