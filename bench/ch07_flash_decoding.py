@@ -28,9 +28,16 @@ FlashAttention-2 calls it, with 2 x SMs slots and 128-key blocks, ``partition_12
 ``partition_512`` = fixed partitions as in vLLM V2), so a plot of time against S can mark
 where each rule lands.
 
-The sweep stops starting points after ``MINILLM_CH07_BUDGET_S`` seconds (default 150; status
+(c) ``loads``: how stage 1 loads its K/V tiles, at the points of ``LOAD_POINTS``, each variant
+a switch of stage 1's ``config`` (`LOAD_VARIANTS`): on the paged pool (16-token blocks, where a
+128-key tile is 8 blocks and only pointer loads apply) with and without the ``evict_first``
+hint, and on a contiguous cache seen as one block per sequence (Chapter 11's layout:
+``[batch, L + SLOT_EXTRA, kv_heads, head_dim]``, `contiguous_as_paged`) with pointer loads,
+with the hint, and with bulk TMA loads (sm_90). Against SDPA cuDNN on the same values.
+
+The sweep stops starting points after ``MINILLM_CH07_BUDGET_S`` seconds (default 200; status
 "partial"); the long-context point and the split sweep come first, then the decode points
-from the smallest cache to the largest.
+from the smallest cache to the largest, then the load variants.
 
 Rows (``params``: kind, batch, q_heads, kv_heads, context, head_dim, dtype, block_size,
 blocks = "shuffled", num_splits = the S that ``ours`` used; split_sweep rows add ``rule``):
@@ -68,6 +75,11 @@ blocks = "shuffled", num_splits = the S that ``ours`` used; split_sweep rows add
 ``async_time_ms``     the asynchronized softmax (``phi = PHI``) against peer ``exact`` (the
                       default call): ratio = exact/async (> 1: async is faster)
 ``fallback_fraction``  fraction of stage-1 programs of the async call that fell back
+``load_time_ms``      loads (params add ``layout``, ``variant``): the variant's eager time
+                      against peer ``sdpa_cudnn`` (ratio = cudnn/variant, > 1: ours faster)
+``load_graph_time_ms``  the same as CUDA-graph times (caches of at most
+                      ``GRAPH_MAX_CACHE_BYTES``)
+``load_rel_err``      ‖variant − cudnn‖ / ‖cudnn‖ on the whole batch
 ====================  =======================================================================
 """
 from __future__ import annotations
@@ -81,13 +93,13 @@ import torch
 from minillm.costs import kv_cache_bytes, paged_decode_attention_bytes
 from minillm.kernels.ch07_flash_decoding import (
     VLLM_PARTITION, fa2_num_splits, flash_decode_attention, num_sms, num_splits_heuristic, partition_splits,
-    reduce_splits, split_attention, split_counters, split_workspace,
+    reduce_splits, split_attention, split_counters, split_workspace, tma_applies,
 )
-from minillm.kernels.ch05_paged_attention import decode_block_n, paged_decode_attention
+from minillm.kernels.ch05_paged_attention import contiguous_as_paged, decode_block_n, paged_decode_attention
 
 from bench.common import (
     Results, attempt, contiguous_cache, cuda_device, decode_error, dtype_name, fraction, free_memory, graph_time_ms,
-    paged_cache, rel_err, sweep_start, time_sdpa,
+    interleaved_times, paged_cache, rel_err, sequence_kv, sweep_start, time_sdpa,
 )
 
 BENCHMARK = "ch07_flash_decoding"
@@ -117,11 +129,24 @@ WARMUP_MS, REP_MS = 25, 100
 GRAPH_MAX_CACHE_BYTES = 256e6
 #: Calls captured per CUDA graph (the graph timings are per call).
 GRAPH_REPEATS = 16
+#: (batch, kv_heads, context) of the load-variant ablation (``loads`` rows).
+LOAD_POINTS = ((1, 8, 4096), (1, 8, 32768), (1, 8, 131072), (8, 8, 32768), (32, 8, 4096))
+#: Free slots after each sequence in the ablation's contiguous cache: L + 128 is a multiple of
+#: the 128-key tile, as a virtual-memory slot of whole 2 MB pages is (Chapter 11).
+SLOT_EXTRA = 128
+#: (layout, variant) -> stage 1's ``config`` (`flash_decode_attention`'s ``config=``).
+LOAD_VARIANTS = {
+    ("paged_16", "pointer"): dict(TMA=False, KV_EVICT=""),
+    ("paged_16", "pointer_evict_first"): dict(TMA=False, KV_EVICT="evict_first"),
+    ("contiguous", "pointer"): dict(TMA=False, KV_EVICT=""),
+    ("contiguous", "pointer_evict_first"): dict(TMA=False, KV_EVICT="evict_first"),
+    ("contiguous", "tma"): dict(TMA=True, KV_EVICT=""),
+}
 
 
 def budget_s() -> float:
-    """Seconds after which no new point is started: ``MINILLM_CH07_BUDGET_S`` (default 150)."""
-    return float(os.environ.get("MINILLM_CH07_BUDGET_S", "150"))
+    """Seconds after which no new point is started: ``MINILLM_CH07_BUDGET_S`` (default 200)."""
+    return float(os.environ.get("MINILLM_CH07_BUDGET_S", "200"))
 
 
 # ----------------------------------------------------------------------------------------
@@ -185,9 +210,9 @@ def sweep(results: Results, device, q_heads: int = Q_HEADS, kv_heads_list=KV_HEA
           contexts=CONTEXTS, head_dim: int = HEAD_DIM, block_size: int = BLOCK_SIZE, dtype: torch.dtype = DTYPE,
           timer: Callable[[Callable[[], Any]], float] | None = None, long_point=LONG_POINT,
           ablation_points=ABLATION_POINTS, ablation_splits=ABLATION_SPLITS,
-          max_cache_bytes: float = MAX_CACHE_BYTES) -> None:
-    """The loops of `run`: the long-context point, the split sweep, then the decode points
-    (smallest cache first), until the time budget is spent. ``timer(fn) -> ms`` defaults to
+          max_cache_bytes: float = MAX_CACHE_BYTES, load_points=LOAD_POINTS) -> None:
+    """The loops of `run`: the long-context point, the split sweep, the decode points
+    (smallest cache first), then the load variants, until the time budget is spent. ``timer(fn) -> ms`` defaults to
     `bench.common.time_ms` (CUDA only); the CPU tests pass a stand-in that calls ``fn`` once,
     to check the bookkeeping under the interpreter. Contexts must be multiples of the block size."""
     timer, tables_gen, out_of_time = sweep_start(results, BENCHMARK, device, budget_s(), timer, WARMUP_MS, REP_MS)
@@ -214,6 +239,10 @@ def sweep(results: Results, device, q_heads: int = Q_HEADS, kv_heads_list=KV_HEA
         if out_of_time():
             return
         timed(f"decode Hkv={kv_heads} B={batch} L={context}", _run_decode_point, batch, kv_heads, context)
+    for batch, kv_heads, context in load_points:
+        if out_of_time():
+            return
+        timed(f"loads B={batch} Hkv={kv_heads} L={context}", _run_loads_point, batch, kv_heads, context)
 
 
 def _params(kind: str, batch: int, q_heads: int, kv_heads: int, context: int, head_dim: int, block_size: int,
@@ -347,6 +376,88 @@ def _run_decode_point(results: Results, device, batch: int, kv_heads: int, conte
     add("fallback_fraction", fell_back, note=f"phi={PHI}; {batch}x{kv_heads}x{splits} stage-1 programs")
 
 
+def _run_loads_point(results: Results, device, batch: int, kv_heads: int, context: int, *, q_heads, head_dim,
+                     block_size, dtype, copy_tbps, timer, tables_gen) -> None:
+    """Each of `LOAD_VARIANTS` (eager and, for small caches, CUDA-graph times) against SDPA
+    cuDNN on the same values: the paged pool and a contiguous one-block-per-sequence cache."""
+    from torch.nn.attention import SDPBackend
+
+    seed = 7919 * batch + 131 * kv_heads + context
+    sms = num_sms(device)
+    splits = num_splits_heuristic(batch, kv_heads, context, sms, decode_block_n(head_dim, dtype))
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    q = torch.randn(batch, q_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    use_graphs = torch.device(device).type == "cuda" and (
+        kv_cache_bytes(batch * context, kv_heads, head_dim, dtype.itemsize) <= GRAPH_MAX_CACHE_BYTES)
+    base = _params("loads", batch, q_heads, kv_heads, context, head_dim, block_size, dtype, num_splits=splits)
+
+    cudnn_ms, cudnn_graph, cudnn_out, why = None, None, None, None
+    if torch.device(device).type == "cuda":
+        cache, why = attempt(lambda: contiguous_cache(seed, batch, kv_heads, context, head_dim, dtype, device))
+        if cache is not None:
+            res, why = attempt(lambda: time_sdpa(q, *cache, SDPBackend.CUDNN_ATTENTION, timer), allow_errors=True)
+            if res is not None:
+                cudnn_ms, cudnn_out = res[0], res[1].clone()
+                if use_graphs:
+                    cudnn_graph, _ = attempt(lambda: _sdpa_graph_ms(q, *cache, SDPBackend.CUDNN_ATTENTION, timer),
+                                             allow_errors=True)
+        del cache
+        free_memory()
+    else:
+        why = "no SDPA cuDNN off CUDA"
+    inputs = _paged_inputs(results, base, seed, batch, q_heads, kv_heads, context, head_dim, block_size, dtype,
+                           device, tables_gen)
+    if inputs is None:
+        return
+    _, k_pool, v_pool, tables, lens = inputs
+    made, status = attempt(lambda: _contiguous_slots(seed, batch, kv_heads, context, head_dim, dtype, device))
+    if made is None:
+        results.add(BENCHMARK, {**base, "layout": "contiguous"}, "oom", True, note=f"contiguous cache: {status}")
+        return
+    layouts = {"paged_16": (k_pool, v_pool, tables), "contiguous": made}
+    outs = {key: torch.empty(batch, q_heads, head_dim, device=device, dtype=dtype) for key in LOAD_VARIANTS}
+    lse = torch.empty(batch, q_heads, device=device, dtype=torch.float32)
+    workspace = ((*split_workspace(batch, q_heads, splits, head_dim, device), split_counters(batch, q_heads, device))
+                 if splits > 1 else None)
+
+    def call(key):
+        k, v, t = layouts[key[0]]
+        return lambda: flash_decode_attention(q, k, v, t, lens, out=outs[key], lse=lse, num_splits=splits,
+                                              workspace=workspace, config=LOAD_VARIANTS[key])
+
+    calls = {key: call(key) for key in LOAD_VARIANTS}
+    ms = interleaved_times(calls, timer)
+    graph = {key: graph_time_ms(fn, GRAPH_REPEATS, timer) for key, fn in calls.items()} if use_graphs else {}
+    tma_used = tma_applies(*made[:2], decode_block_n(head_dim, dtype), head_dim)
+    for (layout, variant), t in ms.items():
+        params = {**base, "layout": layout, "variant": variant,
+                  "block_size": block_size if layout == "paged_16" else context + SLOT_EXTRA}
+        note = (f"ours: {splits} split(s); {LOAD_VARIANTS[(layout, variant)]}"
+                + ("" if variant != "tma" or tma_used else " (TMA does not apply here: pointer loads)"))
+        results.add(BENCHMARK, params, "load_time_ms", t, "sdpa_cudnn", cudnn_ms,
+                    note=note if cudnn_ms is not None else f"{note}; cuDNN: {why}")
+        if use_graphs:
+            results.add(BENCHMARK, params, "load_graph_time_ms", graph[(layout, variant)], "sdpa_cudnn", cudnn_graph,
+                        note=f"per call, replaying a CUDA graph of {GRAPH_REPEATS} calls")
+        results.add(BENCHMARK, params, "load_rel_err",
+                    rel_err(outs[(layout, variant)], cudnn_out) if cudnn_out is not None else None, "sdpa_cudnn",
+                    None)
+
+
+def _contiguous_slots(seed, batch, kv_heads, context, head_dim, dtype, device):
+    """``(k_pool, v_pool, tables)``: `sequence_kv`'s values in a contiguous ``[batch, context +
+    SLOT_EXTRA, kv_heads, head_dim]`` cache seen as one block per sequence (`contiguous_as_paged`)."""
+    k = torch.zeros(batch, context + SLOT_EXTRA, kv_heads, head_dim, device=device, dtype=dtype)
+    v = torch.zeros_like(k)
+    for b in range(batch):
+        kb, vb = sequence_kv(b, seed, context, kv_heads, head_dim, dtype, device)
+        k[b, :context], v[b, :context] = kb, vb
+    k_pool, tables = contiguous_as_paged(k)
+    v_pool, _ = contiguous_as_paged(v)
+    return k_pool, v_pool, tables
+
+
 def _run_long_point(results: Results, device, batch: int, kv_heads: int, context: int, *, q_heads, head_dim,
                     block_size, dtype, copy_tbps, timer, tables_gen) -> None:
     """Ours (default heuristic) against Chapter 5's unsplit kernel at one long sequence."""
@@ -473,6 +584,27 @@ def summary(results: Results | dict) -> str:
             entry.setdefault(metric, {})[p["num_splits"]] = r["ours"]
             if p["rule"] != "sweep":
                 entry["rules"][p["rule"]] = p["num_splits"]
+    loads: dict[tuple, dict] = {}
+    for metric in ("load_time_ms", "load_graph_time_ms"):
+        for r in select(data, BENCHMARK, metric, kind="loads"):
+            p = r["params"]
+            entry = loads.setdefault((p["batch"], p["kv_heads"], p["context"]), {})
+            entry[(metric, p["layout"], p["variant"])] = (r["ours"], r["ratio"])
+            entry["cudnn" if metric == "load_time_ms" else "cudnn_graph"] = r["peer_value"]
+    if loads:
+        keys = list(LOAD_VARIANTS)
+        lines.append("\nloads: eager ms (cudnn/variant) per layout/variant; graph ms where timed")
+        lines.append(f"{'B':>3} {'Hkv':>4} {'L':>6} {'cudnn':>7} " + " ".join(f"{l}:{v}".rjust(25) for l, v in keys))
+        for (batch, kv_heads, context), entry in sorted(loads.items()):
+            for metric, label in (("load_time_ms", "cudnn"), ("load_graph_time_ms", "cudnn_graph")):
+                if not any((metric, *k) in entry for k in keys):
+                    continue
+                cells = []
+                for k in keys:
+                    ms, ratio = entry.get((metric, *k), (None, None))
+                    cells.append(f"{f(ms, '{:.4f}')}({f(ratio, '{:.3f}')})".rjust(25))
+                lines.append(f"{batch:>3} {kv_heads:>4} {context:>6} {f(entry.get(label), '{:.4f}'):>7} "
+                             + " ".join(cells) + ("" if metric == "load_time_ms" else "  graph"))
     for (batch, kv_heads, context), entry in sorted(sweeps.items()):
         picks = ", ".join(f"{rule}={s}" for rule, s in entry["rules"].items())
         lines.append(f"\nsplit sweep B={batch} Hkv={kv_heads} L={context} ({picks}), ms per S:")

@@ -2,8 +2,9 @@
 split count, the asynchronized softmax's variants and the host overhead of one call.
 
 Run on a GPU: ``python -m bench.ch07_tune_flash_decoding [part ...]`` (parts: overhead, config,
-async, splits, fused; default all). Prints compact tables; times are per call replaying a CUDA
-graph of 16 calls (`bench.common.graph_time_ms`) unless marked eager."""
+async, splits, fused, hopper, hopper2; default all but the hopper parts). Prints compact
+tables; times are per call replaying a CUDA graph of 16 calls (`bench.common.graph_time_ms`)
+unless marked eager."""
 from __future__ import annotations
 
 import sys
@@ -222,9 +223,137 @@ def fused():
                   f"{kern.n_regs} spills {kern.n_spills} smem {kern.metadata.shared}")
 
 
+HOPPER_POINTS = [(1, 8, 4096), (1, 8, 32768), (1, 8, 131072), (8, 8, 4096), (1, 32, 4096), (8, 8, 32768),
+                 (32, 8, 4096)]
+
+
+def contiguous_inputs(batch, hkv, ctx, extra=128):
+    """A contiguous cache ``[batch, ctx + extra, hkv, D]`` seen as one block per sequence
+    (Chapter 11's layout; ``extra`` free slots, so the block is a multiple of the tile)."""
+    from minillm.kernels.ch05_paged_attention import contiguous_as_paged
+
+    k = torch.randn(batch, ctx + extra, hkv, D, device=DEV, dtype=DT)
+    v = torch.randn_like(k)
+    kp, tables = contiguous_as_paged(k)
+    vp, _ = contiguous_as_paged(v)
+    q = torch.randn(batch, HQ, D, device=DEV, dtype=DT)
+    return q, kp, vp, tables, torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+
+
+def hopper():
+    """Bulk (TMA) loads and the eviction hint on sm_90: eager do_bench ms (cold L2, the
+    benchmark's timing) of each variant, paged 16-token blocks (the Chapter 7 grid; TMA does
+    not apply) and one block per sequence (Chapter 11; TMA applies), with SDPA cuDNN on the
+    same values as the yardstick (ratio = cudnn / variant, > 1: variant faster)."""
+    from torch.nn.attention import SDPBackend
+
+    from bench.common import time_sdpa
+
+    print("\n== hopper: eager ms (ratio cudnn/variant) ==")
+    sms = fd.num_sms(DEV)
+    for pt in HOPPER_POINTS:
+        b, hkv, ctx = pt
+        h = fd.num_splits_heuristic(b, hkv, ctx, sms, 128)
+        paged = inputs(*pt)
+        q = paged[0]
+        ks = torch.randn(b, hkv, ctx, D, device=DEV, dtype=DT)
+        cudnn = time_sdpa(q, ks, torch.randn_like(ks), SDPBackend.CUDNN_ATTENTION, timer)[0]
+        del ks
+        torch.cuda.empty_cache()
+        cells = []
+        variants = {"evict_first": dict(KV_EVICT="evict_first"), "no hint": dict(KV_EVICT=""),
+                    "evict_first st4": dict(KV_EVICT="evict_first", num_stages=4)}
+        for name, cfg in variants.items():
+            fn = caller(paged, h, config=cfg)
+            fn()
+            t = timer(fn)
+            cells.append(f"{name} {t:.4f}({cudnn / t:.3f})")
+        if h < 128 and b * hkv * h * 2 <= 1100:
+            fn = caller(paged, 2 * h, config=dict(KV_EVICT="evict_first"))
+            fn()
+            t = timer(fn)
+            cells.append(f"S={2 * h} {t:.4f}({cudnn / t:.3f})")
+        print(f"  paged  B={b:2} Hkv={hkv:2} L={ctx:6} S={h:3} cudnn {cudnn:.4f}: " + " | ".join(cells), flush=True)
+        del paged
+        torch.cuda.empty_cache()
+        contig = contiguous_inputs(b, hkv, ctx)
+        cells = []
+        variants = {"tma": (None, dict(TMA=True)), "ptr evict": (None, dict(TMA=False, KV_EVICT="evict_first")),
+                    "ptr": (None, dict(TMA=False, KV_EVICT="")), "tma st4": (None, dict(TMA=True, num_stages=4)),
+                    "tma st2": (None, dict(TMA=True, num_stages=2)), "tma w8": (None, dict(TMA=True, num_warps=8)),
+                    "tma bn64": (64, dict(TMA=True)), "tma bn64 st4": (64, dict(TMA=True, num_stages=4)),
+                    "tma bn256 st2": (256, dict(TMA=True, num_stages=2))}
+        for name, (bn, cfg) in variants.items():
+            hs = fd.num_splits_heuristic(b, hkv, ctx, sms, bn or 128)
+            try:
+                fn = caller(contig, hs, block_n=bn, config=cfg)
+                fn()
+                t = timer(fn)
+                cells.append(f"{name} {t:.4f}({cudnn / t:.3f})")
+            except Exception as e:  # noqa: BLE001
+                cells.append(f"{name} {type(e).__name__}: {str(e)[:160]}")
+        if h < 128 and b * hkv * h * 2 <= 1100:
+            fn = caller(contig, 2 * h, config=dict(TMA=True))
+            fn()
+            t = timer(fn)
+            cells.append(f"tma S={2 * h} {t:.4f}({cudnn / t:.3f})")
+        print(f"  contig B={b:2} Hkv={hkv:2} L={ctx:6} S={h:3} cudnn {cudnn:.4f}: " + " | ".join(cells), flush=True)
+        if pt == (1, 8, 4096):
+            for name, cfg in (("tma", dict(TMA=True)), ("ptr", dict(TMA=False))):
+                print(f"    host us per call, {name}: {host_us(caller(contig, h, config=cfg), 300):.1f}")
+            qq, kp, vp, tables, lens = contig
+            ws = fd.split_workspace(b, HQ, h, D, DEV)
+            for name, cfg in (("tma", dict(TMA=True)), ("ptr", dict(TMA=False))):
+                kern = fd.split_attention(qq, kp, vp, tables, lens, ws[0], ws[1], config=cfg)
+                print(f"    stage 1 {name}: regs {kern.n_regs} spills {kern.n_spills} smem {kern.metadata.shared}")
+        del contig
+        torch.cuda.empty_cache()
+
+
+def hopper2():
+    """Second pass: host cost and GPU time (CUDA graph over 4 copies of the cache, so the L2
+    holds none of it) of bulk against pointer loads on one block per sequence, and tile /
+    warp variants on the paged pool."""
+    from bench.common import interleaved_times
+
+    print("\n== hopper2: contiguous, tma vs pointer (eager do_bench x3 interleaved | graph over 4 copies) ==")
+    sms = fd.num_sms(DEV)
+    for pt in [(1, 8, 4096), (1, 32, 4096), (8, 8, 4096), (1, 8, 32768), (8, 8, 32768)]:
+        b, hkv, ctx = pt
+        h = fd.num_splits_heuristic(b, hkv, ctx, sms, 128)
+        copies = [contiguous_inputs(b, hkv, ctx) for _ in range(4 if b * hkv * ctx <= 8 * 32768 else 1)]
+        cfgs = {"ptr": dict(TMA=False), "tma": dict(TMA=True), "tma st4": dict(TMA=True, num_stages=4),
+                "ptr bn64": dict(TMA=False), "tma bn64": dict(TMA=True)}
+        fns = {name: [caller(c, fd.num_splits_heuristic(b, hkv, ctx, sms, 64 if "bn64" in name else 128),
+                             64 if "bn64" in name else None, config=cfg) for c in copies]
+               for name, cfg in cfgs.items()}
+        eager = interleaved_times({n: f[0] for n, f in fns.items()}, timer)
+        graph = {n: graph_time_ms(f, 16, timer) for n, f in fns.items()}
+        host = {n: host_us(fns[n][0], 200) for n in ("ptr", "tma")}
+        print(f"  B={b:2} Hkv={hkv:2} L={ctx:6} S={h:3}: " + " | ".join(
+            f"{n} {eager[n]:.4f}/{graph[n]:.4f}" for n in cfgs)
+            + f" | host us ptr {host['ptr']:.1f} tma {host['tma']:.1f}",
+            flush=True)
+        del copies, fns
+        torch.cuda.empty_cache()
+    print("\n== hopper2: paged 16-token blocks, tile variants (eager do_bench x3 interleaved) ==")
+    for pt in [(1, 8, 32768), (1, 8, 131072), (8, 8, 32768), (32, 8, 4096), (1, 32, 32768)]:
+        b, hkv, ctx = pt
+        paged = inputs(*pt)
+        variants = {"bn128 w4": (128, dict()), "bn64 w4": (64, dict()), "bn64 w4 st4": (64, dict(num_stages=4)),
+                    "bn128 w8": (128, dict(num_warps=8)), "bn128 evict": (128, dict(KV_EVICT="evict_first"))}
+        fns = {n: caller(paged, fd.num_splits_heuristic(b, hkv, ctx, sms, bn), bn, config=cfg)
+               for n, (bn, cfg) in variants.items()}
+        eager = interleaved_times(fns, timer)
+        print(f"  B={b:2} Hkv={hkv:2} L={ctx:6}: " + " | ".join(f"{n} {t:.4f}" for n, t in eager.items()), flush=True)
+        del paged, fns
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     parts = sys.argv[1:] or ["overhead", "config", "async", "splits", "fused"]
     t0 = time.time()
     for part in parts:
-        {"overhead": overhead, "config": config, "async": async_variants, "splits": splits, "fused": fused}[part]()
+        {"overhead": overhead, "config": config, "async": async_variants, "splits": splits, "fused": fused,
+         "hopper": hopper, "hopper2": hopper2}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)

@@ -18,7 +18,9 @@ paged peers read the same tokens from a pool of blocks of 16 in shuffled order
   (``paged_flash_decoding``), Chapter 5's `paged_decode_attention` on the pool
   (``paged_ch05``), SDPA (PyTorch's backend choice) on the virtual cache (``sdpa_virtual``),
   and Chapter 7's kernel on an ordinary ``torch.empty`` copy of the cache (``torch_memory``:
-  whether mapped memory reads as fast as the caching allocator's).
+  whether mapped memory reads as fast as the caching allocator's); and ours with each way of
+  loading a tile forced (Chapter 7's stage-1 switches): pointer loads (``pointer_loads``) and
+  bulk TMA copies of whole tiles (``tma_loads``; sm_90 only, pointer loads elsewhere).
 - **prefill** (the whole prompt, causal). Ours: Chapter 4's `flash_attention` on the virtual
   cache (K/V views ``[B, kv_heads, L, head_dim]`` with the cache's strides). Peers:
   Chapter 5's `paged_prefill_attention` on the pool (``paged_prefill``), and
@@ -310,7 +312,8 @@ def _decode(results, params, device, gen, batch, context, q_heads, kv_heads, hea
     vv_pool, _ = contiguous_as_paged(v_virt)
     kt_pool, _ = contiguous_as_paged(k_torch)
     vt_pool, _ = contiguous_as_paged(v_torch)
-    outs = {name: torch.empty(batch, q_heads, head_dim, device=device, dtype=dtype) for name in ("v", "p", "c", "t")}
+    outs = {name: torch.empty(batch, q_heads, head_dim, device=device, dtype=dtype)
+            for name in ("v", "p", "c", "t", "ptr", "tma")}
     lse = torch.empty(batch, q_heads, device=device, dtype=torch.float32)
     calls = {
         "ours": lambda: flash_decode_attention(q, kv_pool, vv_pool, one_block, lens, max_seq_len=context,
@@ -320,6 +323,12 @@ def _decode(results, params, device, gen, batch, context, q_heads, kv_heads, hea
         "paged_ch05": lambda: paged_decode_attention(q, k_pool, v_pool, tables, lens, out=outs["c"], lse=lse),
         "torch_memory": lambda: flash_decode_attention(q, kt_pool, vt_pool, one_block, lens, max_seq_len=context,
                                                        out=outs["t"], lse=lse),
+        # How the tiles of the one-block cache are loaded (Chapter 7's switches): pointer
+        # loads, and bulk TMA copies (sm_90; elsewhere these are pointer loads again).
+        "pointer_loads": lambda: flash_decode_attention(q, kv_pool, vv_pool, one_block, lens, max_seq_len=context,
+                                                        out=outs["ptr"], lse=lse, config={"TMA": False}),
+        "tma_loads": lambda: flash_decode_attention(q, kv_pool, vv_pool, one_block, lens, max_seq_len=context,
+                                                    out=outs["tma"], lse=lse, config={"TMA": True}),
     }
     ms = interleaved_times(calls, timer)
     sdpa_ms, _ = attempt(lambda: time_sdpa(q, k_virt[:, :context].transpose(1, 2), v_virt[:, :context].transpose(1, 2),
@@ -327,7 +336,7 @@ def _decode(results, params, device, gen, batch, context, q_heads, kv_heads, hea
     ms["sdpa_virtual"] = sdpa_ms
     n_bytes = decode_attention_bytes([context] * batch, q_heads, kv_heads, head_dim, dtype.itemsize)
     tbps = lambda t: n_bytes / (t * 1e-3) / 1e12 if t else None  # noqa: E731
-    for peer in ("paged_flash_decoding", "paged_ch05", "sdpa_virtual", "torch_memory"):
+    for peer in ("paged_flash_decoding", "paged_ch05", "sdpa_virtual", "torch_memory", "pointer_loads", "tma_loads"):
         add("time_ms", ms["ours"], peer=peer, peer_value=ms[peer])
     add("bandwidth_TBps", tbps(ms["ours"]), peer="paged_flash_decoding", peer_value=tbps(ms["paged_flash_decoding"]),
         fraction_of_ceiling=fraction(tbps(ms["ours"]), copy_tbps))

@@ -24,6 +24,12 @@ a group's ``S`` programs merges, `_merge_if_last`) and FlashDecoding++'s **async
 softmax** (``phi=``: one unified max for every tile, with an exact in-kernel fallback,
 `_async_split`).
 
+How stage 1 loads a tile (`_kv_tiles`): pointer loads through the block table, or on sm_90,
+where a tile is one box of the pool (blocks a multiple of the tile, e.g. Chapter 11's one
+block per sequence), bulk TMA copies through host tensor descriptors (`tma_applies`,
+`kv_descriptors`); both, and an eviction hint, are switches of stage 1's ``config``
+(`TMA_ON_HOPPER`, `KV_EVICT`: the defaults, with the measurements behind them).
+
 Layouts and contract: those of `paged_decode_attention`. Workspace (`split_workspace`): fp32
 partials ``[batch, q_heads, S, head_dim]`` and ``[batch, q_heads, S]`` (split axis next to
 last: one (sequence, head)'s partials are one contiguous run).
@@ -37,14 +43,15 @@ import numpy as np
 import torch
 from minillm.kernels.base import (
     tl, triton,
-    CPU_NUM_SMS, LN2_C, LOG2E, LOG2E_C, block_d, dot_precision, head_dim_offsets, launch, num_sms,
-    scale_and_window,
+    CPU_NUM_SMS, LN2_C, LOG2E, LOG2E_C, block_d, dot_precision, head_dim_offsets, interpreting, launch, num_sms,
+    online_softmax_update, scale_and_window,
 )
-from minillm.kernels.ch05_paged_attention import (  # Chapter 5's paged tiles, reused as they are
-    blocks_per_tile, check_paged, decode_block_n, decode_outputs, paged_fwd_tiles, tile_rows,
+from minillm.kernels import base as _base
+from minillm.kernels.ch05_paged_attention import (  # Chapter 5's tile addressing, reused as it is
+    blocks_per_tile, check_paged, decode_block_n, decode_outputs, tile_rows,
 )
 
-__all__ = ["flash_decode_attention", "split_workspace",
+__all__ = ["flash_decode_attention", "split_workspace", "tma_applies", "kv_descriptors", "TMA_ON_HOPPER", "KV_EVICT",
            "split_counters", "FUSED_MERGE",
            "num_splits_heuristic", "fa2_num_splits", "partition_splits", "num_sms", "async_window",
            "SPLIT_PROGRAMS_PER_SM", "MIN_TILES_PER_SPLIT", "MAX_SPLITS", "CPU_NUM_SMS", "VLLM_PARTITION",
@@ -71,35 +78,79 @@ def _split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _exact_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb, stride_vo,
-                 offs_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len, block_size, num_blocks, qk_scale,
-                 BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_PAD: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The online softmax over key positions ``[lo, hi)``: ``(acc, l, m)`` (base 2, ``acc``
-    unscaled), as Chapter 5's kernels compute it.
+def _kv_tiles(acc, l, m, q, k_head, v_head, desc_k, desc_v, col0, table, stride_tn, stride_kb, stride_ko,
+              stride_vb, stride_vo, offs_n0, d_ok, lo, hi, seq_len, block_size, num_blocks, qk_scale,
+              MASKED: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr, KV_EVICT: tl.constexpr):
+    """Key tiles ``[lo, hi)`` of one sequence folded into the online softmax ``(acc, l, m)``
+    (base 2): Chapter 5's decode loop (`paged_fwd_tiles` with the group's query heads as the
+    rows), with two ways of loading a tile.
 
-    The tiles are Chapter 5's prefill tiles (`paged_fwd_tiles`), with the group's query
-    heads as the rows (``q_len = group_size``: padding rows are masked where masks are
-    computed) and no causal mask: ``[lo, full_hi)`` are whole tiles inside the sequence and
-    need no mask at all; ``[full_hi, hi)`` is the sequence's ragged last tile, if it falls in
-    this split."""
+    - Pointer loads (``TMA`` off, or the ragged last tile): `tile_rows` finds each key's row
+      through the block table and every thread loads its share of the ``[BLOCK_N, BLOCK_D]``
+      tile. ``KV_EVICT``: the loads' eviction policy (``"evict_first"``: K and V are read
+      exactly once per step, so let them leave L2 before q, the table and the partials).
+    - ``TMA`` (sm_90, and only where ``BLOCK_N`` divides the block size: one block per
+      tile): one scalar table entry, then one bulk copy per tile through the tensor
+      descriptors ``desc_k``/``desc_v`` (the pool seen as ``[num_blocks, block_size,
+      kv_heads · head_dim]``, boxes ``[1, BLOCK_N, BLOCK_D]`` at ``[block, offset, col0]``),
+      issued by one thread: no per-row addresses in registers. An invalid block id is sent
+      past the pool's end, where TMA reads zeros, as the pointer path's mask does.
+
+    ``MASKED``: positions ``>= seq_len`` may occur (the last tile); their scores are
+    ``-inf`` and their rows are not loaded (always through pointers: a bulk copy of the
+    whole box would read stale rows past the length)."""
+    for start in range(lo, hi, BLOCK_N):
+        if TMA and not MASKED:
+            blk = tl.load(table + (start // block_size) * stride_tn)
+            blk = tl.where((blk >= 0) & (blk < num_blocks), blk, num_blocks).to(tl.int32)
+            off = (start % block_size).to(tl.int32)
+            k = desc_k.load([blk, off, col0]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            k_rows, v_rows, row_ok = tile_rows(table, stride_tn, start, offs_n0, seq_len, block_size, num_blocks,
+                                               stride_kb, stride_ko, stride_vb, stride_vo, BLOCKS_PER_TILE, MASKED,
+                                               BLOCK_N)
+            kv_ok = row_ok[:, None] & d_ok
+            k = tl.load(k_head + k_rows[:, None], mask=kv_ok, other=0.0, eviction_policy=KV_EVICT)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GROUP_PAD, BLOCK_N] raw scores, fp32
+        if MASKED:  # scale, then -inf past the length; unmasked, the scale is folded into exp2
+            s = tl.where((start + offs_n0 < seq_len)[None, :], s * qk_scale, float("-inf"))
+        p, alpha, l, m = online_softmax_update(m, l, s, qk_scale, MASKED)  # Chapter 3, base 2
+        if TMA and not MASKED:
+            v = desc_v.load([blk, off, col0]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            v = tl.load(v_head + v_rows[:, None], mask=kv_ok, other=0.0, eviction_policy=KV_EVICT)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # FA2: unscaled
+    return acc, l, m
+
+
+@triton.jit
+def _exact_split(q, k_head, v_head, desc_k, desc_v, col0, table, stride_tn, stride_kb, stride_ko, stride_vb,
+                 stride_vo, offs_n0, d_ok, lo, full_hi, hi, seq_len, block_size, num_blocks, qk_scale,
+                 BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_PAD: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, KV_EVICT: tl.constexpr):
+    """The online softmax over key positions ``[lo, hi)``: ``(acc, l, m)`` (base 2, ``acc``
+    unscaled), as Chapter 5's kernels compute it (`_kv_tiles`).
+
+    ``[lo, full_hi)`` are whole tiles inside the sequence and need no mask at all;
+    ``[full_hi, hi)`` is the sequence's ragged last tile, if it falls in this split."""
     m = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((GROUP_PAD,), dtype=tl.float32)
     acc = tl.zeros((GROUP_PAD, BLOCK_D), dtype=tl.float32)
-    acc, l, m = paged_fwd_tiles(acc, l, m, q, k_head, v_head, table, stride_tn, stride_kb, stride_ko,
-                                stride_vb, stride_vo, offs_g, offs_n0, d_ok, lo, full_hi, group_size, seq_len,
-                                block_size, num_blocks, qk_scale, False, False, BLOCKS_PER_TILE, DOT_PRECISION,
-                                BLOCK_N)
-    acc, l, m = paged_fwd_tiles(acc, l, m, q, k_head, v_head, table, stride_tn, stride_kb, stride_ko,
-                                stride_vb, stride_vo, offs_g, offs_n0, d_ok, full_hi, hi, group_size, seq_len,
-                                block_size, num_blocks, qk_scale, True, False, BLOCKS_PER_TILE, DOT_PRECISION,
-                                BLOCK_N)
+    acc, l, m = _kv_tiles(acc, l, m, q, k_head, v_head, desc_k, desc_v, col0, table, stride_tn, stride_kb,
+                          stride_ko, stride_vb, stride_vo, offs_n0, d_ok, lo, full_hi, seq_len, block_size,
+                          num_blocks, qk_scale, False, BLOCKS_PER_TILE, DOT_PRECISION, BLOCK_N, BLOCK_D, TMA,
+                          KV_EVICT)
+    acc, l, m = _kv_tiles(acc, l, m, q, k_head, v_head, desc_k, desc_v, col0, table, stride_tn, stride_kb,
+                          stride_ko, stride_vb, stride_vo, offs_n0, d_ok, full_hi, hi, seq_len, block_size,
+                          num_blocks, qk_scale, True, BLOCKS_PER_TILE, DOT_PRECISION, BLOCK_N, BLOCK_D, TMA,
+                          KV_EVICT)
     return acc, l, m
 
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, BlockTables, SeqLens, O, LSE, Fallbacks, Out, OutLse, Counters,
+    Q, K, V, DescK, DescV, BlockTables, SeqLens, O, LSE, Fallbacks, Out, OutLse, Counters,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_ko, stride_kh, stride_kd,
     stride_vb, stride_vo, stride_vh, stride_vd,
@@ -112,7 +163,7 @@ def _split_kernel(
     stride_cb, stride_ch,
     group_size, block_size, num_blocks, max_blocks, qk_scale, phi2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, KV_EVICT: tl.constexpr,
     # The two variants (their code follows the main path, below):
     ASYNC: tl.constexpr, WINDOW_LO: tl.constexpr, WINDOW_HI: tl.constexpr, TRACK_FALLBACKS: tl.constexpr,
     ASYNC_LANES: tl.constexpr, FALLBACK: tl.constexpr,
@@ -124,6 +175,9 @@ def _split_kernel(
     Writes each head's partial result to ``O[b, h, s, :]`` (normalised over the split) and
     ``LSE[b, h, s]`` (natural log); with one split these are the final output and lse (the
     launcher passes them with a split stride of 0).
+
+    How tiles are loaded (`_kv_tiles`): ``TMA`` with the tensor descriptors ``DescK``/``DescV``
+    (else those are ``K``/``V`` again, unused), ``KV_EVICT`` the pointer loads' eviction policy.
 
     Variants: ``ASYNC`` replaces the online softmax by FlashDecoding++'s unified max ``phi2``
     (`_async_split`: ``WINDOW_*``, ``ASYNC_LANES``, ``FALLBACK``, ``TRACK_FALLBACKS`` are its
@@ -148,19 +202,20 @@ def _split_kernel(
     k_head = K + kv_h * stride_kh + offs_d[None, :] * stride_kd
     v_head = V + kv_h * stride_vh + offs_d[None, :] * stride_vd
     offs_n0 = tl.arange(0, BLOCK_N)
+    col0 = (kv_h * HEAD_DIM).to(tl.int32)  # this head's first column in the descriptors' [.., kv_heads·head_dim]
 
     if ASYNC:  # variant: FlashDecoding++'s asynchronized softmax (below)
-        acc, l, m = _async_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb, stride_vo,
-                                 offs_g, in_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len, block_size,
+        acc, l, m = _async_split(q, k_head, v_head, DescK, DescV, col0, table, stride_tn, stride_kb, stride_ko,
+                                 stride_vb, stride_vo, in_g, offs_n0, d_ok, lo, full_hi, hi, seq_len, block_size,
                                  num_blocks, qk_scale, phi2,
                                  Fallbacks + b * stride_fb + kv_h * stride_fh + split * stride_fs,
                                  BLOCKS_PER_TILE, DOT_PRECISION, GROUP_PAD, BLOCK_D, BLOCK_N,
-                                 WINDOW_LO, WINDOW_HI, TRACK_FALLBACKS, ASYNC_LANES, FALLBACK)
+                                 WINDOW_LO, WINDOW_HI, TRACK_FALLBACKS, ASYNC_LANES, FALLBACK, TMA, KV_EVICT)
     else:
-        acc, l, m = _exact_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb, stride_vo,
-                                 offs_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len, block_size,
+        acc, l, m = _exact_split(q, k_head, v_head, DescK, DescV, col0, table, stride_tn, stride_kb, stride_ko,
+                                 stride_vb, stride_vo, offs_n0, d_ok, lo, full_hi, hi, seq_len, block_size,
                                  num_blocks, qk_scale, BLOCKS_PER_TILE, DOT_PRECISION, GROUP_PAD, BLOCK_D,
-                                 BLOCK_N)
+                                 BLOCK_N, TMA, KV_EVICT)
 
     # The partial: o_s = acc / l and lse_s = m + log l. An empty split: l = 0 -> o = 0 and
     # lse = log2(0) = -inf (m is -inf or φ; either way -inf), which stage 2 weighs 0.
@@ -315,12 +370,13 @@ def _async_tiles(acc, l_run, x_max, q, k_head, v_head, table, stride_tn, stride_
 
 
 @triton.jit
-def _async_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb, stride_vo,
-                 offs_g, in_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len, block_size, num_blocks,
+def _async_split(q, k_head, v_head, desc_k, desc_v, col0, table, stride_tn, stride_kb, stride_ko, stride_vb,
+                 stride_vo, in_g, offs_n0, d_ok, lo, full_hi, hi, seq_len, block_size, num_blocks,
                  qk_scale, phi2, fallback_flag,
                  BLOCKS_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_PAD: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW_LO: tl.constexpr, WINDOW_HI: tl.constexpr,
-                 TRACK_FALLBACKS: tl.constexpr, ASYNC_LANES: tl.constexpr, FALLBACK: tl.constexpr):
+                 TRACK_FALLBACKS: tl.constexpr, ASYNC_LANES: tl.constexpr, FALLBACK: tl.constexpr,
+                 TMA: tl.constexpr, KV_EVICT: tl.constexpr):
     """`_exact_split`'s ``(acc, l, m)`` with the unified max: ``m = φ`` for every row, unless a
     real row's largest score left ``[φ + WINDOW_LO, φ + WINDOW_HI]``: then (with ``FALLBACK``)
     the split is recomputed exactly, reading its K/V a second time. ``TRACK_FALLBACKS``: store
@@ -354,10 +410,10 @@ def _async_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stri
     fell_back = (hi > lo) & (tl.max(outside.to(tl.int32), axis=0) > 0)
     if FALLBACK:
         if fell_back:  # recompute this split exactly (its K/V are read a second time)
-            acc, l, m = _exact_split(q, k_head, v_head, table, stride_tn, stride_kb, stride_ko, stride_vb,
-                                     stride_vo, offs_g, offs_n0, d_ok, lo, full_hi, hi, group_size, seq_len,
+            acc, l, m = _exact_split(q, k_head, v_head, desc_k, desc_v, col0, table, stride_tn, stride_kb,
+                                     stride_ko, stride_vb, stride_vo, offs_n0, d_ok, lo, full_hi, hi, seq_len,
                                      block_size, num_blocks, qk_scale, BLOCKS_PER_TILE, DOT_PRECISION,
-                                     GROUP_PAD, BLOCK_D, BLOCK_N)
+                                     GROUP_PAD, BLOCK_D, BLOCK_N, TMA, KV_EVICT)
     if TRACK_FALLBACKS:
         tl.store(fallback_flag, fell_back.to(tl.int32))
     return acc, l, m
@@ -416,12 +472,29 @@ def _merge_if_last(O_b, LSE_b, Out_b, OutLse_b, counter, h0, group_size, num_spl
 #: need 207-211 registers, two programs per SM, and async ran at 1.00-1.10x the exact speed.
 #: Stages: 2 and 3 tie at small points; 2 lost 5-10 % at some (batch 8 x 8, S = 8), so 3.
 SPLIT_WARPS, SPLIT_STAGES = 4, 3
+#: Bulk (TMA) loads of whole K/V tiles on sm_90 where the pool allows them (`tma_applies`),
+#: by default? ``config={"TMA": True}`` asks for them in one call. Off: measured on an H100
+#: (bf16, head dim 128, one block per sequence, `bench.ch07_tune_flash_decoding hopper2` and
+#: the benchmark's ``loads`` rows), they save GPU time only where a call is short (CUDA-graph
+#: times over 4 copies of the cache: 14.9 -> 14.0 us at batch 1 x 8 KV heads x 4k, 31.0 ->
+#: 29.7 us at 1 x 32 x 4k, 52.4 -> 51.9 at 8 x 8 x 4k) and nothing where bandwidth decides
+#: (1 x 8 x 32k: 54.0 -> 53.6 us; 8 x 8 x 32k: 354.8 -> 355.0 us), while every eager call pays
+#: 20-50 us more of host time (the launcher encodes both descriptors at each launch), more
+#: than the GPU time they save. A 16-token paged pool cannot use them at all (a tile is 8
+#: blocks, not one box).
+TMA_ON_HOPPER = False
+#: The eviction policy of stage 1's pointer loads of K and V (``""``: the default policy;
+#: ``"evict_first"``: K/V are read once per step, let them leave L2 first). None: on the H100
+#: ``evict_first`` changed no point of the benchmark's ``loads`` rows by more than 0.8 %
+#: (the L2 is 50 MB, and a decode step streams each byte once either way).
+KV_EVICT = ""
 #: Stage 1's launch options (``config`` of `flash_decode_attention` overrides them, for measurements):
 #: warps, pipeline stages, ``ASYNC_LANES`` (the asynchronized softmax's running sum and max
 #: as ``[group, BLOCK_N]`` lane tiles instead of per-tile row reductions) and ``FALLBACK``
 #: (compile the in-kernel exact fallback; False is for measuring its cost only: a split
 #: outside the window is then wrong).
-_STAGE1_DEFAULTS = dict(num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES, ASYNC_LANES=False, FALLBACK=True)
+_STAGE1_DEFAULTS = dict(num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES, ASYNC_LANES=False, FALLBACK=True,
+                        TMA=TMA_ON_HOPPER, KV_EVICT=KV_EVICT)
 
 #: Merge the splits inside stage 1 (its last program per (sequence, KV head); one launch) by
 #: default, instead of in a second launch (`reduce_splits`): `_merge_if_last`.
@@ -755,17 +828,146 @@ def split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_par
     else:  # placeholders, never touched
         out, lse, counters = o_part, lse_part, seq_lens
         out_strides, lse_strides, counter_strides = (0, 0, 0), (0, 0), (0, 0)
-    meta = _stage1_meta(head_dim, q.dtype, q_heads // kv_heads, block_size,
-                        block_n or decode_block_n(head_dim, q.dtype), tile_in_block, phi is not None, track, fused,
-                        num_splits, tuple(sorted(config.items())) if config else ())
-    return launch(
-        _split_kernel, (batch, kv_heads, num_splits),
-        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, flags, out, lse, counters,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), seq_lens.stride(0),
-        *o_part.stride(), *lse_part.stride(), *flag_strides, *out_strides, *lse_strides, *counter_strides,
-        q_heads // kv_heads, block_size, num_blocks, block_tables.shape[1], scale * LOG2E,
-        0.0 if phi is None else phi * LOG2E, **meta,
-    )
+    block_n = block_n or decode_block_n(head_dim, q.dtype)
+    config = tuple(sorted(config.items())) if config else ()
+    meta = _stage1_meta(head_dim, q.dtype, q_heads // kv_heads, block_size, block_n, tile_in_block, phi is not None,
+                        track, fused, num_splits, config)
+    descriptors = None
+    if meta["TMA"]:
+        descriptors = kv_descriptors(k_cache, v_cache, block_n, meta["BLOCK_D"])
+        if descriptors is None:  # this cache cannot be described: pointer loads
+            meta = _stage1_meta(head_dim, q.dtype, q_heads // kv_heads, block_size, block_n, tile_in_block,
+                                phi is not None, track, fused, num_splits, (*config, ("TMA", False)))
+    args = (q, k_cache, v_cache, *(descriptors or (k_cache, v_cache)), block_tables, seq_lens, o_part, lse_part,
+            flags, out, lse, counters,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), seq_lens.stride(0),
+            *o_part.stride(), *lse_part.stride(), *flag_strides, *out_strides, *lse_strides, *counter_strides,
+            q_heads // kv_heads, block_size, num_blocks, block_tables.shape[1], scale * LOG2E,
+            0.0 if phi is None else phi * LOG2E)
+    if descriptors is None:
+        return launch(_split_kernel, (batch, kv_heads, num_splits), *args, **meta)
+    return _launch_with_descriptors(_split_kernel, (batch, kv_heads, num_splits), args, meta)
+
+
+# ----------------------------------------------------------------------------------------
+# Bulk (TMA) loads on Hopper
+# ----------------------------------------------------------------------------------------
+def tma_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int, block_d_: int) -> bool:
+    """Whether stage 1 can load whole K/V tiles with TMA from this pool (`_kv_tiles`).
+
+    - an sm_90 GPU (H100/H200; the pointer path everywhere else), or the interpreter, which
+      emulates descriptors so that the CPU tests run this path;
+    - ``block_n`` divides the block size: every whole tile lies in one block, one box
+      (16-token blocks with 128-key tiles would need 8 boxes per tile: pointer loads);
+    - the pool seen as ``[num_blocks, block_size, kv_heads · head_dim]``: each token's heads
+      packed (``stride(2) = head_dim``, ``stride(3) = 1``), ``head_dim`` a power of two (the box
+      is ``block_d_`` columns wide and must not spill into the next head), base and strides
+      16-byte aligned (the hardware's rule), coordinates within int32."""
+    if k_cache.is_cuda:
+        if not _is_sm90(k_cache.device.index if k_cache.device.index is not None else torch.cuda.current_device()):
+            return False
+    elif not interpreting():
+        return False
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    if block_size % block_n or head_dim != block_d_ or block_n > 256 or block_d_ > 256:
+        return False
+    elem = k_cache.element_size()
+    for t in (k_cache, v_cache):
+        if (t.stride(3) != 1 or t.stride(2) != head_dim or t.data_ptr() % 16
+                or (t.stride(0) * elem) % 16 or (t.stride(1) * elem) % 16):
+            return False
+    return max(num_blocks + 1, block_size, kv_heads * head_dim) < 2**31
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+class _Address:
+    """What a host descriptor needs of its tensor at launch time: the address and dtype. A
+    descriptor kept in `_DESCRIPTORS` holds this instead of the tensor, so keeping it does
+    not keep the pool's memory alive."""
+    __slots__ = ("ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+#: ``(address, shape, strides, dtype, box) -> descriptor``: host descriptors reused across
+#: calls (building one runs Python checks; a decode loop asks for the same two every step).
+_DESCRIPTORS: dict[tuple, object] = {}
+
+
+def kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int, block_d_: int):
+    """``(desc_k, desc_v)``: host tensor descriptors of the pools seen as ``[num_blocks,
+    block_size, kv_heads · head_dim]`` with boxes ``[1, block_n, block_d_]``, or None where
+    `tma_applies` says no. The launch encodes each into the 128-byte ``CUtensorMap`` the
+    kernel reads (a kernel parameter: a CUDA graph captures it by value)."""
+    if not tma_applies(k_cache, v_cache, block_n, block_d_):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    box = [1, block_n, block_d_]
+    descs = []
+    for t in (k_cache, v_cache):
+        shape, strides = [num_blocks, block_size, kv_heads * head_dim], [t.stride(0), t.stride(1), 1]
+        if not t.is_cuda:  # the interpreter reads the tensor itself
+            descs.append(TensorDescriptor(t, shape, strides, box))
+            continue
+        key = (t.data_ptr(), t.device.index, *shape, *strides, t.dtype, block_n, block_d_)
+        desc = _DESCRIPTORS.get(key)
+        if desc is None:
+            if len(_DESCRIPTORS) >= WORKSPACE_CACHE_SIZE:
+                _DESCRIPTORS.clear()
+            desc = _DESCRIPTORS[key] = TensorDescriptor(_Address(t.data_ptr(), t.dtype), shape, strides, box)
+        descs.append(desc)
+    return tuple(descs)
+
+
+#: ``key -> (binary, constexprs)`` of `_launch_with_descriptors` (its `launch` cache).
+_DESC_BINARIES: dict[tuple, tuple] = {}
+_DESC_LAYOUTS: dict[tuple, tuple] = {}
+
+
+def _launch_with_descriptors(kernel, grid: tuple, args: tuple, meta: dict):
+    """`minillm.kernels.base.launch` for arguments that include tensor descriptors.
+
+    `launch` keys its cache of binaries on the value of every argument that is not a tensor;
+    a descriptor is not hashable, and its contents (address, shape, strides) are runtime
+    values the launcher encodes at every call: the binary depends only on its type (dtype
+    and box, fixed by ``meta``). So the key here leaves descriptors out."""
+    if not _base._FAST or _base._hooks_active():
+        return kernel[grid](*args, **meta)
+    device = _base._driver.active.get_current_device()
+    types = tuple(map(type, args))
+    layout = _DESC_LAYOUTS.get((kernel, types))
+    if layout is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
+        others = [i for i, t in enumerate(types) if not issubclass(t, (torch.Tensor, TensorDescriptor))]
+        layout = _DESC_LAYOUTS[(kernel, types)] = (tensors, others)
+    tensors, others = layout
+    key = (kernel, device, types, tuple(args[i] for i in others), *meta.items(),
+           *[(args[i].dtype, args[i].data_ptr() & 15 == 0) for i in tensors])
+    hit = _DESC_BINARIES.get(key)
+    if hit is not None:
+        binary, constexprs = hit
+        binary.run(grid[0], grid[1], grid[2], _base._driver.active.get_current_stream(device), binary.function,
+                   binary.packed_metadata, None, None, None, *args, *constexprs)
+        return binary
+    binary = kernel[grid](*args, **meta)
+    constexprs = _base._trailing_values(kernel, len(args), meta)
+    if constexprs is not None and hasattr(binary, "packed_metadata"):
+        if len(_DESC_BINARIES) >= _base.CACHE_SIZE:
+            _DESC_BINARIES.clear()
+        _DESC_BINARIES[key] = (binary, constexprs)
+    return binary
 
 
 @functools.lru_cache(maxsize=1024)
@@ -776,7 +978,7 @@ def _stage1_meta(head_dim: int, dtype: torch.dtype, group: int, block_size: int,
     decode loop asks for the same ones every step, and recomputing them was a visible part
     of a call's few microseconds of host time). ``config``: overrides, as sorted items."""
     window_lo, window_hi = async_window(dtype)
-    return dict(
+    meta = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCKS_PER_TILE=blocks_per_tile(block_size, block_n, tile_in_block),
         DOT_PRECISION=dot_precision(dtype), ASYNC=is_async, WINDOW_LO=window_lo, WINDOW_HI=window_hi,
@@ -786,6 +988,8 @@ def _stage1_meta(head_dim: int, dtype: torch.dtype, group: int, block_size: int,
                            max(1, MERGE_TILE_ROWS // triton.next_power_of_2(group))) if fused else 1),
         **{**_STAGE1_DEFAULTS, **dict(config)},
     )
+    meta["TMA"] = bool(meta["TMA"]) and meta["BLOCKS_PER_TILE"] == 1  # one box per tile: one block per tile
+    return meta
 
 
 def reduce_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:

@@ -34,9 +34,9 @@ import torch
 from minillm.kernels.ch07_flash_decoding import (
     ASYNC_WINDOW_FP16, ASYNC_WINDOW_WIDE, CPU_NUM_SMS, MAX_SPLITS, MIN_TILES_PER_SPLIT, SPLIT_PROGRAMS_PER_SM,
     async_window, clear_workspace_cache, fa2_num_splits, flash_decode_attention, num_sms, num_splits_heuristic,
-    partition_splits, reduce_splits, split_counters, split_workspace, workspace_cache,
+    partition_splits, reduce_splits, split_counters, split_workspace, tma_applies, workspace_cache,
 )
-from minillm.kernels.ch05_paged_attention import decode_block_n, paged_decode_attention
+from minillm.kernels.ch05_paged_attention import contiguous_as_paged, decode_block_n, paged_decode_attention
 from minillm.paged import PAD
 from minillm.reference import attention, kv_head_for
 from minillm.reference import ch07_flash_decoding as ref
@@ -518,6 +518,122 @@ def test_partition_splits_and_num_sms(device):
 
 
 # ----------------------------------------------------------------------------------------
+# Bulk (TMA) tile loads and the eviction hint (sm_90; the interpreter emulates descriptors)
+# ----------------------------------------------------------------------------------------
+def tma_expected(device) -> bool:
+    """Where `tma_applies` may say yes: the interpreter and sm_90 GPUs."""
+    return torch.device(device).type == "cpu" or torch.cuda.get_device_capability(device) == (9, 0)
+
+
+# (q_heads, kv_heads, head_dim, block_size, seq_lens, num_splits): block sizes multiples of
+# BLOCK_N (one box per whole tile), odd lengths (the ragged last tile takes pointer loads).
+TMA_CASES = [
+    (8, 2, 64, 16, [77, 16, 1, 0], 3),    # GQA 4:1, blocks of one tile, a length 0 and 1
+    (6, 6, 32, 32, [101, 33], 4),         # MHA, two tiles per block
+    (16, 2, 128, 48, [150, 47, 95], 5),   # GQA 8:1, blocks of three tiles (not a power of two)
+    (4, 1, 16, 64, [129], 1),             # MQA, one split (no merge), head dim 16
+]
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,seq_lens,num_splits",
+                         [pytest.param(*c, id=_case_id(c)) for c in TMA_CASES])
+def test_tma_and_eviction_paths(q_heads, kv_heads, head_dim, block_size, seq_lens, num_splits, dtype, device, gen,
+                                seed):
+    """Every combination of bulk loads (on, off) and eviction hint (evict_first, none) gives the
+    reference's output, lse and partials; `tma_applies` says yes for these pools where TMA exists."""
+    pool = PagedPool(seq_lens, block_size, kv_heads, head_dim, dtype, device, gen)
+    assert tma_applies(pool.k, pool.v, BLOCK_N, head_dim) == tma_expected(device)
+    q = random_tensor((len(seq_lens), q_heads, head_dim), dtype, device, gen)
+    want_o, want_l, _ = reference_partials(q, pool, num_splits)
+    ref_out, ref_lse = ref.merge_partials(want_o, want_l)
+    for tma in (True, False):
+        for evict in ("evict_first", ""):
+            config = {"TMA": tma, "KV_EVICT": evict}
+            out, lse, (o_part, lse_part) = run(q, pool, num_splits, dtype, device, config=config)
+            assert_close(out, ref_out, dtype, f"out ({config})", seed)
+            assert_close(lse, ref_lse, dtype, f"lse ({config})", seed)
+            if num_splits > 1:
+                assert_close(o_part, want_o, dtype, f"partial outputs ({config})", seed)
+
+
+def test_tma_on_a_contiguous_cache(dtype, device, gen, seed):
+    """Chapter 11's case: a contiguous ``[batch, capacity, kv_heads, head_dim]`` cache seen as one
+    block per sequence (`contiguous_as_paged`), slots NaN past each length, lengths odd, the
+    default split heuristic; bulk loads on and off agree with the reference attention."""
+    batch, capacity, q_heads, kv_heads, head_dim = 3, 96, 8, 2, 32
+    lens = [95, 17, 50]
+    k = torch.full((batch, capacity, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    v = torch.full_like(k, float("nan"))
+    for b, n in enumerate(lens):
+        k[b, :n] = random_tensor((n, kv_heads, head_dim), dtype, device, gen)
+        v[b, :n] = random_tensor((n, kv_heads, head_dim), dtype, device, gen)
+    k_pool, tables = contiguous_as_paged(k)
+    v_pool, _ = contiguous_as_paged(v)
+    assert tma_applies(k_pool, v_pool, BLOCK_N, head_dim) == tma_expected(device)
+    q = random_tensor((batch, q_heads, head_dim), dtype, device, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    for tma in (True, False):
+        out, lse = flash_decode_attention(q, k_pool, v_pool, tables, seq_lens, block_n=BLOCK_N, config={"TMA": tma})
+        for b, n in enumerate(lens):
+            kb, vb = to_numpy(k[b, :n]).transpose(1, 0, 2), to_numpy(v[b, :n]).transpose(1, 0, 2)
+            o, l = attention(to_numpy(q[b])[None, :, None], kb[None], vb[None])
+            assert_close(out[b], o[0, :, 0], dtype, f"out (sequence {b}, tma={tma})", seed)
+            assert_close(lse[b], l[0, :, 0], dtype, f"lse (sequence {b}, tma={tma})", seed)
+
+
+def test_tma_invalid_blocks_read_zeros(device, gen, seed):
+    """Through descriptors too, a table entry that is not a block (-1, or past the pool, whose
+    neighbours in memory are NaN) reads as zero keys and values, in whole tiles as in the
+    ragged last one; the pointer path gives the same answer."""
+    dtype = torch.float32
+    block_size, q_heads, kv_heads, head_dim = 16, 4, 2, 32
+    pool = PagedPool([70, 40], block_size, kv_heads, head_dim, dtype, device, gen)
+    tables = pool.tables.clone()
+    tables[0, 1] = PAD                     # sequence 0: positions 16-31 (a whole tile) in a hole
+    tables[1, 2] = pool.k.shape[0]         # sequence 1: positions 32-39 (its ragged tile) past the pool
+    tables[0, 3] = pool.k.shape[0] + 1000  # sequence 0: positions 48-63 far past the pool
+    lens = pool.lens(device)
+    q = random_tensor((2, q_heads, head_dim), dtype, device, gen)
+    k_flat, v_flat = pool.k.reshape(-1, kv_heads, head_dim), pool.v.reshape(-1, kv_heads, head_dim)
+    for tma in (True, False):
+        out, lse = flash_decode_attention(q, pool.k, pool.v, tables, lens, num_splits=2, block_n=BLOCK_N,
+                                          config={"TMA": tma})
+        for b, n in enumerate(pool.seq_lens):
+            pos = torch.arange(n, device=device)
+            blk = tables[b].long()[pos // block_size]
+            ok = ((blk >= 0) & (blk < pool.k.shape[0])).cpu().numpy()
+            rows = blk.clamp(0, pool.k.shape[0] - 1) * block_size + pos % block_size
+            kb, vb = to_numpy(k_flat[rows]), to_numpy(v_flat[rows])
+            kb[~ok], vb[~ok] = 0.0, 0.0  # what the kernel must see there
+            o, l = attention(to_numpy(q[b])[None, :, None], kb.transpose(1, 0, 2)[None], vb.transpose(1, 0, 2)[None])
+            assert_close(out[b], o[0, :, 0], dtype, f"out (sequence {b}, tma={tma})", seed)
+            assert_close(lse[b], l[0, :, 0], dtype, f"lse (sequence {b}, tma={tma})", seed)
+
+
+def test_tma_applies_only_where_one_box_is_a_tile(device, gen):
+    """No bulk loads where a tile is not one box of the pool: blocks not a multiple of the
+    tile, a head dim that is not a power of two, heads not packed (a head-dim slice of a
+    wider buffer), the general tile path forced; and never on a GPU other than sm_90."""
+    dtype = torch.float16
+    pool = PagedPool([40], 16, 2, 32, dtype, device, gen)
+    assert tma_applies(pool.k, pool.v, 16, 32) == tma_expected(device)
+    assert not tma_applies(pool.k, pool.v, 32, 32)                     # 16-token blocks, 32-key tiles
+    odd = PagedPool([40], 17, 2, 32, dtype, device, gen)
+    assert not tma_applies(odd.k, odd.v, 16, 32)
+    d80 = PagedPool([40], 16, 2, 80, dtype, device, gen)
+    assert not tma_applies(d80.k, d80.v, 16, 128)
+    wide = torch.zeros((*pool.k.shape[:3], 64), dtype=dtype, device=device)
+    assert not tma_applies(wide[..., :32], wide[..., :32], 16, 32)      # stride(2) = 64, not head_dim
+    if torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
+        assert not tma_applies(pool.k, pool.v, 16, 32)
+    # The general path forced: pointer loads whatever TMA_ON_HOPPER says (still correct).
+    q = random_tensor((1, 4, 32), dtype, device, gen)
+    want_out, _ = ref.merge_partials(*reference_partials(q, pool, 2)[:2])
+    out, _, _ = run(q, pool, 2, dtype, device, tile_in_block=False, config={"TMA": True})
+    assert_close(out, want_out, dtype, "out (general tile path, TMA asked)")
+
+
+# ----------------------------------------------------------------------------------------
 # The benchmark's bookkeeping (no timing: a stand-in timer, tiny shapes, the interpreter)
 # ----------------------------------------------------------------------------------------
 def test_benchmark_dry_run(device):
@@ -534,7 +650,8 @@ def test_benchmark_dry_run(device):
     results = Results("dry run", {"copy_TBps": 1.0, "bf16_matmul_TFLOPs": 1.0}, env={})
     bench.sweep(results, device, q_heads=4, kv_heads_list=(2,), batches=(1, 2), contexts=(160,), head_dim=16,
                 dtype=dtype, timer=lambda fn: (fn(), 1.0)[1], long_point=(1, 2, 96),
-                ablation_points=((1, 2, 96),), ablation_splits=(1, 2, 4), max_cache_bytes=1e9)
+                ablation_points=((1, 2, 96),), ablation_splits=(1, 2, 4), max_cache_bytes=1e9,
+                load_points=((2, 2, 160),))
     rows = results.rows
 
     def count(metric, **params):
@@ -551,6 +668,11 @@ def test_benchmark_dry_run(device):
     splits_rows = [r for r in rows if r["params"].get("kind") == "split_sweep"]
     assert {r["params"]["num_splits"] for r in splits_rows if r["params"]["rule"] == "sweep"} == {1, 2, 4}
     assert {r["params"]["rule"] for r in splits_rows} >= {"sweep", "ours", "fa2", "partition_128", "partition_512"}
+    loads = [r for r in rows if r["params"].get("kind") == "loads"]
+    assert {(r["params"]["layout"], r["params"]["variant"]) for r in loads if r["metric"] == "load_time_ms"} == set(
+        bench.LOAD_VARIANTS)
+    contiguous = {r["params"]["block_size"] for r in loads if r["params"]["layout"] == "contiguous"}
+    assert contiguous == {160 + bench.SLOT_EXTRA}
     tol = 1e-4 if dtype == torch.float32 else 2e-3
     errs = [r["ours"] for r in rows if r["metric"] == "rel_err"]
     assert errs and all(e < tol for e in errs), errs

@@ -280,7 +280,7 @@ def test_bench_bookkeeping_on_cpu(monkeypatch):
             block_size=8, dtype=torch.float32, timer=lambda fn: 1.0)
     rows = {(r["params"]["kind"], r["metric"], r["peer"]): r for r in res.rows}
     assert {peer for kind, m, peer in rows if kind == "decode" and m == "time_ms"} == {
-        "paged_flash_decoding", "paged_ch05", "sdpa_virtual", "torch_memory"}
+        "paged_flash_decoding", "paged_ch05", "sdpa_virtual", "torch_memory", "pointer_loads", "tma_loads"}
     assert rows[("decode", "rel_err", "paged_ch05")]["ours"] < 1e-4
     assert rows[("prefill", "rel_err", None)]["ours"] < 1e-4
     assert rows[("memory", "wasted_bytes", "paged_blocks")]["peer_value"] == 0
