@@ -240,9 +240,9 @@ def launch(kernel, grid: tuple, *args, **meta):
     """``kernel[grid](*args, **meta)`` with Triton's per-call binding skipped after the first
     call of each signature.
 
-    ``kernel``: a ``@triton.jit`` function whose runtime arguments are all passed
-    positionally in ``args`` and whose ``tl.constexpr`` parameters (those after them) come
-    from ``meta`` or their defaults; ``meta`` may also hold launch options (``num_warps``,
+    ``kernel``: a ``@triton.jit`` function whose runtime arguments (tensors, host tensor
+    descriptors, scalars) are all passed positionally in ``args`` and whose ``tl.constexpr``
+    parameters (those after them) come from ``meta`` or their defaults; ``meta`` may also hold launch options (``num_warps``,
     ``num_stages``). ``grid``: a tuple of 1-3 ints (not a callable)."""
     if _FAST and not _hooks_active():
         device = _driver.active.get_current_device()
@@ -250,11 +250,13 @@ def launch(kernel, grid: tuple, *args, **meta):
         layout = _LAYOUTS.get((kernel, types))
         if layout is None:
             layout = _LAYOUTS[(kernel, types)] = _layout(types)
-        tensors, others = layout
-        # Tensors count by dtype and 16-byte alignment, everything else by value: `others`
-        # holds the integers (and floats, None, bools) whose values Triton specializes on.
+        tensors, others, descriptors = layout
+        # Tensors count by dtype and 16-byte alignment, tensor descriptors by dtype and box
+        # (their address, shape and strides are encoded at every launch), everything else by
+        # value: `others` holds the integers (and floats, None, bools) Triton specializes on.
         key = (kernel, device, types, others(args), *meta.items(),
-               *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors(args)])
+               *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors(args)],
+               *[(d.base.dtype, tuple(d.block_shape)) for d in descriptors(args)])
         hit = _BINARIES.get(key)
         if hit is not None:
             binary, constexprs = hit
@@ -274,13 +276,17 @@ def launch(kernel, grid: tuple, *args, **meta):
 
 
 def _layout(types: tuple) -> tuple:
-    """Two functions of the argument tuple: its tensors, and its other arguments (tuples)."""
+    """Three functions of the argument tuple: its tensors, its tensor descriptors and its other
+    arguments (tuples)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     def getter(positions):
         if len(positions) == 1:
             return lambda args, i=positions[0]: (args[i],)
         return operator.itemgetter(*positions) if positions else (lambda args: ())
-    is_tensor = [issubclass(t, torch.Tensor) for t in types]
-    return (getter([i for i, x in enumerate(is_tensor) if x]), getter([i for i, x in enumerate(is_tensor) if not x]))
+    kind = ["tensor" if issubclass(t, torch.Tensor) else "descriptor" if issubclass(t, TensorDescriptor) else "other"
+            for t in types]
+    return tuple(getter([i for i, k in enumerate(kind) if k == want]) for want in ("tensor", "other", "descriptor"))
 
 
 def _trailing_values(kernel, n_args: int, meta: dict) -> tuple | None:

@@ -46,7 +46,6 @@ from minillm.kernels.base import (
     CPU_NUM_SMS, LN2_C, LOG2E, LOG2E_C, block_d, dot_precision, head_dim_offsets, interpreting, launch, num_sms,
     online_softmax_update, scale_and_window,
 )
-from minillm.kernels import base as _base
 from minillm.kernels.ch05_paged_attention import (  # Chapter 5's tile addressing, reused as it is
     blocks_per_tile, check_paged, decode_block_n, decode_outputs, tile_rows,
 )
@@ -846,7 +845,7 @@ def split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_par
             0.0 if phi is None else phi * LOG2E)
     if descriptors is None:
         return launch(_split_kernel, (batch, kv_heads, num_splits), *args, **meta)
-    return _launch_with_descriptors(_split_kernel, (batch, kv_heads, num_splits), args, meta)
+    return launch(_split_kernel, (batch, kv_heads, num_splits), *args, **meta)
 
 
 # ----------------------------------------------------------------------------------------
@@ -927,47 +926,6 @@ def kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int, b
             desc = _DESCRIPTORS[key] = TensorDescriptor(_Address(t.data_ptr(), t.dtype), shape, strides, box)
         descs.append(desc)
     return tuple(descs)
-
-
-#: ``key -> (binary, constexprs)`` of `_launch_with_descriptors` (its `launch` cache).
-_DESC_BINARIES: dict[tuple, tuple] = {}
-_DESC_LAYOUTS: dict[tuple, tuple] = {}
-
-
-def _launch_with_descriptors(kernel, grid: tuple, args: tuple, meta: dict):
-    """`minillm.kernels.base.launch` for arguments that include tensor descriptors.
-
-    `launch` keys its cache of binaries on the value of every argument that is not a tensor;
-    a descriptor is not hashable, and its contents (address, shape, strides) are runtime
-    values the launcher encodes at every call: the binary depends only on its type (dtype
-    and box, fixed by ``meta``). So the key here leaves descriptors out."""
-    if not _base._FAST or _base._hooks_active():
-        return kernel[grid](*args, **meta)
-    device = _base._driver.active.get_current_device()
-    types = tuple(map(type, args))
-    layout = _DESC_LAYOUTS.get((kernel, types))
-    if layout is None:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
-        others = [i for i, t in enumerate(types) if not issubclass(t, (torch.Tensor, TensorDescriptor))]
-        layout = _DESC_LAYOUTS[(kernel, types)] = (tensors, others)
-    tensors, others = layout
-    key = (kernel, device, types, tuple(args[i] for i in others), *meta.items(),
-           *[(args[i].dtype, args[i].data_ptr() & 15 == 0) for i in tensors])
-    hit = _DESC_BINARIES.get(key)
-    if hit is not None:
-        binary, constexprs = hit
-        binary.run(grid[0], grid[1], grid[2], _base._driver.active.get_current_stream(device), binary.function,
-                   binary.packed_metadata, None, None, None, *args, *constexprs)
-        return binary
-    binary = kernel[grid](*args, **meta)
-    constexprs = _base._trailing_values(kernel, len(args), meta)
-    if constexprs is not None and hasattr(binary, "packed_metadata"):
-        if len(_DESC_BINARIES) >= _base.CACHE_SIZE:
-            _DESC_BINARIES.clear()
-        _DESC_BINARIES[key] = (binary, constexprs)
-    return binary
 
 
 @functools.lru_cache(maxsize=1024)

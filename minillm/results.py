@@ -106,6 +106,11 @@ def ceilings(results: dict | None, benchmark: str | None = None) -> dict[str, fl
         run = (results.get("runs") or {}).get(benchmark) or {}
         if run.get("ceilings"):
             return dict(run["ceilings"])
+        # A run that measured none (a part that needs no ceiling) kept the rows of earlier
+        # runs of the benchmark: their ceilings, the newest first, before the file's.
+        for earlier in reversed((run.get("kept") or {}).get("runs") or []):
+            if earlier.get("ceilings"):
+                return dict(earlier["ceilings"])
     return dict(results.get("ceilings") or {})
 
 

@@ -186,6 +186,18 @@ def test_save_merges_by_benchmark(tmp_path):
     assert data["runs"]["ch01_traffic"]["status"] == "partial: test"
 
 
+def test_ceilings_of_a_part_that_measured_none_come_from_the_run_whose_rows_it_kept():
+    results = {"ceilings": {"copy_TBps": 3.3},
+               "runs": {"bwd_only": {"ceilings": None, "kept": {"rows": 5, "runs": [
+                            {"ceilings": {"copy_TBps": 2.9}}, {"ceilings": {"copy_TBps": 3.0}}, {"ceilings": None}]}},
+                        "measured": {"ceilings": {"copy_TBps": 3.1}},
+                        "alone": {"ceilings": None}}}
+    assert mr.ceilings(results, "measured") == {"copy_TBps": 3.1}
+    assert mr.ceilings(results, "bwd_only") == {"copy_TBps": 3.0}  # the newest kept run that measured one
+    assert mr.ceilings(results, "alone") == {"copy_TBps": 3.3}  # nothing kept: the file's
+    assert mr.ceilings(results) == {"copy_TBps": 3.3}
+
+
 def test_save_keeps_gpus_apart(tmp_path):
     a, b = make(H100), make("NVIDIA H200")
     a.add("x", {}, "time_ms", 1.0, "p", 1.0)
