@@ -61,7 +61,10 @@ def test_add_rmsnorm_rounds_as_the_model(dtype):
         want = norm(s)
     y, new_r = add_rmsnorm(x, r, norm.weight.detach(), 1e-6)
     assert torch.equal(new_r, s)
-    torch.testing.assert_close(y, want, atol=2 * ulps(dtype), rtol=2 * ulps(dtype))
+    # fp32 on a GPU: torch's norm and the kernel sum 256 squares in different orders and take
+    # rsqrt differently (the kernel's is the hardware approximation), so a few ulps apart.
+    slack = 4 * ulps(dtype) if dtype == torch.float32 and DEVICE.type == "cuda" else 2 * ulps(dtype)
+    torch.testing.assert_close(y, want, atol=slack, rtol=slack)
 
 
 def test_add_rmsnorm_in_place_residual_and_strided_rows():
