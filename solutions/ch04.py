@@ -78,19 +78,11 @@ def backward_delta(o: np.ndarray, do: np.ndarray) -> np.ndarray:
 
 
 @triton.jit
-def fa2_forward_kernel(Q, K, V, O, LSE, q_heads, kv_heads, q_len, kv_len, scale,
-                       HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Exercise 4.5: the Q block's state stays in registers; causal blocks past the diagonal are skipped."""
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // q_heads, bh % q_heads
-    kv_bh = (b * kv_heads + h // (q_heads // kv_heads)).to(tl.int64)  # GQA: this head's K/V slab
-    Q += bh.to(tl.int64) * q_len * HEAD_DIM
-    O += bh.to(tl.int64) * q_len * HEAD_DIM
-    LSE += bh.to(tl.int64) * q_len
-    K += kv_bh * kv_len * HEAD_DIM
-    V += kv_bh * kv_len * HEAD_DIM
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+def _q_block(Q, K, V, O, LSE, m_block, q_len, kv_len, scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+             DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Query block ``m_block`` of one head (``Q, O, LSE`` at that head, ``K, V`` at its KV head):
+    the Q block's state stays in registers; causal blocks past the diagonal are skipped."""
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, HEAD_DIM)
     in_m = rows < q_len
     q = tl.load(Q + rows[:, None] * HEAD_DIM + d[None, :], mask=in_m[:, None], other=0.0)
@@ -100,8 +92,8 @@ def fa2_forward_kernel(Q, K, V, O, LSE, q_heads, kv_heads, q_len, kv_len, scale,
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     hi = kv_len
     if CAUSAL:  # the block's last row sits at position kv_len - q_len + its index: no key past it
-        hi = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M + (kv_len - q_len))
-    for start_n in range(0, hi, BLOCK_N):
+        hi = tl.minimum(kv_len, (m_block + 1) * BLOCK_M + (kv_len - q_len))
+    for start_n in tl.range(0, hi, BLOCK_N, num_stages=NUM_STAGES):  # loads NUM_STAGES - 1 blocks ahead
         cols = start_n + tl.arange(0, BLOCK_N)
         k = tl.load(K + cols[:, None] * HEAD_DIM + d[None, :], mask=cols[:, None] < kv_len, other=0.0)
         v = tl.load(V + cols[:, None] * HEAD_DIM + d[None, :], mask=cols[:, None] < kv_len, other=0.0)
@@ -121,6 +113,19 @@ def fa2_forward_kernel(Q, K, V, O, LSE, q_heads, kv_heads, q_len, kv_len, scale,
     out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # FA2: divide once, at the end
     tl.store(O + rows[:, None] * HEAD_DIM + d[None, :], out.to(O.dtype.element_ty), mask=in_m[:, None])
     tl.store(LSE + rows, m + tl.log(l), mask=in_m)  # -inf + log(0) = -inf for a row that saw no key
+
+
+@triton.jit
+def fa2_forward_kernel(Q, K, V, O, LSE, q_heads, kv_heads, q_len, kv_len, scale,
+                       HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Exercise 4.5: one program per (Q block, sequence and query head)."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // q_heads, bh % q_heads
+    kv_bh = (b * kv_heads + h // (q_heads // kv_heads)).to(tl.int64)  # GQA: this head's K/V slab
+    _q_block(Q + bh.to(tl.int64) * q_len * HEAD_DIM, K + kv_bh * kv_len * HEAD_DIM, V + kv_bh * kv_len * HEAD_DIM,
+             O + bh.to(tl.int64) * q_len * HEAD_DIM, LSE + bh.to(tl.int64) * q_len, pid_m, q_len, kv_len, scale,
+             HEAD_DIM, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, 2)
 
 
 def fa2_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -236,46 +241,14 @@ def persistent_forward_kernel(Q, K, V, O, LSE, TileOrder, Owner, q_heads, kv_hea
     """Exercise 4.8 (part 2): Exercise 4.5's program, once per tile of this program's share
     of the schedule; every pointer is computed from the bases for each tile."""
     pid = tl.program_id(0)
-    d = tl.arange(0, HEAD_DIM)
     for i in tl.range(pid, n_tiles, tl.num_programs(0)):  # this program's tiles: pid, pid + P, ...
         tile = tl.load(TileOrder + i)
         bh, m_block = tile // n_m_blocks, tile % n_m_blocks
         b, h = bh // q_heads, bh % q_heads
         kv_bh = (b * kv_heads + h // (q_heads // kv_heads)).to(tl.int64)  # GQA: this head's K/V slab
-        Q_t = Q + bh.to(tl.int64) * q_len * HEAD_DIM
-        O_t = O + bh.to(tl.int64) * q_len * HEAD_DIM
-        K_t = K + kv_bh * kv_len * HEAD_DIM
-        V_t = V + kv_bh * kv_len * HEAD_DIM
-        rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        in_m = rows < q_len
-        q = tl.load(Q_t + rows[:, None] * HEAD_DIM + d[None, :], mask=in_m[:, None], other=0.0)
-
-        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-        l = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        hi = kv_len
-        if CAUSAL:  # no key past the block's last row (Exercise 4.5)
-            hi = tl.minimum(kv_len, (m_block + 1) * BLOCK_M + (kv_len - q_len))
-        for start_n in tl.range(0, hi, BLOCK_N, num_stages=NUM_STAGES):  # loads NUM_STAGES - 1 blocks ahead
-            cols = start_n + tl.arange(0, BLOCK_N)
-            k = tl.load(K_t + cols[:, None] * HEAD_DIM + d[None, :], mask=cols[:, None] < kv_len, other=0.0)
-            v = tl.load(V_t + cols[:, None] * HEAD_DIM + d[None, :], mask=cols[:, None] < kv_len, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-            visible = cols[None, :] < kv_len
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= rows[:, None] + (kv_len - q_len))
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
-            l = alpha * l + tl.sum(p, axis=1)
-            acc = alpha[:, None] * acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m = m_new
-
-        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-        tl.store(O_t + rows[:, None] * HEAD_DIM + d[None, :], out.to(O.dtype.element_ty), mask=in_m[:, None])
-        tl.store(LSE + bh.to(tl.int64) * q_len + rows, m + tl.log(l), mask=in_m)
+        _q_block(Q + bh.to(tl.int64) * q_len * HEAD_DIM, K + kv_bh * kv_len * HEAD_DIM,
+                 V + kv_bh * kv_len * HEAD_DIM, O + bh.to(tl.int64) * q_len * HEAD_DIM, LSE + bh.to(tl.int64) * q_len,
+                 m_block, q_len, kv_len, scale, HEAD_DIM, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, NUM_STAGES)
         tl.store(Owner + tile, pid)
 
 
