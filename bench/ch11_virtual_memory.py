@@ -43,6 +43,10 @@ Rows (``params``: kind, batch, context, q_heads, kv_heads, head_dim, dtype, page
                         median ``triton.testing.do_bench`` time (cold L2), one row per peer
 ``TFLOPs``              prefill: `minillm.costs.attention_head_flops` · q_heads · B / time
 ``bandwidth_TBps``      decode: `minillm.costs.decode_attention_bytes` / time, fraction of copy
+``graph_time_ms``       decode: per call, replaying a CUDA graph of `GRAPH_REPEATS` calls that take
+                        turns over copies of the caches (`graph_copies`), as an engine's decode step
+                        runs; ours with its default loads (inside a capture: bulk copies on sm_90),
+                        peers ``paged_flash_decoding`` and ``pointer_loads``
 ``rel_err``             ours against ``paged_flash_decoding`` / ``paged_prefill`` (fp32 norms)
 ``mapped_bytes``        physical bytes behind the cache; ``wasted_bytes``: of which no token
 ``host_step_us``        host time per decode step (median over ``STEPS`` steps)
@@ -52,22 +56,25 @@ Rows (``params``: kind, batch, context, q_heads, kv_heads, head_dim, dtype, page
 - **engine** (kind ``engine``): the engine of Chapter 9 on its own workload
   (`bench.ch09_engine`: the random-weight ``llama-280m`` in bf16, prompts and outputs of
   32-512 tokens, 64 requests at once, CUDA graphs for every step), once with
-  ``kv_cache="paged"`` and once with ``kv_cache="virtual"`` (`minillm.vmm.manager`), one
-  after the other in this process. Each engine first runs the warm-up workload of Chapter 9
-  (compiles, captures, and in virtual mode maps the pages of the slots it uses), then
-  ``ENGINE_REPEATS`` timed runs of ``ENGINE_REQUESTS`` requests. The paged engine keeps
-  Chapter 9's settings (prefix caching on: random prompts share nothing); the virtual one has
-  no prefix cache.
+  ``kv_cache="paged"`` and once with ``kv_cache="virtual"`` (`minillm.vmm.manager`), both
+  alive in this process over one copy of the weights. Each engine first runs the warm-up
+  workload of Chapter 9 (compiles, captures, and in virtual mode maps the pages of the slots
+  it uses); then the two take turns at ``ENGINE_REPEATS`` timed runs each of
+  ``ENGINE_REQUESTS`` requests, a new workload (seed) each round, the same for both modes.
+  The paged engine keeps Chapter 9's settings (prefix caching on: random prompts share
+  nothing, and no round repeats an earlier one's prompts); the virtual one has no prefix cache.
 
 Rows of the engine part (``params``: kind "engine", mode, model, dtype, num_requests,
 concurrency, prompt_len, output_len, max_num_batched_tokens, repeats; virtual rows add
 page_bytes and slot_tokens):
 
 ==========================  ===================================================================
-``output_tokens_per_s``     mean of the timed runs; mode virtual: ours, peer ``paged`` (ratio =
+``output_tokens_per_s``     median of the timed runs; mode virtual: ours, peer ``paged`` (ratio =
                             virtual / paged); mode paged: the paged engine alone
 ``decode_step_ms``          median wall time of a full (64-sequence) pure-decode step, as above
 ``elapsed_s``, ``steps``    of the timed runs (mean), as above
+``prompt_steps_s``          wall time of the steps that computed prompt tokens (mean per run);
+                            ``decode_steps_s`` of the others, as above
 ``map_calls``               (tensor, page) mappings during the timed runs (mean per run);
                             ``map_calls_per_step`` the same per engine step;
                             ``map_calls_warmup`` during the warm-up run; ``map_ms`` host time
@@ -99,7 +106,7 @@ from minillm.kernels.ch07_flash_decoding import flash_decode_attention
 
 from bench.common import (
     Results, attempt, cuda_device, dtype_name, fraction, free_memory, paged_cache, rel_err, sequence_kv, sweep_start,
-    interleaved_times, time_sdpa,
+    graph_time_ms, interleaved_times, time_sdpa,
 )
 
 BENCHMARK = "ch11_virtual_memory"
@@ -111,6 +118,12 @@ DTYPE = torch.bfloat16
 MAX_PREFILL_TOKENS = 262_144
 STEPS = 64
 MAP_PAGES = 256
+#: Calls captured per CUDA graph by the ``graph_time_ms`` rows (their times are per call).
+GRAPH_REPEATS = 20
+#: The graph rows take turns over this many copies of the caches at most: enough that together
+#: they outsize the L2 twice, so that a replay reads K and V from HBM as a model's decode step
+#: (whose other layers evict them) does.
+GRAPH_MAX_COPIES = 4
 SEED = 11
 WARMUP_MS, REP_MS = 25, 100
 
@@ -123,7 +136,12 @@ def budget_s() -> float:
 #: The parts in run order (`run`); ``MINILLM_CH11_PARTS`` selects some.
 PARTS = ("kernels", "engine")
 ENGINE_REQUESTS = int(os.environ.get("MINILLM_CH11_ENGINE_REQUESTS", 128))
-ENGINE_REPEATS = 2
+#: Timed runs per mode. One run of 128 requests takes 1-2 s on an H100 and single runs of the
+#: same engine spread by up to 20 % (host time: 26.0k and 21.6k tok/s in one run of this
+#: benchmark), so the rows take the median of several.
+ENGINE_REPEATS = 6
+#: The engine part's modes, in the order their timed runs take turns.
+ENGINE_MODES = ("paged", "virtual")
 
 
 def selected_parts(spec: str | None = None) -> tuple[str, ...]:
@@ -250,6 +268,9 @@ def _point(results, device, gen, batch, context, q_heads, kv_heads, head_dim, bl
         k_torch, v_torch = k_virt[:, :context].clone(), v_virt[:, :context].clone()  # ordinary memory
         _decode(results, {**base, "kind": "decode"}, device, gen, batch, context, q_heads, kv_heads, head_dim, dtype,
                 k_virt, v_virt, k_torch, v_torch, k_pool, v_pool, tables, ceilings.get("copy_TBps"), timer)
+        if device.type == "cuda":
+            _decode_graph(results, {**base, "kind": "decode"}, device, gen, batch, context, q_heads, kv_heads,
+                          head_dim, dtype, capacity, k_virt, v_virt, k_pool, v_pool, tables, timer)
         if batch * context <= MAX_PREFILL_TOKENS:
             _prefill(results, {**base, "kind": "prefill"}, device, gen, batch, context, q_heads, head_dim, dtype,
                      k_virt, v_virt, k_torch, v_torch, k_pool, v_pool, tables, ceilings.get("bf16_matmul_TFLOPs"),
@@ -344,6 +365,65 @@ def _decode(results, params, device, gen, batch, context, q_heads, kv_heads, hea
         note="against paged_flash_decoding on the same tokens")
 
 
+def graph_copies(n_bytes: int, device) -> int:
+    """Copies of an ``n_bytes`` cache the graph rows take turns over (`GRAPH_MAX_COPIES`)."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return max(1, min(GRAPH_MAX_COPIES, -(-2 * l2 // max(1, n_bytes))))
+
+
+def _decode_graph(results, params, device, gen, batch, context, q_heads, kv_heads, head_dim, dtype, capacity,
+                  k_virt, v_virt, k_pool, v_pool, tables, timer):
+    """``graph_time_ms`` rows: the decode calls replayed from a CUDA graph, as an engine's
+    decode step runs them (no host time per call). Ours with its default loads, which inside a
+    capture are bulk copies on sm_90 (Chapter 7's ``TMA_ON_HOPPER = "captured"``), and with
+    pointer loads forced; the peer, the paged kernel on the pool. Small caches are copied
+    (`graph_copies`) into a second virtual cache and more pools, and the calls take turns."""
+    from minillm.vmm import VirtualKVCache
+
+    add = lambda *a, **kw: results.add(BENCHMARK, params, *a, **kw)  # noqa: E731
+    copies = graph_copies(2 * batch * context * kv_heads * head_dim * dtype.itemsize, device)
+    extra = (VirtualKVCache(1, kv_heads, head_dim, batch * (copies - 1), capacity, dtype=dtype, device=device)
+             if copies > 1 else None)
+    virtual, pools = [(k_virt, v_virt)], [(k_pool, v_pool, tables)]
+    try:
+        for c in range(copies - 1):
+            slots = [extra.admit((c, b), context) for b in range(batch)]
+            if slots != list(range(slots[0], slots[0] + batch)):
+                raise RuntimeError(f"copy {c}: slots {slots} are not one run")
+            rows = slice(slots[0], slots[0] + batch)
+            extra.k[0][rows, :context].copy_(k_virt[:, :context])
+            extra.v[0][rows, :context].copy_(v_virt[:, :context])
+            virtual.append((extra.k[0][rows], extra.v[0][rows]))
+            pools.append((k_pool.clone(), v_pool.clone(), tables))
+        q = torch.randn(batch, q_heads, head_dim, device=device, dtype=dtype, generator=gen)
+        lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        out = torch.empty(batch, q_heads, head_dim, device=device, dtype=dtype)
+        lse = torch.empty(batch, q_heads, device=device, dtype=torch.float32)
+
+        def on_virtual(config):
+            fns = []
+            for k, v in virtual:
+                (kp, one_block), (vp, _) = contiguous_as_paged(k), contiguous_as_paged(v)
+                fns.append(lambda kp=kp, vp=vp, t=one_block: flash_decode_attention(
+                    q, kp, vp, t, lens, max_seq_len=context, out=out, lse=lse, config=config))
+            return fns
+
+        on_pool = [lambda kp=kp, vp=vp, t=t: flash_decode_attention(q, kp, vp, t, lens, max_seq_len=context, out=out,
+                                                                     lse=lse) for kp, vp, t in pools]
+        ms = {name: graph_time_ms(fns, GRAPH_REPEATS, timer) for name, fns in (
+            ("ours", on_virtual(None)), ("paged_flash_decoding", on_pool), ("pointer_loads", on_virtual({"TMA": False})))}
+        note = (f"per call, replaying a CUDA graph of {GRAPH_REPEATS} calls over {copies} cop"
+                f"{'y' if copies == 1 else 'ies'} of the caches; ours: the default loads (bulk copies when captured "
+                "on sm_90)")
+        for peer in ("paged_flash_decoding", "pointer_loads"):
+            add("graph_time_ms", ms["ours"], peer=peer, peer_value=ms[peer], note=note)
+    finally:
+        del virtual, pools
+        torch.cuda.synchronize(device)
+        if extra is not None:
+            extra.close()
+
+
 def _prefill(results, params, device, gen, batch, context, q_heads, head_dim, dtype, k_virt, v_virt, k_torch,
              v_torch, k_pool, v_pool, tables, matmul_tflops, timer):
     add = lambda *a, **kw: results.add(BENCHMARK, params, *a, **kw)  # noqa: E731
@@ -394,8 +474,11 @@ def engine_part(results: Results, device, num_requests: int = ENGINE_REQUESTS, r
     path = eb.build_random_llama(w["preset"], dtype=w["dtype"], device=str(torch.device(device).type))
     model, mconfig = load_model(path, device=device, dtype=w["dtype"])
     tokenizer, _ = load_tokenizer(path)
-    workload = eb.make_workload(eb.WorkloadSpec(num_requests, w["prompt_len"], w["output_len"], seed=0),
-                                mconfig.vocab_size)
+    # A new workload each round (both modes run the same one): the paged engine's prefix cache
+    # would otherwise find every prompt of a repeated workload cached by the previous round,
+    # and skip its prefill (measured: its prompt steps fell from 2,048 tokens to ~80).
+    workloads = [eb.make_workload(eb.WorkloadSpec(num_requests, w["prompt_len"], w["output_len"], seed=i),
+                                  mconfig.vocab_size) for i in range(repeats)]
     # Chapter 9's warm-up workload: one batch of short outputs (compile, capture, map)
     warm_out = (w["output_len"][0], max(w["output_len"][0], 64))
     warmup = eb.make_workload(eb.WorkloadSpec(w["concurrency"], w["prompt_len"], warm_out, seed=1000),
@@ -406,39 +489,55 @@ def engine_part(results: Results, device, num_requests: int = ENGINE_REQUESTS, r
             "concurrency": w["concurrency"], "prompt_len": f"{w['prompt_len'][0]}-{w['prompt_len'][1]}",
             "output_len": f"{w['output_len'][0]}-{w['output_len'][1]}",
             "max_num_batched_tokens": w["engine"].max_num_batched_tokens, "repeats": repeats}
-    got: dict[str, dict] = {}
-    for mode in ("paged", "virtual"):
+    # Both engines live side by side (one copy of the weights) and their timed runs take turns,
+    # so that both see the same drift of clocks and host load.
+    # On a GPU an engine's KV budget is ``total · gpu_memory_utilization`` minus what is in use
+    # (`LLMEngine._pool_blocks`): the i-th engine built asks for i + 1 shares, so that each gets
+    # one share of the configured fraction.
+    share = w["engine"].gpu_memory_utilization / len(ENGINE_MODES)
+    engines: dict[str, dict] = {}
+    for i, mode in enumerate(ENGINE_MODES):
         t0 = time.perf_counter()
-        engine = eb.build_engine(path, model=model, tokenizer=tokenizer, config=w["engine"], kv_cache=mode)
+        engine = eb.build_engine(path, model=model, tokenizer=tokenizer, config=w["engine"], kv_cache=mode,
+                                 gpu_memory_utilization=(i + 1) * share)
         table = getattr(engine.manager, "table", None)
-        map_seconds = getattr(getattr(engine.cache, "backing", None), "map_seconds", [])  # CUDA only
         maps0 = table.map_calls if table is not None else 0
         eb.run_offline(engine, warmup, use_tqdm=False)
-        maps_warm = (table.map_calls - maps0) if table is not None else 0
-        setup = time.perf_counter() - t0
-        runs, maps, map_s, used = [], [], [], []
-        for _ in range(repeats):
+        engines[mode] = dict(engine=engine, table=table, setup=time.perf_counter() - t0,
+                             maps_warm=(table.map_calls - maps0) if table is not None else 0,
+                             map_seconds=getattr(getattr(engine.cache, "backing", None), "map_seconds", []),
+                             runs=[], maps=[], map_s=[], used=[], prompt_s=[], decode_s=[])
+    for workload in workloads:
+        for mode, e in engines.items():
+            engine, table = e["engine"], e["table"]
             m0 = table.map_calls if table is not None else 0
-            s0 = len(map_seconds)
-            r = eb.run_offline(engine, workload, mode=mode, use_tqdm=False)
-            runs.append(r)
+            s0 = len(e["map_seconds"])
+            e["runs"].append(eb.run_offline(engine, workload, mode=mode, use_tqdm=False))
             if table is not None:
-                maps.append(table.map_calls - m0)
-                map_s.append(sum(map_seconds[s0:]))
-            used.append(max((s.kv_tokens for s in engine.steps), default=0) * token_bytes)
+                e["maps"].append(table.map_calls - m0)
+                e["map_s"].append(sum(e["map_seconds"][s0:]))
+            e["used"].append(max((s.kv_tokens for s in engine.steps), default=0) * token_bytes)
+            with_prompt = [any(n > 1 for n in s.tokens.values()) for s in engine.steps]
+            e["prompt_s"].append(sum(s.end - s.start for s, p in zip(engine.steps, with_prompt) if p))
+            e["decode_s"].append(sum(s.end - s.start for s, p in zip(engine.steps, with_prompt) if not p))
+    got: dict[str, dict] = {}
+    for mode, e in engines.items():
+        engine, table, runs = e["engine"], e["table"], e["runs"]
         m = got[mode] = {
-            "output_tokens_per_s": statistics.mean(r.output_tokens_per_s for r in runs),
+            "output_tokens_per_s": statistics.median(r.output_tokens_per_s for r in runs),
             "runs_tokens_per_s": [r.output_tokens_per_s for r in runs],
             "decode_step_ms": statistics.median(r.decode_step_ms for r in runs if r.decode_step_ms is not None)
             if any(r.decode_step_ms is not None for r in runs) else None,
             "elapsed_s": statistics.mean(r.elapsed_s for r in runs),
             "steps": statistics.mean(r.steps for r in runs),
             "preemptions": sum(r.preemptions for r in runs),
-            "kv_used_bytes": max(used),
+            "kv_used_bytes": max(e["used"]),
+            "prompt_steps_s": statistics.mean(e["prompt_s"]),
+            "decode_steps_s": statistics.mean(e["decode_s"]),
         }
         if table is not None:
-            m.update(map_calls=statistics.mean(maps), map_calls_warmup=maps_warm,
-                     map_ms=statistics.mean(map_s) * 1e3, kv_mapped_bytes=table.mapped_bytes(),
+            m.update(map_calls=statistics.mean(e["maps"]), map_calls_warmup=e["maps_warm"],
+                     map_ms=statistics.mean(e["map_s"]) * 1e3, kv_mapped_bytes=table.mapped_bytes(),
                      page_bytes=table.geometry.page_bytes, slot_tokens=engine.manager.capacity)
             m["map_calls_per_step"] = m["map_calls"] / m["steps"] if m["steps"] else None
         else:
@@ -446,12 +545,13 @@ def engine_part(results: Results, device, num_requests: int = ENGINE_REQUESTS, r
         print(f"  [{BENCHMARK}] engine {mode}: {m['output_tokens_per_s']:,.0f} output tok/s "
               f"(runs {', '.join(f'{x:,.0f}' for x in m['runs_tokens_per_s'])}), decode step "
               f"{m['decode_step_ms'] or float('nan'):.2f} ms, {m.get('map_calls', 0):g} maps per run "
-              f"({maps_warm} in the warm-up), {m['preemptions']} preemptions; setup + warm-up {setup:.1f} s",
+              f"({e['maps_warm']} in the warm-up), {m['preemptions']} preemptions; setup + warm-up {e['setup']:.1f} s",
               flush=True)
-        if table is not None:
-            engine.cache.close()
-        del engine
-        free_memory()
+    for e in engines.values():
+        if e["table"] is not None:
+            e["engine"].cache.close()
+    del engines, engine
+    free_memory()
 
     paged, virt = got["paged"], got["virtual"]
     vparams = {**base, "mode": "virtual", "page_bytes": virt["page_bytes"], "slot_tokens": virt["slot_tokens"]}
@@ -460,7 +560,7 @@ def engine_part(results: Results, device, num_requests: int = ENGINE_REQUESTS, r
     results.add(BENCHMARK, vparams, "output_tokens_per_s", virt["output_tokens_per_s"], "paged",
                 paged["output_tokens_per_s"], note=f"{runs_note(virt)}; paged {runs_note(paged)}")
     results.add(BENCHMARK, pparams, "output_tokens_per_s", paged["output_tokens_per_s"], note=runs_note(paged))
-    for metric in ("decode_step_ms", "elapsed_s"):
+    for metric in ("decode_step_ms", "elapsed_s", "prompt_steps_s", "decode_steps_s"):
         results.add(BENCHMARK, vparams, metric, virt[metric], "paged", paged[metric])
     results.add(BENCHMARK, vparams, "steps", virt["steps"], "paged", paged["steps"], better="lower")
     results.add(BENCHMARK, vparams, "preemptions", virt["preemptions"], "paged", paged["preemptions"], better="lower")

@@ -472,16 +472,19 @@ def _merge_if_last(O_b, LSE_b, Out_b, OutLse_b, counter, h0, group_size, num_spl
 #: Stages: 2 and 3 tie at small points; 2 lost 5-10 % at some (batch 8 x 8, S = 8), so 3.
 SPLIT_WARPS, SPLIT_STAGES = 4, 3
 #: Bulk (TMA) loads of whole K/V tiles on sm_90 where the pool allows them (`tma_applies`),
-#: by default? ``config={"TMA": True}`` asks for them in one call. Off: measured on an H100
-#: (bf16, head dim 128, one block per sequence, `bench.ch07_tune_flash_decoding hopper2` and
-#: the benchmark's ``loads`` rows), they save GPU time only where a call is short (CUDA-graph
-#: times over 4 copies of the cache: 14.9 -> 14.0 us at batch 1 x 8 KV heads x 4k, 31.0 ->
-#: 29.7 us at 1 x 32 x 4k, 52.4 -> 51.9 at 8 x 8 x 4k) and nothing where bandwidth decides
-#: (1 x 8 x 32k: 54.0 -> 53.6 us; 8 x 8 x 32k: 354.8 -> 355.0 us), while every eager call pays
-#: 20-50 us more of host time (the launcher encodes both descriptors at each launch), more
-#: than the GPU time they save. A 16-token paged pool cannot use them at all (a tile is 8
-#: blocks, not one box).
-TMA_ON_HOPPER = False
+#: by default? ``"captured"``: when the launch is being captured into a CUDA graph, pointer
+#: loads otherwise (True/False: always/never; ``config={"TMA": ...}`` decides one call).
+#: Measured on an H100 (bf16, head dim 128, one block per sequence, `bench.ch07_tune_flash_decoding
+#: hopper2` and the benchmark's ``loads`` rows), bulk copies save GPU time where a call is
+#: short (CUDA-graph times over 4 copies of the cache: 14.9 -> 14.0 us at batch 1 x 8 KV
+#: heads x 4k, 31.0 -> 29.7 us at 1 x 32 x 4k, 52.4 -> 51.9 at 8 x 8 x 4k) and nothing where
+#: bandwidth decides (1 x 8 x 32k: 54.0 -> 53.6 us; 8 x 8 x 32k: 354.8 -> 355.0 us). Their
+#: price is host time: Triton's launcher encodes both descriptors at every launch, 20-50 us
+#: of CPU per eager call, more than the GPU time saved. A graph pays it once, at capture (the
+#: encoded ``CUtensorMap`` is a kernel parameter, kept by value), and an engine's decode step
+#: is a graph: there the saving is free. A 16-token paged pool cannot use them at all (a tile
+#: is 8 blocks, not one box).
+TMA_ON_HOPPER = "captured"
 #: The eviction policy of stage 1's pointer loads of K and V (``""``: the default policy;
 #: ``"evict_first"``: K/V are read once per step, let them leave L2 first). None: on the H100
 #: ``evict_first`` changed no point of the benchmark's ``loads`` rows by more than 0.8 %
@@ -493,7 +496,7 @@ KV_EVICT = ""
 #: (compile the in-kernel exact fallback; False is for measuring its cost only: a split
 #: outside the window is then wrong).
 _STAGE1_DEFAULTS = dict(num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES, ASYNC_LANES=False, FALLBACK=True,
-                        TMA=TMA_ON_HOPPER, KV_EVICT=KV_EVICT)
+                        TMA=False, KV_EVICT=KV_EVICT)
 
 #: Merge the splits inside stage 1 (its last program per (sequence, KV head); one launch) by
 #: default, instead of in a second launch (`reduce_splits`): `_merge_if_last`.
@@ -831,6 +834,9 @@ def split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_par
     config = tuple(sorted(config.items())) if config else ()
     meta = _stage1_meta(head_dim, q.dtype, q_heads // kv_heads, block_size, block_n, tile_in_block, phi is not None,
                         track, fused, num_splits, config)
+    if meta["BLOCKS_PER_TILE"] == 1 and "TMA" not in dict(config) and _tma_by_default(q):
+        meta = _stage1_meta(head_dim, q.dtype, q_heads // kv_heads, block_size, block_n, tile_in_block,
+                            phi is not None, track, fused, num_splits, (*config, ("TMA", True)))
     descriptors = None
     if meta["TMA"]:
         descriptors = kv_descriptors(k_cache, v_cache, block_n, meta["BLOCK_D"])
@@ -876,6 +882,14 @@ def tma_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int, bloc
                 or (t.stride(0) * elem) % 16 or (t.stride(1) * elem) % 16):
             return False
     return max(num_blocks + 1, block_size, kv_heads * head_dim) < 2**31
+
+
+def _tma_by_default(q: torch.Tensor) -> bool:
+    """Whether a call whose ``config`` does not say takes bulk loads (`TMA_ON_HOPPER`; the
+    pool's own conditions are `tma_applies`'s, checked after)."""
+    if TMA_ON_HOPPER != "captured":
+        return bool(TMA_ON_HOPPER)
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 @functools.lru_cache(maxsize=None)

@@ -633,6 +633,49 @@ def test_tma_applies_only_where_one_box_is_a_tile(device, gen):
     assert_close(out, want_out, dtype, "out (general tile path, TMA asked)")
 
 
+
+def test_default_loads_bulk_only_when_captured(device, gen, seed, monkeypatch):
+    """``TMA_ON_HOPPER = "captured"``: a call that does not choose asks for descriptors only while
+    its launch is captured into a CUDA graph (sm_90), never eagerly; the captured call, replayed,
+    gives the eager call's answer on a contiguous cache."""
+    import minillm.kernels.ch07_flash_decoding as fd
+
+    dtype = torch.float16
+    asked = []
+    real = fd.kv_descriptors
+    monkeypatch.setattr(fd, "kv_descriptors", lambda *a, **kw: asked.append(1) or real(*a, **kw))
+    batch, capacity, q_heads, kv_heads, head_dim = 2, 4 * BLOCK_N, 8, 2, 32
+    k = random_tensor((batch, capacity, kv_heads, head_dim), dtype, device, gen)
+    v = random_tensor((batch, capacity, kv_heads, head_dim), dtype, device, gen)
+    k_pool, tables = contiguous_as_paged(k)
+    v_pool, _ = contiguous_as_paged(v)
+    q = random_tensor((batch, q_heads, head_dim), dtype, device, gen)
+    seq_lens = torch.tensor([capacity - 3, BLOCK_N + 5], dtype=torch.int32, device=device)
+    want_out, want_lse = flash_decode_attention(q, k_pool, v_pool, tables, seq_lens, num_splits=2, block_n=BLOCK_N)
+    assert fd.TMA_ON_HOPPER == "captured" and not asked   # eager: pointer loads, no descriptor
+    if torch.device(device).type != "cuda":
+        return
+    out = torch.empty_like(want_out)
+    lse = torch.empty_like(want_lse)
+
+    def step():
+        flash_decode_attention(q, k_pool, v_pool, tables, seq_lens, num_splits=2, block_n=BLOCK_N, out=out, lse=lse)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile and allocate outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bool(asked) == (torch.cuda.get_device_capability(device) == (9, 0))
+    assert_close(out, to_numpy(want_out), dtype, "out (captured)", seed)
+    assert_close(lse, to_numpy(want_lse), dtype, "lse (captured)", seed)
+
 # ----------------------------------------------------------------------------------------
 # The benchmark's bookkeeping (no timing: a stand-in timer, tiny shapes, the interpreter)
 # ----------------------------------------------------------------------------------------

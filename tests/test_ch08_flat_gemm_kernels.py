@@ -209,6 +209,9 @@ def test_dispatch_table_roundtrip_and_fallback(tmp_path):
     assert back.thresholds(11008, 4096) == (4, 128)
     assert back.thresholds(512, 256) == (2, 16)
     assert back.thresholds(1, 1) == (2, 16)
+    assert back.thresholds(4096, 11008) == (4, 128), "a second lookup (remembered) gives the same"
+    back.entries[(4096, 11264)] = (6, 64)  # a nearer shape added later: the lookup sees it
+    assert back.thresholds(4096, 11008) == (6, 64)
     assert DispatchTable().thresholds(4096, 4096) == DEFAULT_THRESHOLDS
     assert DispatchTable.from_dict({**data, "shapes": []}).thresholds(5, 5) == (3, 30), "no shapes: the default"
     with pytest.raises(ValueError):
