@@ -392,12 +392,14 @@ def labelled(model):
     if fused is not None:
         kern = fused.k
 
-        class Labelled:  # the fused kernels, each in its range
+        class Labelled:  # the fused kernels, each in its range (the module's other names as they are)
             pass
         lk = Labelled()
-        for attr, label in (("add_rmsnorm", "norms"), ("rope_write_kv", "rotary"), ("silu_mul", "elementwise"),
-                            ("add_rmsnorm_gemv", "gemm"), ("silu_mul_gemv", "gemm"), ("decode_gemv", "gemm")):
+        for attr in kern.__all__:
             setattr(lk, attr, getattr(kern, attr))
+        for attr, label in (("add_rmsnorm", "norms"), ("rope_write_kv", "rotary"), ("silu_mul", "elementwise"),
+                            ("add_rmsnorm_gemv", "gemm"), ("silu_mul_gemv", "gemm"), ("decode_gemv", "gemm"),
+                            ("add_rmsnorm_gemv_rope", "gemm")):
             wrap(lk, attr, label)
         fused.k = lk
     try:

@@ -167,6 +167,7 @@ def _split_kernel(
     ASYNC: tl.constexpr, WINDOW_LO: tl.constexpr, WINDOW_HI: tl.constexpr, TRACK_FALLBACKS: tl.constexpr,
     ASYNC_LANES: tl.constexpr, FALLBACK: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program ``(b, kv_h, s)``: split ``s`` of sequence ``b``'s keys, for the ``group_size``
     query heads that read KV head ``kv_h``.
@@ -182,7 +183,14 @@ def _split_kernel(
     (`_async_split`: ``WINDOW_*``, ``ASYNC_LANES``, ``FALLBACK``, ``TRACK_FALLBACKS`` are its
     knobs, ``Fallbacks`` its optional output); ``FUSED_MERGE`` makes the last program of
     ``(b, kv_h)`` merge the partials into ``Out``/``OutLse`` (`_merge_if_last`, with the
-    arrival counter at ``Counters[b, kv_h]``)."""
+    arrival counter at ``Counters[b, kv_h]``).
+
+    ``PDL`` (Chapter 10's fused decode step on Hopper): launched as a programmatic dependent
+    launch, the program waits for the kernel before it (which wrote q and the new token's K/V)
+    before it reads anything, then lets the kernel after it launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b, kv_h, split = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
     num_splits = tl.num_programs(2)
 
@@ -695,7 +703,7 @@ def flash_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_n: int | None = None, tile_in_block: bool | None = None,
                            workspace: tuple[torch.Tensor, ...] | None = None,
                            fallbacks: torch.Tensor | None = None, config: dict | None = None,
-                           fused_merge: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           fused_merge: bool | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one new query per sequence over its paged K/V cache, each sequence split
     over ``num_splits`` programs per KV head (flash-decoding).
 
@@ -740,7 +748,9 @@ def flash_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     - ``fallbacks``: int32 ``[batch, kv_heads, num_splits]``, written with 1 where a program
       of the asynchronized softmax fell back to the exact loop, else 0 (needs ``phi``);
     - ``config``: overrides of stage 1's launch options (`_STAGE1_DEFAULTS`: warps, stages,
-      ``ASYNC_LANES``, ``FALLBACK``).
+      ``ASYNC_LANES``, ``FALLBACK``);
+    - ``pdl``: launch stage 1 as a programmatic dependent launch (`split_attention`; Hopper
+      only, for callers whose kernels before and after chain that way, as Chapter 10's).
     """
     dims, num_splits, block_n = _plan(q, k_cache, v_cache, block_tables, seq_lens, num_splits, max_seq_len, block_n)
     batch, (q_heads, head_dim) = q.shape[0], q.shape[1:]
@@ -749,7 +759,7 @@ def flash_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out, lse
     if num_splits == 1:  # nothing to merge: stage 1 writes the final output (split stride 0)
         split_attention(q, k_cache, v_cache, block_tables, seq_lens, out[:, :, None], lse[:, :, None], scale,
-                        phi, block_n, tile_in_block, fallbacks, dims, config)
+                        phi, block_n, tile_in_block, fallbacks, dims, config, pdl=pdl)
         return out, lse
     if workspace is None:
         workspace = _cached_workspace(batch, q_heads, num_splits, head_dim, q.device)
@@ -759,10 +769,10 @@ def flash_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if FUSED_MERGE if fused_merge is None else fused_merge:
         counters = workspace[2] if len(workspace) > 2 else _cached_counters(batch, q_heads, q.device)
         split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale, phi, block_n,
-                        tile_in_block, fallbacks, dims, config, merge_into=(out, lse, counters))
+                        tile_in_block, fallbacks, dims, config, merge_into=(out, lse, counters), pdl=pdl)
     else:
         split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale, phi, block_n,
-                        tile_in_block, fallbacks, dims, config)
+                        tile_in_block, fallbacks, dims, config, pdl=pdl)
         reduce_splits(o_part, lse_part, out, lse)
     return out, lse
 
@@ -787,7 +797,8 @@ def _plan(q, k_cache, v_cache, block_tables, seq_lens, num_splits, max_seq_len, 
 
 
 def split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale=None, phi=None,
-                    block_n=None, tile_in_block=None, fallbacks=None, dims=None, config=None, merge_into=None):
+                    block_n=None, tile_in_block=None, fallbacks=None, dims=None, config=None, merge_into=None,
+                    pdl=False):
     """Stage 1: write the partials of ``S = o_part.shape[2]`` splits per sequence, and with
     ``merge_into = (out, lse, counters)`` also merge them in the same launch (``FUSED_MERGE``:
     the last program of each (sequence, KV head) writes ``out``/``lse`` of its query heads;
@@ -796,7 +807,9 @@ def split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_par
     ``o_part: [batch, q_heads, S, head_dim]`` (fp32 workspace, or the final output viewed
     with a split axis of 1), ``lse_part: [batch, q_heads, S]`` fp32; any strides. ``dims``:
     `check_paged`'s answer when the caller already checked the inputs (a launch is a few
-    microseconds of Python; checking twice would add to it)."""
+    microseconds of Python; checking twice would add to it). ``pdl``: launch as a
+    programmatic dependent launch (`_split_kernel`'s ``PDL``); only on a GPU that has them
+    (`minillm.kernels.ch10_fused_decode.pdl_enabled`)."""
     batch = q.shape[0]
     num_blocks, block_size, kv_heads, head_dim, q_heads = dims or check_paged(q, k_cache, v_cache, block_tables,
                                                                                seq_lens, batch)
@@ -849,8 +862,8 @@ def split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_par
             *o_part.stride(), *lse_part.stride(), *flag_strides, *out_strides, *lse_strides, *counter_strides,
             q_heads // kv_heads, block_size, num_blocks, block_tables.shape[1], scale * LOG2E,
             0.0 if phi is None else phi * LOG2E)
-    if descriptors is None:
-        return launch(_split_kernel, (batch, kv_heads, num_splits), *args, **meta)
+    if pdl:  # the kernel's PDL switch and the launch attribute go together
+        meta = {**meta, "PDL": True, "launch_pdl": True}
     return launch(_split_kernel, (batch, kv_heads, num_splits), *args, **meta)
 
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 import math
 
 from minillm.kernels.ch08_flat_gemm import TileConfig
-from minillm.kernels.ch10_fused_decode import (add_rmsnorm, add_rmsnorm_gemv, decode_gemv, rope_write_kv, silu_mul,
-                                               silu_mul_gemv)
+from minillm.kernels.ch10_fused_decode import (add_rmsnorm, add_rmsnorm_gemv, add_rmsnorm_gemv_rope, decode_gemv,
+                                               rope_write_kv, silu_mul, silu_mul_gemv)
 from minillm.model.torch_model import RMSNorm, apply_rope, rope_cos_sin
 from minillm.reference import ch10_fused_decode as ref
 from minillm.testing import (assert_close, default_device, fresh_seed, kernel_dtypes, poisoned, random_tensor,
@@ -271,6 +271,65 @@ def test_decode_gemv_matches_reference(dtype, M, N, K, split_k, rows, untuned):
     y = decode_gemv(x, w, b, config=gemv_config(M, split_k, rows))
     want = to_numpy(x) @ to_numpy(w).T + to_numpy(b)
     assert_close(y, want, dtype, "y", seed, atol=gemv_tol(dtype, K), rtol=gemv_tol(dtype, K))
+
+
+#: (M, H, Hkv, D, block_size, rows per program, BLOCK_N asked for): the CPU tile's 32 features
+#: fitted to the pairs (16 pairs; 4 at D = 24, whose half is 12; 2 at D = 4), a short last
+#: row tile, GQA and MHA.
+ROPE_GEMV_CASES = [(1, 4, 2, 16, 4, 1, 32), (3, 2, 2, 24, 3, 2, 32), (5, 6, 3, 4, 2, 4, 8), (2, 4, 1, 64, 16, 2, 4)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,H,Hkv,D,block_size,rows,block_n", ROPE_GEMV_CASES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rmsnorm_gemv_rope_equals_the_gemv_then_rope_write_kv(dtype, M, H, Hkv, D, block_size, rows, block_n,
+                                                                 with_residual, untuned):
+    """The q/k/v GEMV with the rotation and the cache write at its end: the rotated q and the
+    cache rows of the unfused pair (`add_rmsnorm_gemv`, then `rope_write_kv` on views of its
+    output) up to the order of the fp32 sums, and the NumPy references; a padding slot (-1)
+    writes nothing, every other cache row stays as it was."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    K = 40
+    x = random_tensor((M, K), dtype, DEVICE, gen)
+    r = random_tensor((M, K), dtype, DEVICE, gen) if with_residual else None
+    nw = random_tensor((K,), dtype, DEVICE, gen, scale=0.5) + 1
+    w, b = linear_weight((H + 2 * Hkv) * D, K, dtype, gen, with_bias=with_residual)
+    positions = torch.as_tensor(rng.integers(0, 4000, M), device=DEVICE)
+    cos, sin = rope_cos_sin(positions, D, 10000.0, dtype)
+    num_blocks = M + 2
+    slots = rng.permutation(num_blocks * block_size)[:M]
+    if M > 2:
+        slots[1] = -1
+    slot_mapping = torch.as_tensor(slots, device=DEVICE, dtype=torch.int64)
+    caches = [poisoned((num_blocks, block_size, Hkv, D), dtype, DEVICE) for _ in range(4)]
+    config = None if DEVICE.type == "cuda" else TileConfig(min(rows, M), block_n, 16, 4, 1, 2)  # split: refitted
+    q, new_r = add_rmsnorm_gemv_rope(x, r, nw, 1e-5, w, b, H, cos, sin, caches[0], caches[1], slot_mapping,
+                                     config=config)
+    qkv, want_r = add_rmsnorm_gemv(x, r, nw, 1e-5, w, b)
+    want_q = rope_write_kv(qkv[:, :H * D].view(M, H, D), qkv[:, H * D:(H + Hkv) * D].view(M, Hkv, D),
+                           qkv[:, (H + Hkv) * D:].view(M, Hkv, D), cos, sin, caches[2], caches[3], slot_mapping)
+    assert q.shape == (M, H, D)
+    tol = pair_tol(dtype, K)
+    torch.testing.assert_close(q, want_q, atol=tol, rtol=tol, msg=lambda m: f"q (seed {seed}): {m}")
+    assert torch.equal(new_r, want_r), f"the residual (seed {seed})"
+    written = [s for s in slots if s >= 0]
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[written] = False
+    for got, want, name in ((caches[0], caches[2], "k"), (caches[1], caches[3], "v")):
+        got, want = got.view(-1, Hkv, D), want.view(-1, Hkv, D)
+        torch.testing.assert_close(got[written], want[written], atol=tol, rtol=tol,
+                                   msg=lambda m: f"{name} cache (seed {seed}): {m}")
+        assert torch.isnan(got[untouched.to(DEVICE)]).all(), f"{name}: a row outside the slots was written"
+    h, _ = ref.add_rmsnorm_linear(to_numpy(x), None if r is None else to_numpy(r), to_numpy(nw), 1e-5, to_numpy(w),
+                                  None if b is None else to_numpy(b))
+    ref_q, ref_k, _ = ref.rope_write_kv(h[:, :H * D].reshape(M, H, D), h[:, H * D:(H + Hkv) * D].reshape(M, Hkv, D),
+                                        h[:, (H + Hkv) * D:].reshape(M, Hkv, D), to_numpy(cos), to_numpy(sin),
+                                        to_numpy(caches[2]), to_numpy(caches[3]), slots)
+    assert_close(q, ref_q, dtype, "q", seed, atol=gemv_tol(dtype, K), rtol=gemv_tol(dtype, K))
+    assert_close(caches[0].view(-1, Hkv, D)[written], ref_k.reshape(-1, Hkv, D)[written], dtype, "k", seed,
+                 atol=gemv_tol(dtype, K), rtol=gemv_tol(dtype, K))
 
 
 def test_prologue_gemv_checks(untuned):

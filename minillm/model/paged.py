@@ -311,7 +311,7 @@ def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, 
 
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: PagedBatch,
                     scale: float | None = None, k: torch.Tensor | None = None,
-                    v: torch.Tensor | None = None) -> torch.Tensor:
+                    v: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Each new query attends over its own sequence's pages, causally: ``q [total, q_heads,
     head_dim] -> [total, q_heads, head_dim]``.
 
@@ -322,6 +322,9 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: Pag
     ``k, v [total, kv_heads, head_dim]``: the new tokens' K/V as `write_kv` got them
     (optional). A `PagedBatch.fresh_prefill` step on the kernels runs FlashAttention-2 varlen
     on them (when not given, they are read back from their slots: one gather each).
+
+    ``pdl``: a decode step's kernel is launched as a programmatic dependent launch (Chapter
+    10's fused step on Hopper, `minillm.kernels.ch10_fused_decode.pdl_enabled`).
     """
     k_cache, v_cache = cache.k[layer], cache.v[layer]
     kernels = cache.kernels
@@ -329,7 +332,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: Pag
         return paged_attention_torch(q, k_cache, v_cache, batch, scale)
     if batch.max_seqlen_q == 1:  # one new token per sequence: flash-decoding
         return kernels.flash_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale,
-                                              max_seq_len=batch.max_seq_len, phi=cache.softmax_phi)[0]
+                                              max_seq_len=batch.max_seq_len, phi=cache.softmax_phi, pdl=pdl)[0]
     if batch.fresh_prefill:  # nothing cached before the new tokens: plain varlen attention over them
         if k is None or v is None:
             k = k_cache.view(-1, *k_cache.shape[2:])[batch.slot_mapping]
