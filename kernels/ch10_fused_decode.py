@@ -593,6 +593,23 @@ def _gemv_plan(prologue: int, x: torch.Tensor, weight: torch.Tensor, has_bias: b
     return plan
 
 
+def _norm_residual_out(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                       residual_out: torch.Tensor | None) -> torch.Tensor:
+    """Check a norm prologue's operands and return the tensor its new residual goes to: ``x``
+    itself without a residual (the first layer), else ``residual_out`` or a new one."""
+    K = x.shape[-1]
+    if norm_weight.shape != (K,) or not norm_weight.is_contiguous():
+        raise ValueError(f"norm_weight {tuple(norm_weight.shape)} must be a contiguous [{K}]")
+    if residual is None:
+        return x
+    if residual.shape != x.shape or residual.stride(-1) != 1:
+        raise ValueError(f"residual {tuple(residual.shape)} must be {tuple(x.shape)}, contiguous rows")
+    r_out = torch.empty_like(x) if residual_out is None else residual_out
+    if r_out.data_ptr() in (x.data_ptr(), residual.data_ptr()):
+        raise ValueError("residual_out must not alias x or residual")
+    return r_out
+
+
 def _check_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, K: int) -> None:
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, *] with a contiguous last axis, got {tuple(x.shape)}")
@@ -724,16 +741,7 @@ def add_rmsnorm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     unfused pair's up to the order of the fp32 sums."""
     K = x.shape[-1]
     _check_gemv(x, weight, bias, K)
-    if norm_weight.shape != (K,) or not norm_weight.is_contiguous():
-        raise ValueError(f"norm_weight {tuple(norm_weight.shape)} must be a contiguous [{K}]")
-    if residual is None:
-        r_out = x
-    else:
-        if residual.shape != x.shape or residual.stride(-1) != 1:
-            raise ValueError(f"residual {tuple(residual.shape)} must be {tuple(x.shape)}, contiguous rows")
-        r_out = torch.empty_like(x) if residual_out is None else residual_out
-        if r_out.data_ptr() in (x.data_ptr(), residual.data_ptr()):
-            raise ValueError("residual_out must not alias x or residual")
+    r_out = _norm_residual_out(x, residual, norm_weight, residual_out)
     y = _prologue_gemv(PROLOGUE_ADD_RMSNORM, x, K, weight, bias, residual, norm_weight,
                        None if residual is None else r_out, eps, out, config)
     return y, r_out
@@ -879,16 +887,7 @@ def add_rmsnorm_gemv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_w
             raise ValueError(f"{name}: the last axis must be contiguous")
     if tuple(slot_mapping.shape) != (M,) or not slot_mapping.is_contiguous():
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must be a contiguous [{M}]")
-    if norm_weight.shape != (K,) or not norm_weight.is_contiguous():
-        raise ValueError(f"norm_weight {tuple(norm_weight.shape)} must be a contiguous [{K}]")
-    if residual is None:
-        r_out = x
-    else:
-        if residual.shape != x.shape or residual.stride(-1) != 1:
-            raise ValueError(f"residual {tuple(residual.shape)} must be {tuple(x.shape)}, contiguous rows")
-        r_out = torch.empty_like(x) if residual_out is None else residual_out
-        if r_out.data_ptr() in (x.data_ptr(), residual.data_ptr()):
-            raise ValueError("residual_out must not alias x or residual")
+    r_out = _norm_residual_out(x, residual, norm_weight, residual_out)
     q_out = torch.empty((M, num_heads, D), device=x.device, dtype=x.dtype) if q_out is None else q_out
     if q_out.shape != (M, num_heads, D) or q_out.stride(-1) != 1:
         raise ValueError(f"q_out {tuple(q_out.shape)} must be [{M}, {num_heads}, {D}], contiguous heads")
