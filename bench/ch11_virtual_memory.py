@@ -44,7 +44,7 @@ Rows (``params``: kind, batch, context, q_heads, kv_heads, head_dim, dtype, page
 ``TFLOPs``              prefill: `minillm.costs.attention_head_flops` · q_heads · B / time
 ``bandwidth_TBps``      decode: `minillm.costs.decode_attention_bytes` / time, fraction of copy
 ``graph_time_ms``       decode: per call, replaying a CUDA graph of `GRAPH_REPEATS` calls that take
-                        turns over copies of the caches (`graph_copies`), as an engine's decode step
+                        turns over copies of the caches (`l2_copies`), as an engine's decode step
                         runs; ours with its default loads (inside a capture: bulk copies on sm_90),
                         peers ``paged_flash_decoding`` and ``pointer_loads``
 ``rel_err``             ours against ``paged_flash_decoding`` / ``paged_prefill`` (fp32 norms)
@@ -100,6 +100,7 @@ from typing import Any, Callable
 import torch
 
 from minillm.costs import attention_head_flops, decode_attention_bytes
+from minillm.kernels.base import l2_copies
 from minillm.kernels.ch04_flash_attention import flash_attention
 from minillm.kernels.ch05_paged_attention import contiguous_as_paged, paged_decode_attention, paged_prefill_attention
 from minillm.kernels.ch07_flash_decoding import flash_decode_attention
@@ -365,23 +366,18 @@ def _decode(results, params, device, gen, batch, context, q_heads, kv_heads, hea
         note="against paged_flash_decoding on the same tokens")
 
 
-def graph_copies(n_bytes: int, device) -> int:
-    """Copies of an ``n_bytes`` cache the graph rows take turns over (`GRAPH_MAX_COPIES`)."""
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-    return max(1, min(GRAPH_MAX_COPIES, -(-2 * l2 // max(1, n_bytes))))
-
-
 def _decode_graph(results, params, device, gen, batch, context, q_heads, kv_heads, head_dim, dtype, capacity,
                   k_virt, v_virt, k_pool, v_pool, tables, timer):
     """``graph_time_ms`` rows: the decode calls replayed from a CUDA graph, as an engine's
     decode step runs them (no host time per call). Ours with its default loads, which inside a
     capture are bulk copies on sm_90 (Chapter 7's ``TMA_ON_HOPPER = "captured"``), and with
     pointer loads forced; the peer, the paged kernel on the pool. Small caches are copied
-    (`graph_copies`) into a second virtual cache and more pools, and the calls take turns."""
+    (`minillm.kernels.base.l2_copies`) into a second virtual cache and more pools, and the
+    calls take turns."""
     from minillm.vmm import VirtualKVCache
 
     add = lambda *a, **kw: results.add(BENCHMARK, params, *a, **kw)  # noqa: E731
-    copies = graph_copies(2 * batch * context * kv_heads * head_dim * dtype.itemsize, device)
+    copies = l2_copies(2 * batch * context * kv_heads * head_dim * dtype.itemsize, device, GRAPH_MAX_COPIES)
     extra = (VirtualKVCache(1, kv_heads, head_dim, batch * (copies - 1), capacity, dtype=dtype, device=device)
              if copies > 1 else None)
     virtual, pools = [(k_virt, v_virt)], [(k_pool, v_pool, tables)]

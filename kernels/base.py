@@ -33,7 +33,7 @@ import triton.language as tl  # noqa: E402
 
 __all__ = ["triton", "tl", "interpreting", "launch", "LOG2E", "LN2", "LOG2E_C", "LN2_C", "CPU_NUM_SMS", "block_d",
            "dot_precision", "scale_and_window", "num_sms", "head_dim_offsets", "online_softmax_update",
-           "capture_calls", "graph_ms_per_call"]
+           "capture_calls", "graph_ms_per_call", "l2_copies"]
 
 
 def interpreting() -> bool:
@@ -122,6 +122,14 @@ def capture_calls(fns: list, calls: int) -> "torch.cuda.CUDAGraph":
         for i in range(calls):
             fns[i % len(fns)]()
     return graph
+
+
+def l2_copies(n_bytes: int, device, most: int) -> int:
+    """How many copies of ``n_bytes`` of operands a graph timing should take turns over: enough
+    that together they outsize the L2 cache twice (so each call reads its operands from HBM, as
+    in a model whose other layers evict them), at least 1, at most ``most``."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return max(1, min(most, -(-2 * l2 // max(1, n_bytes))))
 
 
 def graph_ms_per_call(fns: list, calls: int, replays: int = 10) -> float:

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.kernels.base import graph_ms_per_call, head_dim_offsets, interpreting, launch, tl, triton
+from minillm.kernels.base import graph_ms_per_call, l2_copies, head_dim_offsets, interpreting, launch, tl, triton
 from minillm.kernels.ch08_flat_gemm import store_result
 
 __all__ = ["add_rmsnorm", "exponential_race", "race_uniforms", "rope_write_kv", "silu_mul", "add_rmsnorm_gemv",
@@ -702,9 +702,8 @@ def _prologue_config(prologue: int, x_view: torch.Tensor, weight: torch.Tensor, 
     key = (prologue, has_residual, x_view.dtype, rows, N, K, x_view.device, rope_half)
     cfg = PROLOGUE_CONFIGS.get(key)
     if cfg is None:
-        l2 = getattr(torch.cuda.get_device_properties(x_view.device), "L2_cache_size", 50 << 20)
-        nbytes = weight.numel() * weight.element_size()
-        copies = [weight] + [torch.empty_like(weight) for _ in range(min(15, -(-2 * l2 // nbytes) - 1))]
+        n_copies = l2_copies(weight.numel() * weight.element_size(), x_view.device, most=16)
+        copies = [weight] + [torch.empty_like(weight) for _ in range(n_copies - 1)]
         best = math.inf
         tried = set()
         for block_n, block_k, warps in PROLOGUE_GEMV_TILES:
