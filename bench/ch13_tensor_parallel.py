@@ -24,7 +24,9 @@ captured before the clock starts):
   submitted at once.
 - ``allreduce_us`` (kind ``allreduce``, TP=2): one all-reduce of a ``[tokens, 2048]`` bf16
   activation over NCCL, alone, for 1, ``CONCURRENCY`` and 2048 tokens
-  (`minillm.distributed.worker.time_all_reduce`: back-to-back calls between CUDA events);
+  (`minillm.distributed.worker.time_all_reduce`: back-to-back calls between CUDA events),
+  ``launch`` ``eager`` (each call launched from Python, as an eager step pays it) and ``graph``
+  (the calls replayed from one CUDA graph, as a captured step pays it);
   ``comm_ms_per_decode_step``: the 1-token time x (2 per layer + 1) all-reduces, the
   communication a single-sequence decode step cannot avoid, and ``plan_broadcast_us``: a
   command's broadcast from rank 0 over the gloo control group.
@@ -109,9 +111,12 @@ def run(results: Results, device) -> None:
             if world > 1:
                 from minillm.distributed.worker import noop, time_all_reduce
 
-                ar = engine.model.run_on_all_ranks(time_all_reduce, mconfig.hidden_size, ALLREDUCE_TOKENS,
-                                                   getattr(torch, DTYPE))
-                m["allreduce_us"] = ar
+                for how, in_graph in (("eager", False), ("graph", True)):
+                    m[f"allreduce_{how}_us"] = engine.model.run_on_all_ranks(
+                        time_all_reduce, mconfig.hidden_size, ALLREDUCE_TOKENS, getattr(torch, DTYPE),
+                        in_graph=in_graph)
+                # a step replayed from a graph pays the captured all-reduce's time, an eager step the eager one
+                ar = m["allreduce_graph_us" if mode == "cuda_graphs" else "allreduce_eager_us"]
                 m["comm_ms_per_decode_step"] = ar[1] * (2 * mconfig.num_hidden_layers + 1) / 1e3
                 times = []
                 for _ in range(50):
@@ -122,8 +127,10 @@ def run(results: Results, device) -> None:
             print(f"  [{BENCHMARK}] TP={world} ({m['runner']}; setup+warm-up {setup:.1f} s): decode "
                   f"{m['decode_ms_per_token']:.2f} ms/token, offline {r.output_tokens_per_s:,.0f} output tok/s "
                   f"({r.preemptions} preemptions, {r.num_kv_blocks} KV blocks)"
-                  + (f"; all-reduce {', '.join(f'{n} tok {us:.1f} us' for n, us in m['allreduce_us'].items())}; "
-                     f"plan broadcast {m['plan_broadcast_us']:.0f} us" if world > 1 else ""), flush=True)
+                  + "".join(f"; all-reduce ({how}) " + ", ".join(f"{n} tok {us:.1f} us" for n, us in m[key].items())
+                            for how, key in (("eager", "allreduce_eager_us"), ("in a graph", "allreduce_graph_us"))
+                            if key in m)
+                  + (f"; plan broadcast {m['plan_broadcast_us']:.0f} us" if world > 1 else ""), flush=True)
         finally:
             if hasattr(engine.model, "shutdown"):
                 engine.model.shutdown()
@@ -156,12 +163,16 @@ def _add_rows(results: Results, base: dict, world: int, measured: dict) -> None:
     results.add(BENCHMARK, off, "preemptions", r.preemptions, better="lower")
     results.add(BENCHMARK, off, "kv_pool_blocks", r.num_kv_blocks, better="higher",
                 note="each rank's pool holds its KV heads only: TP=2 fits twice the blocks in the same memory")
-    if "allreduce_us" in m:
-        for tokens, us in m["allreduce_us"].items():
-            results.add(BENCHMARK, {**params, "kind": "allreduce", "tokens": tokens}, "allreduce_us", us,
-                        note=f"one NCCL all-reduce of [{tokens}, hidden] {DTYPE}, alone, CUDA events")
+    if "allreduce_eager_us" in m:
+        for how, what in (("eager", "launched one by one"), ("graph", "replayed from one CUDA graph")):
+            for tokens, us in m[f"allreduce_{how}_us"].items():
+                results.add(BENCHMARK, {**params, "kind": "allreduce", "tokens": tokens, "launch": how},
+                            "allreduce_us", us, better="lower",
+                            note=f"one NCCL all-reduce of [{tokens}, hidden] {DTYPE}, alone, {what}, CUDA events")
         results.add(BENCHMARK, {**params, "kind": "allreduce", "tokens": 1}, "comm_ms_per_decode_step",
-                    m["comm_ms_per_decode_step"], better="lower", note="the 1-token all-reduce x (2 per layer + 1 for the embedding)")
+                    m["comm_ms_per_decode_step"], better="lower",
+                    note="the 1-token all-reduce (captured when the engine replays graphs) x (2 per layer + 1 "
+                         "for the embedding)")
         results.add(BENCHMARK, {**params, "kind": "allreduce"}, "plan_broadcast_us", m["plan_broadcast_us"],
                     note="a command's broadcast from rank 0 over the gloo control group (pickled, TCP)")
 
@@ -186,20 +197,22 @@ def summary(results: Results | dict) -> str:
     data = results.to_dict() if isinstance(results, Results) else results
     by_tp: dict = {}
     for r in select(data, BENCHMARK):
-        by_tp.setdefault(r["params"].get("tp"), {}).setdefault((r["params"]["kind"], r["metric"],
-                                                                r["params"].get("tokens"), r["params"].get("of")), r)
+        p = r["params"]
+        by_tp.setdefault(p.get("tp"), {}).setdefault((p["kind"], r["metric"], p.get("tokens"), p.get("of"),
+                                                      p.get("launch")), r)
     lines = [f"{'TP':<3} {'mode':<12} {'decode ms/tok':>13} {'out tok/s':>10} {'all-reduce 1 tok us':>20} "
-             f"{'comm ms/step':>12}"]
+             f"{'(in a graph)':>12} {'comm ms/step':>12}"]
     for tp in sorted(k for k in by_tp if k is not None):
         m = by_tp[tp]
-        val = lambda *key: (m.get(key) or {}).get("ours")  # noqa: E731
+        val = lambda *key, launch=None: (m.get((*key, launch)) or {}).get("ours")  # noqa: E731
         mode = next((r["params"].get("mode") for r in m.values()), "")
         lines.append(f"{tp:<3} {mode:<12} {_g(val('decode', 'decode_ms_per_token', None, None), '.2f'):>13} "
                      f"{_g(val('offline', 'output_tokens_per_s', None, None), ',.0f'):>10} "
-                     f"{_g(val('allreduce', 'allreduce_us', 1, None), '.1f'):>20} "
+                     f"{_g(val('allreduce', 'allreduce_us', 1, None, launch='eager'), '.1f'):>20} "
+                     f"{_g(val('allreduce', 'allreduce_us', 1, None, launch='graph'), '.1f'):>12} "
                      f"{_g(val('allreduce', 'comm_ms_per_decode_step', 1, None), '.3f'):>12}")
     two = by_tp.get(2, {})
-    eff = [(of, (two.get(("scaling", "scaling_efficiency", None, of)) or {}).get("ours"))
+    eff = [(of, (two.get(("scaling", "scaling_efficiency", None, of, None)) or {}).get("ours"))
            for of in ("decode_ms_per_token", "output_tokens_per_s")]
     lines.append("scaling efficiency (TP=2): " + ", ".join(f"{of} {_g(v, '.2f')}" for of, v in eff))
     return "\n".join(lines)

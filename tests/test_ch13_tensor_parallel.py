@@ -31,7 +31,7 @@ from minillm.distributed import (
     shard_state_dict, shutdown, vocab_shard,
 )
 from minillm.distributed.tp import rank_layer, split_range
-from minillm.distributed.worker import describe_rank
+from minillm.distributed.worker import describe_rank, time_all_reduce
 from minillm.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from minillm.model import ModelConfig, load_model
 from minillm.model.loader import NoTokenizer, load_state_dict
@@ -193,6 +193,9 @@ def test_qwen2_one_kv_head_two_ranks(tmp_path):
     ranks = tp.run_on_all_ranks(describe_rank)
     assert [(r["q_heads"], r["kv_heads"]) for r in ranks] == [(2, 1), (2, 1)]
     assert ranks[0]["shapes"]["model.layers.0.self_attn.k_proj.weight"] == (16, 64)
+    # The all-reduce timer the Chapter 13 benchmark runs on every rank: a time per token count.
+    times = tp.run_on_all_ranks(time_all_reduce, 64, (1, 5), torch.float32, calls=3, repeats=2)   # rank 0's
+    assert sorted(times) == [1, 5] and all(0 < us < 1e6 for us in times.values())
 
 
 def test_world_of_one_runs_the_same_code(tmp_path):
@@ -310,6 +313,8 @@ def compare_with_one_device(path, world: int, device: str, dtype: str) -> str:
                            EngineConfig(**config))
     else:
         engine = LLMEngine.from_pretrained(path, EngineConfig(tensor_parallel_size=world, **config))
+    if device == "cuda":   # the steps below replay every rank's captured graphs
+        assert engine.runner.cuda_graphs, engine.runner.describe()
     ours = run(engine, prompts, gen)
     ours_forced = forced(engine, sequences)
     err_one = np.concatenate([np.abs(a - b) for a, b in zip(ref_forced, exact)])

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from minillm.distributed.parallel_state import ParallelState, destroy_parallel_state, init_parallel_state
 from minillm.distributed.tp import load_tp_model
-from minillm.engine.model_runner import CapturedGraph, ModelRunner
+from minillm.engine.model_runner import ModelRunner
 from minillm.model.paged import PagedBatch
 
 __all__ = ["BATCH_FIELDS", "RankRunner", "Worker", "batch_fields", "batch_from_fields", "describe_rank", "gather_to_rank0",
@@ -81,12 +81,7 @@ class RankRunner(ModelRunner):
     captures, which the default (``global``) mode counts as an illegal call during the
     capture. The captured steps are the same."""
 
-    def capture(self, batch: PagedBatch, pool) -> tuple[CapturedGraph, tuple]:
-        torch.cuda.synchronize(self.cache.pool.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            logits = self.model.forward_paged(batch, self.cache, last_only=True)
-        return CapturedGraph(graph, batch, logits), graph.pool()
+    capture_error_mode = "thread_local"
 
 
 class Worker:
@@ -226,11 +221,13 @@ def gather_to_rank0(worker: Worker, value):
 
 
 def time_all_reduce(worker: Worker, hidden: int, tokens: tuple[int, ...] = (1,), dtype=None, calls: int = 50,
-                    repeats: int = 5) -> dict[int, float]:
+                    repeats: int = 5, in_graph: bool = False) -> dict[int, float]:
     """A ``run`` function: microseconds per all-reduce of a ``[tokens, hidden]`` activation over
     the data group, alone (no model), for each count in ``tokens``: ``calls`` all-reduces back
     to back between two CUDA events (``time.perf_counter`` on a CPU), the median of
-    ``repeats``, after a warm-up. Rank 0's numbers (every rank takes part)."""
+    ``repeats``, after a warm-up. With ``in_graph`` (GPU only) the ``calls`` all-reduces are
+    captured in one CUDA graph and replayed, as inside a captured decode step: no launch cost,
+    only NCCL's own latency. Rank 0's numbers (every rank takes part)."""
     device, group = worker.state.device, worker.state.group
     dtype = dtype or worker.model.lm_head.weight.dtype
     cuda = device.type == "cuda"
@@ -239,6 +236,19 @@ def time_all_reduce(worker: Worker, hidden: int, tokens: tuple[int, ...] = (1,),
         x = torch.randn(n, hidden, device=device).to(dtype) * 1e-3   # small: 50 doublings stay finite
         for _ in range(5):
             dist.all_reduce(x, group=group)
+
+        def calls_back_to_back():
+            for _ in range(calls):
+                dist.all_reduce(x, group=group)
+
+        run = calls_back_to_back
+        if cuda and in_graph:
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode=RankRunner.capture_error_mode):
+                calls_back_to_back()
+            run = graph.replay
+            run()
         times = []
         for _ in range(repeats):
             dist.barrier(group=worker.state.control)
@@ -246,15 +256,13 @@ def time_all_reduce(worker: Worker, hidden: int, tokens: tuple[int, ...] = (1,),
                 torch.cuda.synchronize(device)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                for _ in range(calls):
-                    dist.all_reduce(x, group=group)
+                run()
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end) * 1e3 / calls)
             else:
                 t0 = time.perf_counter()
-                for _ in range(calls):
-                    dist.all_reduce(x, group=group)
+                run()
                 times.append((time.perf_counter() - t0) * 1e6 / calls)
         out[n] = sorted(times)[len(times) // 2]
     return out

@@ -114,6 +114,10 @@ class ModelRunner:
     module docstring, which both replay from then on whenever a step fits one.
     """
 
+    #: `torch.cuda.graph`'s ``capture_error_mode``; a tensor-parallel rank needs ``thread_local``
+    #: (`minillm.distributed.worker.RankRunner`).
+    capture_error_mode = "global"
+
     def __init__(self, model, cache: PagedKVCache):
         self.model, self.cache = model, cache
         self.graphs: dict[tuple[str, int], CapturedGraph] = {}
@@ -254,14 +258,15 @@ class ModelRunner:
         the captured step and the memory pool (shared by every graph of the runner)."""
         torch.cuda.synchronize(self.cache.pool.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode):
             logits = self.model.forward_paged(batch, self.cache, last_only=True)
             argmax = logits.argmax(-1) if sampling is not None else None
         if sampling is None:
             return CapturedGraph(graph, batch, logits), graph.pool()
         sampler = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(sampler, pool=graph.pool()):   # reads `logits`, which stay allocated
+            # reads `logits`, which stay allocated
+            with torch.cuda.graph(sampler, pool=graph.pool(), capture_error_mode=self.capture_error_mode):
                 tokens = sample(logits, sampling)
         except RuntimeError as e:  # an op that cannot be captured here: the sampler runs eagerly
             warnings.warn(f"the sampler could not be captured in a CUDA graph ({e}); it runs eagerly",
