@@ -6,12 +6,14 @@ preset ``llama-3.2-1b``: 16 layers, hidden 2048, 32 query and 8 KV heads of 64, 
 tied embeddings, vocabulary 4096 from the bundled tokenizer), bf16. Under TP=2 each rank holds
 16 query and 4 KV heads, half the MLP and half the vocabulary (`minillm.distributed.tp`).
 
-**Engines.** TP=1 is the ordinary engine (`LLMEngine.from_pretrained`); TP=2 the same config
-with ``tensor_parallel_size=2`` (this process is rank 0 on ``cuda:0``, a spawned process rank 1
-on ``cuda:1``, NCCL). Both run the same layers: Chapter 10's fused decode kernels, which only a
-single process has, are off for TP=1 too. Both with CUDA graphs for every step (``cuda_graphs="all"``; each rank
-captures its own graphs, its all-reduces inside them); ``mode`` in the rows says whether the
-graphs were captured (``cuda_graphs``) or the engine fell back to ``eager``.
+**Engines.** Both degrees run the same code: `minillm.distributed.load_parallel_model` with
+one rank (this process alone) or two (this process is rank 0 on ``cuda:0``, a spawned process
+rank 1 on ``cuda:1``, NCCL), under `LLMEngine`; rank 0 samples on the host from the gathered
+logits. Each degree runs twice: with Chapter 10's fused decode path on every rank
+(``fused: on``, the engine's GPU default; its row-parallel GEMVs all-reduce their partial sums)
+and with the plain layers (``fused: off``). CUDA graphs for every step (``cuda_graphs="all"``;
+each rank captures its own graphs, its all-reduces inside them); ``mode`` in the rows says
+whether the graphs were captured (``cuda_graphs``) or the engine fell back to ``eager``.
 
 **Measurements**, each after a warm-up run (Triton compiles, the flat GEMM tunes, graphs are
 captured before the clock starts):
@@ -33,8 +35,8 @@ captured before the clock starts):
 - ``scaling_efficiency`` (kind ``scaling``): ``speedup / 2``, for the decode latency and the
   offline throughput (1.0 = perfect scaling).
 
-Rows carry ``params``: kind, tp, mode, model, dtype and the workload's shape; TP=2 rows name
-TP=1 as their peer (ratio > 1: TP=2 is better).
+Rows carry ``params``: kind, tp, fused, mode, model, dtype and the workload's shape; TP=2 rows
+name TP=1 with the same ``fused`` as their peer (ratio > 1: TP=2 is better).
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ NEEDS_CEILINGS = False
 PRESET = "llama-3.2-1b"
 DTYPE = "bfloat16"
 WORLDS = (1, 2)
+FUSED = ("on", "off")
 DECODE_PROMPT, DECODE_TOKENS = 128, 256
 NUM_REQUESTS = int(os.environ.get("MINILLM_CH13_REQUESTS", 64))
 CONCURRENCY = 32
@@ -62,14 +65,12 @@ ALLREDUCE_TOKENS = (1, CONCURRENCY, 2048)
 PEER = "tp1"
 
 
-def engine_config():
-    """Both TP degrees run the same code: Chapter 10's fused decode path (one process only) is off."""
-    from minillm.engine.config import EngineConfig
+def engine_config(fused: str = "on"):
+    """The benchmark's engine: CUDA graphs for every step, Chapter 10's fused path ``fused``."""
     from minillm.experiments.ch09_engine_benchmark import bench_engine_config
 
-    same_code = {"fused_decode": "off"} if "fused_decode" in {f.name for f in dataclasses.fields(EngineConfig)} else {}
     return bench_engine_config(CONCURRENCY, device="cuda", dtype=DTYPE, max_num_batched_tokens=2048,
-                               gpu_memory_utilization=0.5, cuda_graphs="all", **same_code)
+                               gpu_memory_utilization=0.5, cuda_graphs="all", fused_decode=fused)
 
 
 def run(results: Results, device) -> None:
@@ -94,63 +95,78 @@ def run(results: Results, device) -> None:
     print(f"  [{BENCHMARK}] {path.name}: {n_params / 1e6:.0f}M parameters ({time.perf_counter() - t0:.1f} s to "
           f"build); {spec.describe()}", flush=True)
 
-    measured: dict[int, dict] = {}
-    for world in WORLDS:
-        t1 = time.perf_counter()
-        engine = _engine(path, world)
-        try:
-            bench.run_offline(engine, warmup, use_tqdm=False)
-            mode = "cuda_graphs" if engine.runner.cuda_graphs else "eager"
-            setup = time.perf_counter() - t1
-            m = measured[world] = {"mode": mode, "runner": engine.runner.describe()}
-            bench.run_offline(engine, decode_req, use_tqdm=False)
-            one = [1e3 * (s.end - s.start) for s in engine.steps if sum(s.tokens.values()) == 1]
-            m["decode_ms_per_token"] = bench.percentile(one, 50)
-            r = bench.run_offline(engine, workload, mode=mode, use_tqdm=False)
-            m["offline"] = r
-            if world > 1:
-                from minillm.distributed.worker import noop, time_all_reduce
-
-                for how, in_graph in (("eager", False), ("graph", True)):
-                    m[f"allreduce_{how}_us"] = engine.model.run_on_all_ranks(
-                        time_all_reduce, mconfig.hidden_size, ALLREDUCE_TOKENS, getattr(torch, DTYPE),
-                        in_graph=in_graph)
-                # a step replayed from a graph pays the captured all-reduce's time, an eager step the eager one
-                ar = m["allreduce_graph_us" if mode == "cuda_graphs" else "allreduce_eager_us"]
-                m["comm_ms_per_decode_step"] = ar[1] * (2 * mconfig.num_hidden_layers + 1) / 1e3
-                times = []
-                for _ in range(50):
-                    t = time.perf_counter()
-                    engine.model.run_on_all_ranks(noop)
-                    times.append((time.perf_counter() - t) * 1e6)
-                m["plan_broadcast_us"] = bench.percentile(times, 50)
-            print(f"  [{BENCHMARK}] TP={world} ({m['runner']}; setup+warm-up {setup:.1f} s): decode "
-                  f"{m['decode_ms_per_token']:.2f} ms/token, offline {r.output_tokens_per_s:,.0f} output tok/s "
-                  f"({r.preemptions} preemptions, {r.num_kv_blocks} KV blocks)"
-                  + "".join(f"; all-reduce ({how}) " + ", ".join(f"{n} tok {us:.1f} us" for n, us in m[key].items())
-                            for how, key in (("eager", "allreduce_eager_us"), ("in a graph", "allreduce_graph_us"))
-                            if key in m)
-                  + (f"; plan broadcast {m['plan_broadcast_us']:.0f} us" if world > 1 else ""), flush=True)
-        finally:
-            if hasattr(engine.model, "shutdown"):
-                engine.model.shutdown()
-            del engine
-            gc.collect()
-            free_memory()
-        _add_rows(results, base, world, measured)
-    _add_scaling(results, base, measured)
+    measured: dict[tuple[str, int], dict] = {}
+    for fused in FUSED:
+        for world in WORLDS:
+            measured[(fused, world)] = _measure(path, world, fused, mconfig, warmup, decode_req, workload)
+            _add_rows(results, base, world, fused, measured)
+        _add_scaling(results, base, fused, measured)
 
 
-def _engine(path, world: int):
+def _measure(path, world: int, fused: str, mconfig, warmup, decode_req, workload) -> dict:
+    """One engine's numbers (see the module docstring); the engine is shut down after."""
+    from minillm.experiments import ch09_engine_benchmark as bench
+
+    t1 = time.perf_counter()
+    engine = _engine(path, world, fused)
+    try:
+        bench.run_offline(engine, warmup, use_tqdm=False)
+        mode = "cuda_graphs" if engine.runner.cuda_graphs else "eager"
+        setup = time.perf_counter() - t1
+        m = {"mode": mode, "runner": engine.runner.describe(), "fused_on": engine.fused_decode}
+        bench.run_offline(engine, decode_req, use_tqdm=False)
+        one = [1e3 * (s.end - s.start) for s in engine.steps if sum(s.tokens.values()) == 1]
+        m["decode_ms_per_token"] = bench.percentile(one, 50)
+        r = m["offline"] = bench.run_offline(engine, workload, mode=mode, use_tqdm=False)
+        if world > 1:
+            from minillm.distributed.worker import noop, time_all_reduce
+
+            for how, in_graph in (("eager", False), ("graph", True)):
+                m[f"allreduce_{how}_us"] = engine.model.run_on_all_ranks(
+                    time_all_reduce, mconfig.hidden_size, ALLREDUCE_TOKENS, getattr(torch, DTYPE),
+                    in_graph=in_graph)
+            # a step replayed from a graph pays the captured all-reduce's time, an eager step the eager one
+            ar = m["allreduce_graph_us" if mode == "cuda_graphs" else "allreduce_eager_us"]
+            m["comm_ms_per_decode_step"] = ar[1] * (2 * mconfig.num_hidden_layers + 1) / 1e3
+            times = []
+            for _ in range(50):
+                t = time.perf_counter()
+                engine.model.run_on_all_ranks(noop)
+                times.append((time.perf_counter() - t) * 1e6)
+            m["plan_broadcast_us"] = bench.percentile(times, 50)
+        print(f"  [{BENCHMARK}] TP={world} fused={fused} ({m['runner']}; fused path "
+              f"{'on' if m['fused_on'] else 'off'}; setup+warm-up {setup:.1f} s): decode "
+              f"{m['decode_ms_per_token']:.2f} ms/token, offline {r.output_tokens_per_s:,.0f} output tok/s "
+              f"({r.preemptions} preemptions, {r.num_kv_blocks} KV blocks)"
+              + "".join(f"; all-reduce ({how}) " + ", ".join(f"{n} tok {us:.1f} us" for n, us in m[key].items())
+                        for how, key in (("eager", "allreduce_eager_us"), ("in a graph", "allreduce_graph_us"))
+                        if key in m)
+              + (f"; plan broadcast {m['plan_broadcast_us']:.0f} us" if world > 1 else ""), flush=True)
+        return m
+    finally:
+        if hasattr(engine.model, "shutdown"):
+            engine.model.shutdown()
+        del engine
+        gc.collect()
+        free_memory()
+
+
+def _engine(path, world: int, fused: str):
+    """`LLMEngine` over `load_parallel_model` with ``world`` ranks (one: the same code, alone)."""
+    from minillm.distributed import load_parallel_model
     from minillm.engine import LLMEngine
+    from minillm.model import load_tokenizer
 
-    return LLMEngine.from_pretrained(path, dataclasses.replace(engine_config(), tensor_parallel_size=world))
+    model = load_parallel_model(path, world, device="cuda", dtype=DTYPE)
+    tokenizer, template = load_tokenizer(path)
+    return LLMEngine(model, tokenizer, dataclasses.replace(engine_config(fused), tensor_parallel_size=world),
+                     chat_template=template)
 
 
-def _add_rows(results: Results, base: dict, world: int, measured: dict) -> None:
-    m, ref = measured[world], measured.get(1) if world > 1 else None
+def _add_rows(results: Results, base: dict, world: int, fused: str, measured: dict) -> None:
+    m, ref = measured[(fused, world)], measured.get((fused, 1)) if world > 1 else None
     peer = (lambda key: ref[key]) if ref else (lambda key: None)  # noqa: E731
-    params = {**base, "tp": world, "mode": m["mode"]}
+    params = {**base, "tp": world, "fused": fused, "mode": m["mode"]}
     results.add(BENCHMARK, {**params, "kind": "decode", "prompt_len": DECODE_PROMPT, "output_len": DECODE_TOKENS},
                 "decode_ms_per_token", m["decode_ms_per_token"], PEER if ref else None, peer("decode_ms_per_token"),
                 better="lower", note=f"median one-token step of one request alone; {m['runner']}")
@@ -177,11 +193,11 @@ def _add_rows(results: Results, base: dict, world: int, measured: dict) -> None:
                     note="a command's broadcast from rank 0 over the gloo control group (pickled, TCP)")
 
 
-def _add_scaling(results: Results, base: dict, measured: dict) -> None:
-    if 1 not in measured or 2 not in measured:
+def _add_scaling(results: Results, base: dict, fused: str, measured: dict) -> None:
+    if (fused, 1) not in measured or (fused, 2) not in measured:
         return
-    one, two = measured[1], measured[2]
-    params = {**base, "tp": 2, "mode": two["mode"], "kind": "scaling"}
+    one, two = measured[(fused, 1)], measured[(fused, 2)]
+    params = {**base, "tp": 2, "fused": fused, "mode": two["mode"], "kind": "scaling"}
     decode = one["decode_ms_per_token"] / two["decode_ms_per_token"] / 2
     offline = two["offline"].output_tokens_per_s / one["offline"].output_tokens_per_s / 2
     results.add(BENCHMARK, {**params, "of": "decode_ms_per_token"}, "scaling_efficiency", decode, better="higher",
@@ -191,30 +207,31 @@ def _add_scaling(results: Results, base: dict, measured: dict) -> None:
 
 
 def summary(results: Results | dict) -> str:
-    """Per TP degree: decode ms/token, offline tok/s, the 1-token all-reduce; the scaling."""
+    """Per TP degree and fused path: decode ms/token, offline tok/s, the 1-token all-reduce
+    (launched alone and replayed from a graph), the communication per step; the scaling."""
     from minillm.results import rows as select
 
     data = results.to_dict() if isinstance(results, Results) else results
-    by_tp: dict = {}
+    by_run: dict = {}
     for r in select(data, BENCHMARK):
         p = r["params"]
-        by_tp.setdefault(p.get("tp"), {}).setdefault((p["kind"], r["metric"], p.get("tokens"), p.get("of"),
-                                                      p.get("launch")), r)
-    lines = [f"{'TP':<3} {'mode':<12} {'decode ms/tok':>13} {'out tok/s':>10} {'all-reduce 1 tok us':>20} "
+        by_run.setdefault((p.get("tp"), p.get("fused", "off")), {}).setdefault(
+            (p["kind"], r["metric"], p.get("tokens"), p.get("of"), p.get("launch")), r)
+    lines = [f"{'TP':<3} {'fused':<6} {'mode':<12} {'decode ms/tok':>13} {'out tok/s':>10} {'all-reduce 1 tok us':>20} "
              f"{'(in a graph)':>12} {'comm ms/step':>12}"]
-    for tp in sorted(k for k in by_tp if k is not None):
-        m = by_tp[tp]
+    for tp, fused in sorted(k for k in by_run if k[0] is not None):
+        m = by_run[(tp, fused)]
         val = lambda *key, launch=None: (m.get((*key, launch)) or {}).get("ours")  # noqa: E731
         mode = next((r["params"].get("mode") for r in m.values()), "")
-        lines.append(f"{tp:<3} {mode:<12} {_g(val('decode', 'decode_ms_per_token', None, None), '.2f'):>13} "
+        lines.append(f"{tp:<3} {fused:<6} {mode:<12} {_g(val('decode', 'decode_ms_per_token', None, None), '.2f'):>13} "
                      f"{_g(val('offline', 'output_tokens_per_s', None, None), ',.0f'):>10} "
                      f"{_g(val('allreduce', 'allreduce_us', 1, None, launch='eager'), '.1f'):>20} "
                      f"{_g(val('allreduce', 'allreduce_us', 1, None, launch='graph'), '.1f'):>12} "
                      f"{_g(val('allreduce', 'comm_ms_per_decode_step', 1, None), '.3f'):>12}")
-    two = by_tp.get(2, {})
-    eff = [(of, (two.get(("scaling", "scaling_efficiency", None, of, None)) or {}).get("ours"))
-           for of in ("decode_ms_per_token", "output_tokens_per_s")]
-    lines.append("scaling efficiency (TP=2): " + ", ".join(f"{of} {_g(v, '.2f')}" for of, v in eff))
+    for (tp, fused), m in sorted((k, v) for k, v in by_run.items() if k[0] == 2):
+        eff = [(of, (m.get(("scaling", "scaling_efficiency", None, of, None)) or {}).get("ours"))
+               for of in ("decode_ms_per_token", "output_tokens_per_s")]
+        lines.append(f"scaling efficiency (TP=2, fused {fused}): " + ", ".join(f"{of} {_g(v, '.2f')}" for of, v in eff))
     return "\n".join(lines)
 
 

@@ -35,6 +35,7 @@ from minillm.distributed.worker import describe_rank, time_all_reduce
 from minillm.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from minillm.model import ModelConfig, load_model
 from minillm.model.loader import NoTokenizer, load_state_dict
+from minillm.kernels.base import interpreting
 from minillm.testing import run_to_completion as run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -196,6 +197,27 @@ def test_qwen2_one_kv_head_two_ranks(tmp_path):
     # The all-reduce timer the Chapter 13 benchmark runs on every rank: a time per token count.
     times = tp.run_on_all_ranks(time_all_reduce, 64, (1, 5), torch.float32, calls=3, repeats=2)   # rank 0's
     assert sorted(times) == [1, 5] and all(0 < us < 1e6 for us in times.values())
+
+
+@pytest.mark.parametrize("fold_into_gemv", [False, True])
+def test_fused_decode_on_every_rank(tmp_path, fold_into_gemv):
+    """Chapter 10's fused path on each rank's shard (kernels in the interpreter), with the
+    norms and SwiGLU folded into the GEMVs or not: the row-parallel GEMVs' partial sums must be
+    all-reduced and the fused head's logits gathered (vocabulary 101, padded to 102), so the
+    tokens and log-probabilities are the single unfused process's."""
+    if not interpreting():
+        pytest.skip("the fused kernels on CPU tensors need Triton's interpreter")
+    path = save_tiny(tmp_path / "llama", seed=3)
+    prompts = prompts_with_shared_prefix(101, n=3, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3)
+    single, _ = load_model(path, dtype="float32")
+    ref = run(LLMEngine(single, NoTokenizer(path), EngineConfig(num_blocks=40, **ENGINE)), prompts, params)
+    tp = load_parallel_model(path, 2, device="cpu", dtype="float32")
+    engine = LLMEngine(tp, NoTokenizer(path), EngineConfig(num_blocks=40, fused_decode="on", **ENGINE))
+    assert engine.fused_decode and not engine.sample_on_device   # rank 0 samples from the gathered logits
+    assert tp.enable_fused_decode(engine.cache, "on", fold_into_gemv=fold_into_gemv)
+    assert [r["fused_decode"] for r in tp.run_on_all_ranks(describe_rank)] == [{"fold_into_gemv": fold_into_gemv}] * 2
+    assert_same_outputs(run(engine, prompts, params), ref, atol=1e-4)
 
 
 def test_world_of_one_runs_the_same_code(tmp_path):

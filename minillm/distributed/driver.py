@@ -75,7 +75,8 @@ class TensorParallelRunner:
 
     def forward(self, batch) -> torch.Tensor:
         copies = self.cache.take_copies()
-        self.model.broadcast(("step", self.cache.cache_id, batch_fields(batch), copies))
+        if self.model.world_size > 1:  # (a world of one has no one to tell: no host copy of the batch)
+            self.model.broadcast(("step", self.cache.cache_id, batch_fields(batch), copies))
         return self.model.worker.op_step(self.cache.cache_id, batch, copies)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0,
@@ -159,6 +160,14 @@ class TensorParallelModel:
         copies = cache.take_copies()
         self.broadcast(("forward_paged", cache.cache_id, batch_fields(batch), last_only, copies))
         return self.worker.op_forward_paged(cache.cache_id, batch, last_only, copies)
+
+    def enable_fused_decode(self, cache: ShardedCache, mode: str = "auto", fold_into_gemv: bool | None = None) -> bool:
+        """Chapter 10's fused path on every rank (`minillm.model.fused.enable_fused_decode`, which
+        calls this for a tensor-parallel model); returns whether it is on. The row-parallel
+        GEMVs add their partial sums and the head gathers the vocabulary as the layers would."""
+        command = ("enable_fused_decode", cache.cache_id, mode, fold_into_gemv)
+        self.broadcast(command)
+        return self.worker.execute(command)
 
     def make_runner(self, cache: ShardedCache) -> TensorParallelRunner:
         return TensorParallelRunner(self, cache)

@@ -185,7 +185,12 @@ class RowParallelLinear(Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(super().forward(x), self.group)
+        return self.reduce(super().forward(x))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Add the ranks' partial sums (in place): what `forward` does after its matmul, for a
+        caller that computed ``x_r @ W_rᵀ`` with a kernel of its own (Chapter 10's GEMVs)."""
+        return _all_reduce(partial, self.group)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -214,7 +219,12 @@ class ParallelLMHead(Linear):
         self.vocab_size, self.group = vocab_size, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = super().forward(x)                                     # [..., rows]
+        return self.gather(super().forward(x))
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """``[..., rows]`` logits of this rank's vocabulary rows -> ``[..., vocab_size]`` (every
+        rank's rows, the padding dropped): what `forward` does after its matmul, for a caller
+        that computed the local logits with a kernel of its own (Chapter 10's fused norm + head)."""
         if not hasattr(self, "_world"):                                 # asked once: the group never changes
             self._world = dist.get_world_size(self.group) if self.group is not None else 1
             self._nccl = self._world > 1 and dist.get_backend(self.group) == "nccl"

@@ -134,6 +134,17 @@ class Worker:
             self.cache.copy_blocks(copies)
         return self.model.forward_paged(self._batch(batch), self.cache, last_only=last_only)
 
+    def op_enable_fused_decode(self, cache_id: int, mode: str, fold_into_gemv: bool | None = None) -> bool:
+        """Chapter 10's fused path on this rank's shard, for steps over its pool (the same answer
+        on every rank: the same code on the same kind of device)."""
+        from minillm.model.fused import enable_fused_decode
+
+        self._check_cache(cache_id)
+        on = enable_fused_decode(self.model, self.cache, mode)
+        if on and fold_into_gemv is not None:
+            self.model.fused_decode.fold_into_gemv = fold_into_gemv
+        return on
+
     def op_capture(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0) -> int:
         """Capture on every rank; if any rank fails, none keeps its graphs (all run eagerly)."""
         ok, count = 1, 0
@@ -231,6 +242,8 @@ def time_all_reduce(worker: Worker, hidden: int, tokens: tuple[int, ...] = (1,),
     device, group = worker.state.device, worker.state.group
     dtype = dtype or worker.model.lm_head.weight.dtype
     cuda = device.type == "cuda"
+    if in_graph and not cuda:
+        raise ValueError("in_graph needs CUDA graphs: ranks on GPUs")
     out = {}
     for n in tokens:
         x = torch.randn(n, hidden, device=device).to(dtype) * 1e-3   # small: 50 doublings stay finite
@@ -275,7 +288,8 @@ def noop(worker: Worker) -> None:
 def describe_rank(worker: Worker) -> list[dict]:
     """A ``run`` function: what each rank holds, gathered from every rank: its device, its
     shard's heads, MLP slice and vocabulary rows, its parameter shapes, the shape of its KV
-    pool, and the `DISTRIBUTED_ENV` variables in its environment."""
+    pool, whether Chapter 10's fused path is on (and folds into its GEMVs), and the
+    `DISTRIBUTED_ENV` variables in its environment."""
     from minillm.distributed.parallel_state import DISTRIBUTED_ENV
 
     m, c = worker.model, worker.model.config
@@ -285,5 +299,6 @@ def describe_rank(worker: Worker) -> list[dict]:
         "intermediate": c.intermediate_size, "vocab_rows": (m.model.embed_tokens.start, m.model.embed_tokens.end),
         "shapes": {k: tuple(v.shape) for k, v in m.state_dict().items()},
         "kv_pool": tuple(worker.cache.pool.shape) if worker.cache is not None else None,
+        "fused_decode": None if getattr(m, "fused_decode", None) is None else {"fold_into_gemv": m.fused_decode.fold_into_gemv},
         "env": {k: os.environ.get(k) for k in DISTRIBUTED_ENV},
     })

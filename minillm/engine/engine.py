@@ -147,8 +147,9 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         # Chapter 10: the fused kernels and merged projections (on CUDA by default; before capture).
         self.fused_decode = enable_fused_decode(model, self.cache, getattr(config, "fused_decode", "off"))
-        # ... and the step's tokens drawn on the device, inside the CUDA graph (`gpu_sampling`).
-        self.sample_on_device = self.fused_decode
+        # ... and the step's tokens drawn on the device, inside the CUDA graph (`gpu_sampling`);
+        # not under tensor parallelism, whose runner returns the gathered logits to sample.
+        self.sample_on_device = self.fused_decode and not hasattr(model, "make_runner")
         # A tensor-parallel model (Chapter 13) brings its own runner: each rank runs its shard.
         self.runner = model.make_runner(self.cache) if hasattr(model, "make_runner") else ModelRunner(model, self.cache)
         self._ahead: _Launched | None = None   # a decode step launched before the last one was sampled
@@ -165,9 +166,9 @@ class LLMEngine:
         self.overlap_decode = bool(config.overlap_decode == "auto" and self.sample_on_device
                                    and self.device.type == "cuda" and getattr(self.runner, "cuda_graphs", False))
         # With graphs, the step's batch is built on the host and staged by the runner into its
-        # graphs' buffers in two copies (`ModelRunner.replay`), rather than sent field by field.
-        self._batch_device = (torch.device("cpu") if isinstance(self.runner, ModelRunner) and self.runner.cuda_graphs
-                              else self.device)
+        # graphs' buffers in two copies (`ModelRunner.replay`), rather than sent field by field
+        # (a tensor-parallel runner's ranks each stage it: rank 0 sends them the host's copy).
+        self._batch_device = torch.device("cpu") if getattr(self.runner, "cuda_graphs", False) else self.device
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:

@@ -109,8 +109,9 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def supports_fused_decode(model) -> bool:
-    """Whether ``model`` can run the fused path: a single-process Llama/Qwen2
-    `LlamaForCausalLM` (not MLA, rotary over the whole head) and importable kernels."""
+    """Whether ``model`` can run the fused path: a Llama/Qwen2 `LlamaForCausalLM` (not MLA,
+    rotary over the whole head), one process's or one rank's shard of a tensor-parallel model
+    (Chapter 13), and importable kernels."""
     from minillm.model.torch_model import LlamaForCausalLM
 
     if not isinstance(model, LlamaForCausalLM) or hasattr(model, "make_runner"):
@@ -172,14 +173,16 @@ class FusedDecode:
             gate_up, residual = self._norm_linear(x, residual, ln, w.gate_up, w.gate_up_bias)
             down = layer.mlp.down_proj
             if self._gemv(gate_up, down.weight):  # SwiGLU's activation folded into the down GEMV
-                x = k.silu_mul_gemv(gate_up, down.weight, down.bias)
+                x = _partial_sums_added(down, k.silu_mul_gemv(gate_up, down.weight, down.bias))
             else:
                 x = down(k.silu_mul(gate_up))
         if last_only and batch.max_seqlen_q != 1:  # only the rows that sample (one new token each: all rows)
             rows = batch.last_token_rows
             x, residual = x[rows], residual[rows]
         head = model.lm_head
-        return self._norm_linear(x, residual, model.model.norm, head.weight, head.bias)[0]
+        logits = self._norm_linear(x, residual, model.model.norm, head.weight, head.bias)[0]
+        gather = getattr(head, "gather", None)   # tensor parallel: this rank's vocabulary rows -> all of them
+        return gather(logits) if gather is not None else logits
 
     def _gemv(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether this projection runs as a GEMV with its neighbours folded in: where Chapter
@@ -206,8 +209,16 @@ class FusedDecode:
         """``linear(x)``: the same GEMV kernel as its neighbours where `_gemv` (so it chains
         with them, `minillm.kernels.ch10_fused_decode.pdl_enabled`), else the module."""
         if self._gemv(x, linear.weight):
-            return self.k.decode_gemv(x, linear.weight, linear.bias)
+            return _partial_sums_added(linear, self.k.decode_gemv(x, linear.weight, linear.bias))
         return linear(x)
+
+
+def _partial_sums_added(linear: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """``y`` computed by our own kernel from ``linear``'s weight, completed as ``linear``'s
+    forward would: a row-parallel layer of Chapter 13 (`minillm.distributed.tp`) holds a slice
+    of the input features, so each rank's ``y`` is a partial sum the ranks add up."""
+    reduce = getattr(linear, "reduce", None)
+    return reduce(y) if reduce is not None else y
 
 
 def enable_fused_decode(model, cache: PagedKVCache, mode: str = "auto") -> bool:
@@ -217,9 +228,11 @@ def enable_fused_decode(model, cache: PagedKVCache, mode: str = "auto") -> bool:
     model supports it (raises ``ValueError`` otherwise); ``"off"``: the torch path."""
     if mode not in FUSED_MODES:
         raise ValueError(f"fused_decode must be one of {FUSED_MODES}, got {mode!r}")
+    if hasattr(model, "enable_fused_decode"):  # a tensor-parallel model (Chapter 13): on every rank's shard
+        return model.enable_fused_decode(cache, mode)
     supported = supports_fused_decode(model)
     if mode == "on" and not supported:
-        raise ValueError("fused_decode='on' needs a single-process Llama/Qwen2 model (not MLA) and Triton")
+        raise ValueError("fused_decode='on' needs a Llama/Qwen2 model (not MLA) and Triton")
     on = supported and (mode == "on" or (mode == "auto" and cache.pool.is_cuda and cache.kernels is not None))
     if supported or hasattr(model, "fused_decode"):
         model.fused_decode = FusedDecode(model) if on else None
