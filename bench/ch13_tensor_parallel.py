@@ -30,8 +30,9 @@ captured before the clock starts):
   ``launch`` ``eager`` (each call launched from Python, as an eager step pays it) and ``graph``
   (the calls replayed from one CUDA graph, as a captured step pays it);
   ``comm_ms_per_decode_step``: the 1-token time x (2 per layer + 1) all-reduces, the
-  communication a single-sequence decode step cannot avoid, and ``plan_broadcast_us``: a
-  command's broadcast from rank 0 over the gloo control group.
+  communication a single-sequence decode step cannot avoid, and ``plan_delay_us``: how long a
+  decode step's command takes from rank 0's send to the other rank's receipt
+  (`minillm.distributed.worker.command_delay_us`, one host clock).
 - ``scaling_efficiency`` (kind ``scaling``): ``speedup / 2``, for the decode latency and the
   offline throughput (1.0 = perfect scaling).
 
@@ -119,7 +120,7 @@ def _measure(path, world: int, fused: str, mconfig, warmup, decode_req, workload
         m["decode_ms_per_token"] = bench.percentile(one, 50)
         r = m["offline"] = bench.run_offline(engine, workload, mode=mode, use_tqdm=False)
         if world > 1:
-            from minillm.distributed.worker import noop, time_all_reduce
+            from minillm.distributed.worker import command_delay_us, time_all_reduce
 
             for how, in_graph in (("eager", False), ("graph", True)):
                 m[f"allreduce_{how}_us"] = engine.model.run_on_all_ranks(
@@ -128,12 +129,10 @@ def _measure(path, world: int, fused: str, mconfig, warmup, decode_req, workload
             # a step replayed from a graph pays the captured all-reduce's time, an eager step the eager one
             ar = m["allreduce_graph_us" if mode == "cuda_graphs" else "allreduce_eager_us"]
             m["comm_ms_per_decode_step"] = ar[1] * (2 * mconfig.num_hidden_layers + 1) / 1e3
-            times = []
-            for _ in range(50):
-                t = time.perf_counter()
-                engine.model.run_on_all_ranks(noop)
-                times.append((time.perf_counter() - t) * 1e6)
-            m["plan_broadcast_us"] = bench.percentile(times, 50)
+            step = _decode_step_fields(CONCURRENCY, engine.max_model_len // engine.config.block_size)
+            delays = [max(engine.model.run_on_all_ranks(command_delay_us, time.perf_counter(), step)[1:])
+                      for _ in range(50)]
+            m["plan_delay_us"] = bench.percentile(delays, 50)
         print(f"  [{BENCHMARK}] TP={world} fused={fused} ({m['runner']}; fused path "
               f"{'on' if m['fused_on'] else 'off'}; setup+warm-up {setup:.1f} s): decode "
               f"{m['decode_ms_per_token']:.2f} ms/token, offline {r.output_tokens_per_s:,.0f} output tok/s "
@@ -141,7 +140,8 @@ def _measure(path, world: int, fused: str, mconfig, warmup, decode_req, workload
               + "".join(f"; all-reduce ({how}) " + ", ".join(f"{n} tok {us:.1f} us" for n, us in m[key].items())
                         for how, key in (("eager", "allreduce_eager_us"), ("in a graph", "allreduce_graph_us"))
                         if key in m)
-              + (f"; plan broadcast {m['plan_broadcast_us']:.0f} us" if world > 1 else ""), flush=True)
+              + (f"; a step's command reaches the ranks in {m['plan_delay_us']:.0f} us" if world > 1 else ""),
+              flush=True)
         return m
     finally:
         if hasattr(engine.model, "shutdown"):
@@ -149,6 +149,20 @@ def _measure(path, world: int, fused: str, mconfig, warmup, decode_req, workload
         del engine
         gc.collect()
         free_memory()
+
+
+def _decode_step_fields(batch: int, max_blocks: int) -> dict:
+    """`minillm.distributed.worker.batch_fields` of a decode step of ``batch`` sequences whose
+    block tables are ``max_blocks`` wide: what a step's command carries."""
+    from minillm.distributed.worker import batch_fields
+    from minillm.model.paged import PagedBatch
+
+    n = torch.arange(batch)
+    return batch_fields(PagedBatch(input_ids=n, positions=n, slot_mapping=n,
+                                   cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32),
+                                   seq_lens=torch.ones(batch, dtype=torch.int32),
+                                   block_tables=torch.zeros(batch, max_blocks, dtype=torch.int32),
+                                   max_seqlen_q=1, max_seq_len=1))
 
 
 def _engine(path, world: int, fused: str):
@@ -189,8 +203,9 @@ def _add_rows(results: Results, base: dict, world: int, fused: str, measured: di
                     m["comm_ms_per_decode_step"], better="lower",
                     note="the 1-token all-reduce (captured when the engine replays graphs) x (2 per layer + 1 "
                          "for the embedding)")
-        results.add(BENCHMARK, {**params, "kind": "allreduce"}, "plan_broadcast_us", m["plan_broadcast_us"],
-                    note="a command's broadcast from rank 0 over the gloo control group (pickled, TCP)")
+        results.add(BENCHMARK, {**params, "kind": "allreduce"}, "plan_delay_us", m["plan_delay_us"], better="lower",
+                    note=f"from rank 0's send of a {CONCURRENCY}-sequence decode step's command to the last "
+                         "rank's receipt (a pipe per rank, pickled), median of 50")
 
 
 def _add_scaling(results: Results, base: dict, fused: str, measured: dict) -> None:

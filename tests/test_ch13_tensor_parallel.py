@@ -30,6 +30,7 @@ from minillm.distributed import (
     DISTRIBUTED_ENV, check_tensor_parallel, head_shard, kv_head_owners, load_parallel_model, shard_shapes,
     shard_state_dict, shutdown, vocab_shard,
 )
+from minillm.distributed.commands import PipeCommands
 from minillm.distributed.tp import rank_layer, split_range
 from minillm.distributed.worker import describe_rank, time_all_reduce
 from minillm.engine import LLM, EngineConfig, LLMEngine, SamplingParams
@@ -171,6 +172,32 @@ def test_llama_two_ranks_match_one_process(tmp_path):
     assert [r["vocab_rows"] for r in ranks] == [(0, 51), (51, 101)]
     assert all(r["env"] == DISTRIBUTED_ENV for r in ranks)
     assert all(os.environ[k] == v for k, v in DISTRIBUTED_ENV.items())
+    assert isinstance(engine.model.commands, PipeCommands)   # spawned by rank 0: a pipe per rank
+
+
+def test_commands_through_a_pipe_end_with_rank_0():
+    """A command crosses the pipe whole (the step's NumPy fields back as the batch's tensors);
+    a rank whose rank 0 is gone (its end closed) reads a shutdown."""
+    import multiprocessing
+
+    from minillm.distributed.worker import batch_fields, batch_from_fields
+    from minillm.model.paged import PagedBatch
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    rank0, rank1 = PipeCommands(writers=[writer]), PipeCommands(reader=reader)
+    batch = PagedBatch(input_ids=torch.tensor([5, 7]), positions=torch.tensor([3, 9]), slot_mapping=torch.tensor([3, 41]),
+                       cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), seq_lens=torch.tensor([4, 10], dtype=torch.int32),
+                       block_tables=torch.tensor([[0, -1], [1, 2]], dtype=torch.int32), max_seqlen_q=1, max_seq_len=10)
+    rank0.send(("step", 3, batch_fields(batch), [(1, 4)]))
+    op, cache_id, fields, copies = rank1.receive()
+    got = batch_from_fields(fields, "cpu")
+    assert (op, cache_id, copies) == ("step", 3, [(1, 4)])
+    for name in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens", "block_tables"):
+        assert torch.equal(getattr(got, name), getattr(batch, name)) and getattr(got, name).dtype == getattr(batch, name).dtype
+    assert (got.max_seqlen_q, got.max_seq_len) == (1, 10)
+    rank0.close()
+    assert rank1.receive() == ("shutdown",)
+    rank1.close()
 
 
 def test_qwen2_one_kv_head_two_ranks(tmp_path):

@@ -7,6 +7,8 @@
   and logits), one rank's model.
 - `minillm.distributed.worker`: one rank's shard of the model and of the KV pool, and the
   command loop of the ranks other than 0.
+- `minillm.distributed.commands`: how rank 0's commands reach them (a pipe per rank, or the
+  gloo control group under ``torchrun``).
 - `minillm.distributed.driver`: rank 0's `TensorParallelModel`, which the engine runs in
   place of the model, and `load_parallel_model`, which starts the ranks.
 

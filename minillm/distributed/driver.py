@@ -28,8 +28,8 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from minillm.distributed.commands import GlooCommands, PipeCommands
 from minillm.distributed.parallel_state import (
     backend_for, destroy_parallel_state, free_port, init_parallel_state, set_distributed_env,
 )
@@ -121,8 +121,8 @@ class TensorParallelModel:
     docstring). ``config`` is the full model's; ``local`` rank 0's shard; ``local_kv_heads``
     the KV heads each rank's pool holds (the engine sizes its blocks with it)."""
 
-    def __init__(self, worker: Worker, processes=(), torchrun: bool = False):
-        self.worker, self.processes, self.torchrun = worker, list(processes), torchrun
+    def __init__(self, worker: Worker, commands: PipeCommands | GlooCommands, processes=(), torchrun: bool = False):
+        self.worker, self.commands, self.processes, self.torchrun = worker, commands, list(processes), torchrun
         self.local = worker.model
         self.config = worker.model.full_config
         self.lm_head = worker.model.lm_head   # the engine reads its device and dtype
@@ -138,7 +138,7 @@ class TensorParallelModel:
         if self.closed:
             raise RuntimeError("this tensor-parallel model was shut down")
         if self.world_size > 1:
-            dist.broadcast_object_list([command], src=0, group=self.worker.state.control)
+            self.commands.send(command)
 
     def run_on_all_ranks(self, fn, *args, **kwargs):
         """``fn(worker, *args, **kwargs)`` on every rank (``fn`` must be importable by name);
@@ -199,6 +199,7 @@ class TensorParallelModel:
             warnings.warn(f"tensor-parallel shutdown: {e}", stacklevel=2)
         finally:
             self.closed = True
+            self.commands.close()
             destroy_parallel_state()
             for p in self.processes:
                 p.join(timeout=30)
@@ -260,28 +261,34 @@ def load_parallel_model(path: str | Path, world_size: int, device: str | None = 
         worker = Worker(state, path, dtype)
         if rank != 0:  # serve rank 0 until it shuts down, then end this process
             try:
-                serve_commands(worker)
+                serve_commands(worker, GlooCommands(state.control))
             finally:
                 destroy_parallel_state()
             sys.exit(0)
-        _ACTIVE = TensorParallelModel(worker, torchrun=True)
+        _ACTIVE = TensorParallelModel(worker, GlooCommands(state.control), torchrun=True)
         return _ACTIVE
 
     init_method = f"tcp://127.0.0.1:{free_port()}"
     threads = max(1, torch.get_num_threads() // world_size) if backend == "gloo" else None
     context = torch.multiprocessing.get_context("spawn")
+    pipes = [context.Pipe(duplex=False) for _ in range(1, world_size)]   # (rank r's end, rank 0's end)
     processes = [context.Process(target=worker_main, name=f"minillm-tp-rank{rank}", daemon=True,
-                                 args=(rank, world_size, init_method, str(path), dtype, backend, threads, os.getpid()))
-                 for rank in range(1, world_size)]
+                                 args=(rank, world_size, init_method, str(path), dtype, backend, threads, os.getpid(),
+                                       reader))
+                 for rank, (reader, _) in zip(range(1, world_size), pipes)]
     for p in processes:
         p.start()
+    for reader, _ in pipes:  # each rank holds its own copy now: rank 0 keeps only the writing ends
+        reader.close()
+    commands = PipeCommands(writers=[writer for _, writer in pipes])
     try:
         state = init_parallel_state(0, world_size, backend, init_method)
         worker = Worker(state, path, dtype)
     except BaseException:
         destroy_parallel_state()
+        commands.close()
         for p in processes:
             p.terminate()
         raise
-    _ACTIVE = TensorParallelModel(worker, processes)
+    _ACTIVE = TensorParallelModel(worker, commands, processes)
     return _ACTIVE

@@ -2,11 +2,12 @@
 
 One process per rank. Rank ``r`` computes on ``cuda:r`` with the NCCL backend, or on the CPU
 with gloo (how the tests and the chapter run it). Besides the data group (the all-reduces of
-the forward pass), every rank joins a second, **gloo** group over TCP, the *control* group:
-rank 0 broadcasts each step's plan through it as a pickled object, on the CPU, so that on a
-GPU the plan never passes through the GPU, and an idle server's ranks can wait for the next
-step for as long as it takes (the control group's timeout is a year; the data group keeps
-torch's default, since its collectives only run inside a step).
+the forward pass), every rank joins a second, **gloo** group over TCP, the *control* group,
+for what the ranks agree on outside a step on the CPU (whether every rank captured its graphs,
+the answers gathered for tests and benchmarks) and, under ``torchrun``, for rank 0's commands
+(`minillm.distributed.commands`): an idle server's ranks can wait for the next command for as
+long as it takes (the control group's timeout is a year; the data group keeps torch's
+default, since its collectives only run inside a step).
 
 `set_distributed_env` is the one place that sets the environment NCCL ranks start with; the
 engine calls it before it spawns a rank and again in each rank before

@@ -6,17 +6,18 @@ tables are rank 0's and are sent to all), and a `minillm.engine.model_runner.Mod
 them (eager, or replaying CUDA graphs that each rank captured with its collectives inside).
 
 Rank 0 runs the engine: the scheduler, the block manager, sampling. For each thing the model
-must do it broadcasts a **command** over the control group (`minillm.distributed.parallel_state`)
-and then does it itself; every other rank sits in `serve_commands`, receives the same command
-and does the same, so the ranks meet in the same collectives in the same order. A command is a
-tuple ``(op, *args)``, run by the method ``op_<op>``:
+must do it sends a **command** to the other ranks (`minillm.distributed.commands`: a pipe per
+rank, or the gloo control group under ``torchrun``) and then does it itself; every other rank
+sits in `serve_commands`, receives the same command and does the same, so the ranks meet in the
+same collectives in the same order. A command is a tuple ``(op, *args)``, run by the method
+``op_<op>``:
 
 =====================  ===========================================================================
 ``new_paged_cache``    allocate this rank's KV pool (``num_blocks, block_size, backend, phi``),
                        replacing the previous one
 ``step``               one engine step: the copy-on-write copies, then the runner's forward over
                        the step's batch (input ids, positions, slot mapping, ``cu_seqlens_q``,
-                       sequence lengths, block tables: CPU tensors, moved to the rank's device)
+                       sequence lengths, block tables: NumPy arrays, moved to the rank's device)
 ``forward_paged``      the model's eager forward over a batch (the engine's memory profiling)
 ``capture``            capture the CUDA graphs (``max_num_seqs, max_model_len, tokens``)
 ``new_cache``          a contiguous KV cache (``batch, max_len``) for the prompt-logprobs pass
@@ -38,40 +39,46 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from minillm.distributed.commands import GlooCommands, PipeCommands
 from minillm.distributed.parallel_state import ParallelState, destroy_parallel_state, init_parallel_state
 from minillm.distributed.tp import load_tp_model
 from minillm.engine.model_runner import ModelRunner
 from minillm.model.paged import PagedBatch
 
-__all__ = ["BATCH_FIELDS", "RankRunner", "Worker", "batch_fields", "batch_from_fields", "describe_rank", "gather_to_rank0",
-           "noop", "serve_commands", "time_all_reduce", "worker_main"]
+__all__ = ["BATCH_FIELDS", "RankRunner", "Worker", "batch_fields", "batch_from_fields", "command_delay_us",
+           "describe_rank", "gather_to_rank0", "serve_commands", "time_all_reduce", "worker_main"]
 
 log = logging.getLogger(__name__)
 
-#: The `PagedBatch` fields a step sends (tensors travel as CPU tensors, the rest as they are).
+#: The `PagedBatch` fields a step sends (tensors travel as NumPy arrays, the rest as they are).
 BATCH_FIELDS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens", "block_tables",
                 "max_seqlen_q", "max_seq_len", "fresh_prefill")
 
 
 def batch_fields(batch: PagedBatch) -> dict:
-    """``batch`` as a picklable dict of CPU tensors and numbers. A batch on a GPU comes back
-    in one device-to-host copy per dtype (int64 rows, int32 rest), not one per field."""
+    """``batch`` as a picklable dict of NumPy arrays (its integer tensors) and numbers. A batch
+    on a GPU comes back in one device-to-host copy per dtype (int64 rows, int32 rest), not one
+    per field."""
     out = {name: getattr(batch, name) for name in BATCH_FIELDS}
-    tensors = [n for n in BATCH_FIELDS if isinstance(out[n], torch.Tensor) and out[n].device.type != "cpu"]
-    for dtype in {out[n].dtype for n in tensors}:
-        names = [n for n in tensors if out[n].dtype == dtype]
+    tensors = [n for n in BATCH_FIELDS if isinstance(out[n], torch.Tensor)]
+    on_device = [n for n in tensors if out[n].device.type != "cpu"]
+    for dtype in {out[n].dtype for n in on_device}:
+        names = [n for n in on_device if out[n].dtype == dtype]
         flat = torch.cat([out[n].reshape(-1) for n in names]).cpu()
         for n, part in zip(names, flat.split([out[n].numel() for n in names])):
             out[n] = part.view(out[n].shape)
+    for n in tensors:
+        out[n] = out[n].numpy()
     return out
 
 
 def batch_from_fields(fields: dict, device) -> PagedBatch:
     """The `PagedBatch` of `batch_fields`' dict, on ``device``."""
-    return PagedBatch(**{k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+    return PagedBatch(**{k: torch.from_numpy(v).to(device, non_blocking=True) if isinstance(v, np.ndarray) else v
                          for k, v in fields.items()})
 
 
@@ -184,13 +191,10 @@ class Worker:
             raise RuntimeError(f"rank {self.state.rank}: KV pool {cache_id} is not the current one ({self.cache_id})")
 
 
-def serve_commands(worker: Worker) -> None:
+def serve_commands(worker: Worker, commands: PipeCommands | GlooCommands) -> None:
     """The loop of every rank but 0: receive rank 0's next command, run it, until ``shutdown``."""
-    control = worker.state.control
     while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=control)
-        command = box[0]
+        command = commands.receive()
         if command[0] == "shutdown":
             return
         worker.execute(command)
@@ -208,8 +212,10 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def worker_main(rank: int, world_size: int, init_method: str, path: str, dtype, backend: str,
-                num_threads: int | None = None, parent_pid: int | None = None) -> None:
-    """The entry point of a spawned rank (``rank >= 1``): join the group, load the shard, serve."""
+                num_threads: int | None = None, parent_pid: int | None = None, commands=None) -> None:
+    """The entry point of a spawned rank (``rank >= 1``): join the group, load the shard, serve
+    the commands that arrive through ``commands`` (this rank's end of rank 0's pipe; ``None``:
+    the gloo control group)."""
     if num_threads:
         torch.set_num_threads(num_threads)
     # Ctrl-C reaches every process of the terminal's group: rank 0 decides when the ranks
@@ -218,9 +224,11 @@ def worker_main(rank: int, world_size: int, init_method: str, path: str, dtype, 
     if parent_pid is not None:
         _exit_with_parent(parent_pid)
     state = init_parallel_state(rank, world_size, backend, init_method)
+    channel = PipeCommands(reader=commands) if commands is not None else GlooCommands(state.control)
     try:
-        serve_commands(Worker(state, path, dtype))
+        serve_commands(Worker(state, path, dtype), channel)
     finally:
+        channel.close()
         destroy_parallel_state()
 
 
@@ -281,8 +289,12 @@ def time_all_reduce(worker: Worker, hidden: int, tokens: tuple[int, ...] = (1,),
     return out
 
 
-def noop(worker: Worker) -> None:
-    """A ``run`` function that does nothing: timing it times the command's broadcast."""
+def command_delay_us(worker: Worker, sent_at: float, payload=None) -> list[float]:
+    """A ``run`` function: microseconds from ``sent_at`` (rank 0's ``time.perf_counter()`` just
+    before it sent the command; the clock is the host's, shared by its processes) to this
+    rank's receiving it, gathered from every rank (rank 0's entry: its own send). ``payload``
+    (e.g. a step's `batch_fields`) rides along, to time a command of that size."""
+    return gather_to_rank0(worker, (time.perf_counter() - sent_at) * 1e6)
 
 
 def describe_rank(worker: Worker) -> list[dict]:
