@@ -241,10 +241,17 @@ def test_fused_decode_on_every_rank(tmp_path, fold_into_gemv):
     ref = run(LLMEngine(single, NoTokenizer(path), EngineConfig(num_blocks=40, **ENGINE)), prompts, params)
     tp = load_parallel_model(path, 2, device="cpu", dtype="float32")
     engine = LLMEngine(tp, NoTokenizer(path), EngineConfig(num_blocks=40, fused_decode="on", **ENGINE))
-    assert engine.fused_decode and not engine.sample_on_device   # rank 0 samples from the gathered logits
+    assert engine.fused_decode and engine.sample_on_device and not engine.overlap_decode  # rank 0 draws on its device
     assert tp.enable_fused_decode(engine.cache, "on", fold_into_gemv=fold_into_gemv)
     assert [r["fused_decode"] for r in tp.run_on_all_ranks(describe_rank)] == [{"fold_into_gemv": fold_into_gemv}] * 2
     assert_same_outputs(run(engine, prompts, params), ref, atol=1e-4)
+    # Sampled, seeded: the draws on rank 0's device are the single fused process's draws.
+    sampled = SamplingParams(temperature=2.0, max_tokens=6, n=2, seed=11)
+    one = LLMEngine(single, NoTokenizer(path), EngineConfig(num_blocks=40, fused_decode="on", **ENGINE))
+    one.model.fused_decode.fold_into_gemv = fold_into_gemv
+    want = [[c.token_ids for c in o.outputs] for o in run(one, prompts, sampled)]
+    assert any(a != b for a, b in want)   # the draws are not all the argmax
+    assert [[c.token_ids for c in o.outputs] for o in run(engine, prompts, sampled)] == want
 
 
 def test_world_of_one_runs_the_same_code(tmp_path):

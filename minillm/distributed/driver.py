@@ -74,27 +74,38 @@ class TensorParallelRunner:
         return self.model.worker.runner
 
     def forward(self, batch) -> torch.Tensor:
-        copies = self.cache.take_copies()
+        self._send_step(batch)
+        return self.model.worker.op_step(self.cache.cache_id, batch, self._copies)
+
+    def forward_and_sample(self, batch, sampling) -> tuple[torch.Tensor, torch.Tensor]:
+        """`ModelRunner.forward_and_sample` on rank 0 (its graphs end with the sampler); the other
+        ranks run the same step's forward pass, whose collectives are the same."""
+        self._send_step(batch)
+        return self.model.worker.op_step(self.cache.cache_id, batch, self._copies,
+                                         "greedy" if sampling is None else sampling)
+
+    def _send_step(self, batch) -> None:
+        self._copies = self.cache.take_copies()
         if self.model.world_size > 1:  # (a world of one has no one to tell: no host copy of the batch)
-            self.model.broadcast(("step", self.cache.cache_id, batch_fields(batch), copies))
-        return self.model.worker.op_step(self.cache.cache_id, batch, copies)
+            self.model.broadcast(("step", self.cache.cache_id, batch_fields(batch), self._copies))
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0,
-                            progress: bool = False) -> int:
+                            progress: bool = False, sample_tokens: bool = False) -> int:
+        """Every rank captures its graphs; only rank 0's end with the sampler (``sample_tokens``)."""
         if not self.local.can_capture():  # the same answer on every rank: nothing to broadcast
             return 0
         command = ("capture", max_num_seqs, max_model_len, max_num_batched_tokens)
         self.model.broadcast(command)
-        return self.model.worker.execute(command)
+        return self.model.worker.execute((*command, sample_tokens))
 
     def warm_up(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0,
                 sample_tokens: bool = False) -> int:
         """`ModelRunner.warm_up` on every rank (the padding steps' collectives run on all)."""
         if not self.local.can_capture():
             return 0
-        command = ("warm_up", max_num_seqs, max_model_len, max_num_batched_tokens, sample_tokens)
+        command = ("warm_up", max_num_seqs, max_model_len, max_num_batched_tokens)
         self.model.broadcast(command)
-        return self.model.worker.execute(command)
+        return self.model.worker.execute((*command, sample_tokens))
 
     @property
     def graphs(self):

@@ -128,11 +128,15 @@ class Worker:
         return batch if isinstance(batch, PagedBatch) else batch_from_fields(batch, self.state.device)
 
     @torch.inference_mode()
-    def op_step(self, cache_id: int, batch, copies) -> torch.Tensor:
+    def op_step(self, cache_id: int, batch, copies, sampling=None):
+        """The step's logits; with ``sampling`` (rank 0, which samples on its GPU:
+        `SamplingTensors` or the ``"greedy"`` of an all-greedy step) ``(logits, tokens)``."""
         self._check_cache(cache_id)
         if copies:
             self.cache.copy_blocks(copies)
-        return self.runner.forward(self._batch(batch))
+        if sampling is None:
+            return self.runner.forward(self._batch(batch))
+        return self.runner.forward_and_sample(self._batch(batch), None if sampling == "greedy" else sampling)
 
     @torch.inference_mode()
     def op_forward_paged(self, cache_id: int, batch, last_only: bool, copies=()) -> torch.Tensor:
@@ -152,11 +156,14 @@ class Worker:
             self.model.fused_decode.fold_into_gemv = fold_into_gemv
         return on
 
-    def op_capture(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0) -> int:
-        """Capture on every rank; if any rank fails, none keeps its graphs (all run eagerly)."""
+    def op_capture(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0,
+                   sample_tokens: bool = False) -> int:
+        """Capture on every rank (``sample_tokens``: this rank's graphs end with the sampler; rank
+        0's only); if any rank fails, none keeps its graphs (all run eagerly)."""
         ok, count = 1, 0
         try:
-            count = self.runner.capture_cuda_graphs(max_num_seqs, max_model_len, max_num_batched_tokens)
+            count = self.runner.capture_cuda_graphs(max_num_seqs, max_model_len, max_num_batched_tokens,
+                                                    sample_tokens=sample_tokens)
         except Exception:  # noqa: BLE001 - agreed on below, so that no rank replays alone
             log.warning("rank %d: CUDA graph capture failed; every rank runs eagerly:\n%s", self.state.rank,
                         traceback.format_exc())

@@ -147,9 +147,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         # Chapter 10: the fused kernels and merged projections (on CUDA by default; before capture).
         self.fused_decode = enable_fused_decode(model, self.cache, getattr(config, "fused_decode", "off"))
-        # ... and the step's tokens drawn on the device, inside the CUDA graph (`gpu_sampling`);
-        # not under tensor parallelism, whose runner returns the gathered logits to sample.
-        self.sample_on_device = self.fused_decode and not hasattr(model, "make_runner")
+        # ... and the step's tokens drawn on the device, inside the CUDA graph (`gpu_sampling`).
+        self.sample_on_device = self.fused_decode
         # A tensor-parallel model (Chapter 13) brings its own runner: each rank runs its shard.
         self.runner = model.make_runner(self.cache) if hasattr(model, "make_runner") else ModelRunner(model, self.cache)
         self._ahead: _Launched | None = None   # a decode step launched before the last one was sampled
@@ -163,8 +162,11 @@ class LLMEngine:
         # Overlapped decode: with the tokens drawn on the GPU, a pure decode step is launched
         # before the last one's tokens reach the host (its input ids are taken on the device),
         # so the host schedules and samples while the GPU computes (`_step`).
+        # Not under tensor parallelism: every rank embeds the step's tokens, which would have to
+        # reach them from rank 0's GPU.
         self.overlap_decode = bool(config.overlap_decode == "auto" and self.sample_on_device
-                                   and self.device.type == "cuda" and getattr(self.runner, "cuda_graphs", False))
+                                   and self.device.type == "cuda" and getattr(self.runner, "cuda_graphs", False)
+                                   and not hasattr(model, "make_runner"))
         # With graphs, the step's batch is built on the host and staged by the runner into its
         # graphs' buffers in two copies (`ModelRunner.replay`), rather than sent field by field
         # (a tensor-parallel runner's ranks each stage it: rank 0 sends them the host's copy).
