@@ -226,6 +226,17 @@ def test_qwen2_one_kv_head_two_ranks(tmp_path):
     assert sorted(times) == [1, 5] and all(0 < us < 1e6 for us in times.values())
 
 
+def greedy_reference(tmp_path, seed: int, max_tokens: int):
+    """A tiny Llama checkpoint, three prompts, greedy parameters with log-probabilities, the
+    single-process model and its outputs: ``(path, prompts, params, model, outputs)``."""
+    path = save_tiny(tmp_path / "llama", seed=seed)
+    prompts = prompts_with_shared_prefix(101, n=3, seed=seed)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=3)
+    single, _ = load_model(path, dtype="float32")
+    ref = run(LLMEngine(single, NoTokenizer(path), EngineConfig(num_blocks=40, **ENGINE)), prompts, params)
+    return path, prompts, params, single, ref
+
+
 @pytest.mark.parametrize("fold_into_gemv", [False, True])
 def test_fused_decode_on_every_rank(tmp_path, fold_into_gemv):
     """Chapter 10's fused path on each rank's shard (kernels in the interpreter), with the
@@ -234,11 +245,7 @@ def test_fused_decode_on_every_rank(tmp_path, fold_into_gemv):
     tokens and log-probabilities are the single unfused process's."""
     if not interpreting():
         pytest.skip("the fused kernels on CPU tensors need Triton's interpreter")
-    path = save_tiny(tmp_path / "llama", seed=3)
-    prompts = prompts_with_shared_prefix(101, n=3, seed=3)
-    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3)
-    single, _ = load_model(path, dtype="float32")
-    ref = run(LLMEngine(single, NoTokenizer(path), EngineConfig(num_blocks=40, **ENGINE)), prompts, params)
+    path, prompts, params, single, ref = greedy_reference(tmp_path, seed=3, max_tokens=6)
     tp = load_parallel_model(path, 2, device="cpu", dtype="float32")
     engine = LLMEngine(tp, NoTokenizer(path), EngineConfig(num_blocks=40, fused_decode="on", **ENGINE))
     assert engine.fused_decode and engine.sample_on_device and not engine.overlap_decode  # rank 0 draws on its device
@@ -255,11 +262,7 @@ def test_fused_decode_on_every_rank(tmp_path, fold_into_gemv):
 
 
 def test_world_of_one_runs_the_same_code(tmp_path):
-    path = save_tiny(tmp_path / "llama", seed=2)
-    prompts = prompts_with_shared_prefix(101, n=3, seed=2)
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3)
-    single, _ = load_model(path, dtype="float32")
-    ref = run(LLMEngine(single, NoTokenizer(path), EngineConfig(num_blocks=40, **ENGINE)), prompts, params)
+    path, prompts, params, _, ref = greedy_reference(tmp_path, seed=2, max_tokens=8)
     tp = load_parallel_model(path, 1, device="cpu", dtype="float32")
     assert tp.processes == [] and tp.world_size == 1
     ours = run(LLMEngine(tp, NoTokenizer(path), EngineConfig(num_blocks=40, **ENGINE)), prompts, params)
