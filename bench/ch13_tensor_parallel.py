@@ -11,9 +11,10 @@ one rank (this process alone) or two (this process is rank 0 on ``cuda:0``, a sp
 rank 1 on ``cuda:1``, NCCL), under `LLMEngine`; rank 0 samples. Each degree runs twice: with
 Chapter 10's fused decode path on every rank (``fused: on``, the engine's GPU default: its
 row-parallel GEMVs all-reduce their partial sums, and rank 0 draws the tokens inside its graphs)
-and with the plain layers (``fused: off``; rank 0 samples the gathered logits on the host). CUDA graphs for every step (``cuda_graphs="all"``;
-each rank captures its own graphs, its all-reduces inside them); ``mode`` in the rows says
-whether the graphs were captured (``cuda_graphs``) or the engine fell back to ``eager``.
+and with the plain layers (``fused: off``; rank 0 samples the gathered logits on the host).
+CUDA graphs for every step (``cuda_graphs="all"``; each rank captures its own graphs, its
+all-reduces inside them); ``mode`` in the rows says whether the graphs were captured
+(``cuda_graphs``) or the engine fell back to ``eager``.
 
 **Measurements**, each after a warm-up run (Triton compiles, the flat GEMM tunes, graphs are
 captured before the clock starts):

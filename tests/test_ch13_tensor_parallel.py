@@ -185,15 +185,18 @@ def test_commands_through_a_pipe_end_with_rank_0():
 
     reader, writer = multiprocessing.Pipe(duplex=False)
     rank0, rank1 = PipeCommands(writers=[writer]), PipeCommands(reader=reader)
-    batch = PagedBatch(input_ids=torch.tensor([5, 7]), positions=torch.tensor([3, 9]), slot_mapping=torch.tensor([3, 41]),
-                       cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), seq_lens=torch.tensor([4, 10], dtype=torch.int32),
-                       block_tables=torch.tensor([[0, -1], [1, 2]], dtype=torch.int32), max_seqlen_q=1, max_seq_len=10)
+    i32 = dict(dtype=torch.int32)
+    batch = PagedBatch(input_ids=torch.tensor([5, 7]), positions=torch.tensor([3, 9]),
+                       slot_mapping=torch.tensor([3, 41]), cu_seqlens_q=torch.tensor([0, 1, 2], **i32),
+                       seq_lens=torch.tensor([4, 10], **i32), block_tables=torch.tensor([[0, -1], [1, 2]], **i32),
+                       max_seqlen_q=1, max_seq_len=10)
     rank0.send(("step", 3, batch_fields(batch), [(1, 4)]))
     op, cache_id, fields, copies = rank1.receive()
     got = batch_from_fields(fields, "cpu")
     assert (op, cache_id, copies) == ("step", 3, [(1, 4)])
     for name in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens", "block_tables"):
-        assert torch.equal(getattr(got, name), getattr(batch, name)) and getattr(got, name).dtype == getattr(batch, name).dtype
+        a, b = getattr(got, name), getattr(batch, name)
+        assert torch.equal(a, b) and a.dtype == b.dtype
     assert (got.max_seqlen_q, got.max_seq_len) == (1, 10)
     rank0.close()
     assert rank1.receive() == ("shutdown",)

@@ -318,6 +318,7 @@ def describe_rank(worker: Worker) -> list[dict]:
         "intermediate": c.intermediate_size, "vocab_rows": (m.model.embed_tokens.start, m.model.embed_tokens.end),
         "shapes": {k: tuple(v.shape) for k, v in m.state_dict().items()},
         "kv_pool": tuple(worker.cache.pool.shape) if worker.cache is not None else None,
-        "fused_decode": None if getattr(m, "fused_decode", None) is None else {"fold_into_gemv": m.fused_decode.fold_into_gemv},
+        "fused_decode": (None if getattr(m, "fused_decode", None) is None
+                         else {"fold_into_gemv": m.fused_decode.fold_into_gemv}),
         "env": {k: os.environ.get(k) for k in DISTRIBUTED_ENV},
     })

@@ -153,34 +153,39 @@ class FusedDecode:
         N = x.shape[0]
         cos, sin = rope_cos_sin(batch.positions, D, c.rope_theta, x.dtype)              # [N, D], once a step
         pdl = ATTENTION_PDL and k.pdl_enabled(x.device)
+        # Which projections fold into GEMVs: every layer has the same shapes and rows, so one
+        # decision each per step (asked per layer, they were a few percent of an eager step).
+        a, m = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        gemv_qkv, gemv_o = self._gemv(x, self.weights[0].qkv), self._gemv(x, a.o_proj.weight)
+        gemv_gate_up, gemv_down = self._gemv(x, self.weights[0].gate_up), self._gemv(x, m.down_proj.weight)
         residual = None
         for i, (layer, w) in enumerate(zip(model.model.layers, self.weights)):
             ln = layer.input_layernorm
-            gemv = self._gemv(x, w.qkv)
-            if gemv and FOLD_ROPE:  # one kernel: norm, q/k/v, rotary, cache write
+            if gemv_qkv and FOLD_ROPE:  # one kernel: norm, q/k/v, rotary, cache write
                 q, residual = k.add_rmsnorm_gemv_rope(x, residual, ln.weight, ln.eps, w.qkv, w.qkv_bias, H, cos, sin,
                                                       cache.k[i], cache.v[i], batch.slot_mapping)
             else:
-                qkv, residual = self._norm_linear(x, residual, ln, w.qkv, w.qkv_bias)  # [N, (H + 2Hkv) D]
+                qkv, residual = self._norm_linear(x, residual, ln, w.qkv, w.qkv_bias, gemv_qkv)  # [N, (H + 2Hkv) D]
                 q = qkv[:, :H * D].view(N, H, D)
                 kk = qkv[:, H * D:(H + Hkv) * D].view(N, Hkv, D)
                 v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
                 q = k.rope_write_kv(q, kk, v, cos, sin, cache.k[i], cache.v[i], batch.slot_mapping)
             # Attention chains with its neighbours where they are PDL GEMVs (the regime measured).
-            out = paged_attention(q, cache, i, batch, scale=D ** -0.5, pdl=pdl and gemv)  # [N, H, D]
-            x = self._project(out.reshape(N, H * D), layer.self_attn.o_proj)
+            out = paged_attention(q, cache, i, batch, scale=D ** -0.5, pdl=pdl and gemv_qkv)  # [N, H, D]
+            x = self._project(out.reshape(N, H * D), layer.self_attn.o_proj, gemv_o)
             ln = layer.post_attention_layernorm
-            gate_up, residual = self._norm_linear(x, residual, ln, w.gate_up, w.gate_up_bias)
+            gate_up, residual = self._norm_linear(x, residual, ln, w.gate_up, w.gate_up_bias, gemv_gate_up)
             down = layer.mlp.down_proj
-            if self._gemv(gate_up, down.weight):  # SwiGLU's activation folded into the down GEMV
+            if gemv_down:  # SwiGLU's activation folded into the down GEMV
                 x = _partial_sums_added(down, k.silu_mul_gemv(gate_up, down.weight, down.bias))
             else:
-                x = down(k.silu_mul(gate_up))
+                x = _partial_sums_added(down, _linear(k.silu_mul(gate_up), down.weight, down.bias))
         if last_only and batch.max_seqlen_q != 1:  # only the rows that sample (one new token each: all rows)
             rows = batch.last_token_rows
             x, residual = x[rows], residual[rows]
         head = model.lm_head
-        logits = self._norm_linear(x, residual, model.model.norm, head.weight, head.bias)[0]
+        gemv_head = self._gemv(x, head.weight)
+        logits = self._norm_linear(x, residual, model.model.norm, head.weight, head.bias, gemv_head)[0]
         gather = getattr(head, "gather", None)   # tensor parallel: this rank's vocabulary rows -> all of them
         return gather(logits) if gather is not None else logits
 
@@ -197,20 +202,20 @@ class FusedDecode:
 
         return choose_kernel(x.shape[0], weight.shape[0], weight.shape[1], table_for_device(x.device)) == "gemv"
 
-    def _norm_linear(self, x, residual, norm, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(linear(rmsnorm(x + residual)), x + residual)``: one kernel where `_gemv`, else
-        `add_rmsnorm` and the dispatched linear layer."""
-        if self._gemv(x, weight):
+    def _norm_linear(self, x, residual, norm, weight, bias, gemv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(linear(rmsnorm(x + residual)), x + residual)``: one kernel where ``gemv`` (`_gemv`'s
+        answer for these rows and this weight), else `add_rmsnorm` and the dispatched linear layer."""
+        if gemv:
             return self.k.add_rmsnorm_gemv(x, residual, norm.weight, norm.eps, weight, bias)
         h, residual = self.k.add_rmsnorm(x, residual, norm.weight, norm.eps)
         return _linear(h, weight, bias), residual
 
-    def _project(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-        """``linear(x)``: the same GEMV kernel as its neighbours where `_gemv` (so it chains
-        with them, `minillm.kernels.ch10_fused_decode.pdl_enabled`), else the module."""
-        if self._gemv(x, linear.weight):
-            return _partial_sums_added(linear, self.k.decode_gemv(x, linear.weight, linear.bias))
-        return linear(x)
+    def _project(self, x: torch.Tensor, linear: nn.Linear, gemv: bool) -> torch.Tensor:
+        """``linear(x)``: the same GEMV kernel as its neighbours where ``gemv`` (so it chains
+        with them, `minillm.kernels.ch10_fused_decode.pdl_enabled`), else the dispatched linear
+        layer; a row-parallel layer's partial sums added up either way."""
+        kernel = self.k.decode_gemv if gemv else _linear
+        return _partial_sums_added(linear, kernel(x, linear.weight, linear.bias))
 
 
 def _partial_sums_added(linear: nn.Module, y: torch.Tensor) -> torch.Tensor:
