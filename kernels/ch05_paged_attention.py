@@ -506,7 +506,9 @@ def paged_fwd_tiles(acc, l_i, m_i, q, k_head, v_head, table, stride_tn,
     return acc, l_i, m_i
 
 
-@triton.jit
+# Not specialized on the integers that change from step to step (the tables' width, the
+# LSE strides, which follow the step's token count): see Chapter 7's `_split_kernel`.
+@triton.jit(do_not_specialize=["stride_tb", "max_blocks", "stride_lh", "stride_lm"])
 def _paged_prefill_kernel(
     Q, K, V, BlockTables, SeqLens, CuSeqQ, O, LSE,
     stride_qm, stride_qh, stride_qd,

@@ -147,7 +147,12 @@ def _exact_split(q, k_head, v_head, desc_k, desc_v, col0, table, stride_tn, stri
     return acc, l, m
 
 
-@triton.jit
+# The integers that change from one engine step to the next (the block tables' width, the
+# partials' strides, which follow the split count) are not specialized on: each value class
+# (one, a multiple of 16, other) would otherwise be a compiled variant of its own, and an
+# engine without CUDA graphs would compile them inside its requests' steps.
+@triton.jit(do_not_specialize=["stride_tb", "max_blocks", "stride_ob", "stride_oh", "stride_os",
+                               "stride_lb", "stride_lh", "stride_ls"])
 def _split_kernel(
     Q, K, V, DescK, DescV, BlockTables, SeqLens, O, LSE, Fallbacks, Out, OutLse, Counters,
     stride_qb, stride_qh, stride_qd,

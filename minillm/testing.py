@@ -298,3 +298,24 @@ def run_to_completion(engine, prompts, params, max_steps: int = 10_000) -> list:
     assert not engine.has_unfinished_requests(), f"not finished after {max_steps} steps"
     assert engine.manager.num_used_blocks == 0, "finished requests must free every block"
     return [done[i] for i in ids]
+
+
+def compiled_kernel_variants() -> dict[str, int]:
+    """``{"chNN_module.kernel": count}``: how many compiled variants (specializations) each
+    ``@triton.jit`` kernel of `minillm.kernels` holds in this process. Two snapshots around
+    some work tell whether it compiled anything (an engine's requests should not)."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import minillm.kernels as kernels
+
+    counts = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"minillm.kernels.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, triton.runtime.JITFunction) and obj.fn.__module__ == module.__name__:
+                caches = getattr(obj, "device_caches", {})
+                counts[f"{info.name}.{name}"] = sum(len(entry[0]) for entry in caches.values())
+    return counts

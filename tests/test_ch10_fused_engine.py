@@ -244,23 +244,32 @@ def test_gpu_fused_engine_decodes_greedily_and_samples_on_device(dtype, cuda_gra
 @pytest.mark.gpu
 def test_gpu_eager_engine_tunes_everything_before_the_first_request():
     """Without graphs the engine runs every step shape once at start-up (`ModelRunner.warm_up`):
-    the GEMV and flat-GEMM tiles are tuned then, and requests whose batch shrinks one at a
-    time through every size (and prompts of many lengths) tune nothing more."""
+    the GEMV and flat-GEMM tiles are tuned then and every kernel variant compiled, and requests
+    whose batch shrinks one at a time through every size, over block tables of many widths
+    (prompts of 2 to 400 tokens), tune and compile nothing more, fused or not."""
     from minillm.kernels import ch08_flat_gemm, ch10_fused_decode
+    from minillm.testing import compiled_kernel_variants
 
     ch10_fused_decode.PROLOGUE_CONFIGS.clear()
     model, _ = load_model(BUNDLED_MODEL, device="cuda", dtype=torch.bfloat16)
-    engine = LLMEngine(model, TOKENIZER, EngineConfig(num_blocks=256, max_num_seqs=16, cuda_graphs="off"))
-    assert engine.fused_decode and ch10_fused_decode.PROLOGUE_CONFIGS, "the warm-up tuned the decode GEMVs"
-    tuned = (set(ch10_fused_decode.PROLOGUE_CONFIGS), set(ch08_flat_gemm.TUNING_TIMES))
-    rng = np.random.default_rng(3)
-    for i in range(16):
-        prompt = rng.integers(0, VOCAB, int(rng.integers(2, 90))).tolist()
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=i + 1, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert engine.runner.num_replays == 0 and engine.runner.num_eager >= 16
-    assert (set(ch10_fused_decode.PROLOGUE_CONFIGS), set(ch08_flat_gemm.TUNING_TIMES)) == tuned
+    for fused in ("on", "off"):
+        engine = LLMEngine(model, TOKENIZER, EngineConfig(num_blocks=512, max_num_seqs=16, cuda_graphs="off",
+                                                          fused_decode=fused))
+        assert engine.fused_decode == (fused == "on")
+        assert fused == "off" or ch10_fused_decode.PROLOGUE_CONFIGS, "the warm-up tuned the decode GEMVs"
+        tuned = (set(ch10_fused_decode.PROLOGUE_CONFIGS), set(ch08_flat_gemm.TUNING_TIMES))
+        compiled = compiled_kernel_variants()
+        rng = np.random.default_rng(3)
+        for i in range(16):
+            prompt = rng.integers(0, VOCAB, int(rng.integers(2, 400 if i % 4 == 0 else 90))).tolist()
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=i + 1, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.runner.num_replays == 0 and engine.runner.num_eager >= 16
+        assert (set(ch10_fused_decode.PROLOGUE_CONFIGS), set(ch08_flat_gemm.TUNING_TIMES)) == tuned
+        grew = {k: (n, compiled.get(k, 0)) for k, n in compiled_kernel_variants().items() if n != compiled.get(k, 0)}
+        assert not grew, f"compiled during the requests (variants after, before): {grew}"
+        model.fused_decode = None
 
 
 

@@ -51,6 +51,7 @@ logits, so a step gives the same tokens with and without the graphs.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 
@@ -80,6 +81,17 @@ def step_shapes(max_num_seqs: int, max_num_batched_tokens: int = 0, smallest_mix
     if max_num_batched_tokens > 0:
         shapes += [("mixed", t) for t in token_buckets(max_num_batched_tokens, smallest_mixed)]
     return sorted(shapes, key=lambda s: -s[1])
+
+
+def _warm_up_widths(max_blocks: int) -> list[int]:
+    """Block-table widths an eager warm-up runs: 1, 2, 4, ... and ``max_blocks``, each with its
+    own split count and its own class of Triton's integer specialization (one, a multiple of
+    16, other)."""
+    widths, w = {max_blocks}, 1
+    while w < max_blocks:
+        widths.add(w)
+        w *= 2
+    return sorted(widths)
 
 
 def token_buckets(max_num_batched_tokens: int, smallest: int = 64) -> list[int]:
@@ -184,20 +196,26 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0,
                 sample_tokens: bool = False) -> int:
-        """Without graphs: run the padding step of every shape `capture_cuda_graphs` would
-        record, and of mixed steps down to 16 tokens (Chapter 8's smallest flat-GEMM bucket;
-        an eager step is not padded up to 64), and the sampler with ``sample_tokens``: Triton
-        compiles, and the GEMMs and GEMVs time their tiles, for every batch size and token
-        bucket before the first request rather than inside a request's step. Returns the
-        number of steps run (0 where graphs could not run either: the torch backend, a CPU)."""
+        """Without graphs: run a padding step of every shape an eager step can take, and the
+        sampler with ``sample_tokens``, so that Triton compiles every variant of the kernels and
+        the GEMMs and GEMVs time their tiles before the first request rather than inside a
+        request's step (each compile is a second or more). An eager step is not padded: its
+        batch can have any size (decode steps: every size up to ``max_num_seqs``; mixed steps:
+        the token buckets down to 16, Chapter 8's smallest flat-GEMM bucket) and its block
+        tables any width, on which the attention kernels specialize (the width, and the split
+        count it leads to, `_warm_up_widths`). Returns the number of steps run (0 where graphs
+        could not run either: the torch backend, a CPU)."""
         if not self.can_capture():
             return 0
         self._static_buffers(max_num_seqs, max_model_len, max_num_batched_tokens, sample_tokens)
-        shapes = step_shapes(max_num_seqs, max_num_batched_tokens, smallest_mixed=16)
+        shapes = [("decode", b) for b in range(max_num_seqs, 0, -1)]
+        shapes += [s for s in step_shapes(max_num_seqs, max_num_batched_tokens, smallest_mixed=16) if s[0] == "mixed"]
+        widths = _warm_up_widths(self.max_blocks)
         for kind, bucket in shapes:
-            self._padding_step(kind, bucket)
+            for width in widths:
+                self._padding_step(kind, bucket, width)
         torch.cuda.synchronize(self.cache.pool.device)
-        return len(shapes)
+        return len(shapes) * len(widths)
 
     def _static_buffers(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
                         sample_tokens: bool) -> None:
@@ -225,11 +243,19 @@ class ModelRunner:
         self._turn = 0
         self._sampling = SamplingTensors.empty(max_num_seqs, device) if sample_tokens else None
 
-    def _padding_step(self, kind: str, bucket: int) -> tuple[PagedBatch, SamplingTensors | None]:
+    def _padding_step(self, kind: str, bucket: int, width: int | None = None
+                      ) -> tuple[PagedBatch, SamplingTensors | None]:
         """Run one step of ``bucket`` padding rows eagerly (and the sampler, if the buffers have
         its rows): nothing is written, nothing read, every kernel of that shape compiled and
-        tuned. Returns the static batch and sampling rows, for `capture`."""
+        tuned. Returns the static batch and sampling rows, for `capture`. ``width``: block
+        tables of that many blocks (contiguous, as an eager step's are) instead of the static
+        ones, with ``max_seq_len`` to match (`warm_up`)."""
         batch = self._static_batch(kind, bucket)
+        if width is not None:
+            tables = torch.full((batch.block_tables.shape[0], width), -1, dtype=torch.int32,
+                                device=batch.block_tables.device)
+            batch = dataclasses.replace(batch, block_tables=tables,
+                                        max_seq_len=min(width * self.cache.block_size, self.max_model_len))
         self._buf["slot_mapping"].fill_(-1)
         self._buf["seq_lens"].zero_()
         self._buf["cu_seqlens_q"].zero_()

@@ -242,19 +242,26 @@ class PagedBatch:
         ids, positions, slots, lens, tables = (gather(seq_ids, counts) if gather is not None
                                                else _step_inputs(manager, seq_ids, counts))
         cu = list(itertools.accumulate(counts, initial=0))
-        # Two host-to-device copies per step, not six: the int64 rows, then the int32 rest.
+        # Two host-to-device copies per step, not six: the int64 rows, then the int32 rest. Each
+        # field starts 16 bytes into its buffer times a whole number: Triton compiles a kernel
+        # per alignment of its pointers, and a field whose alignment followed the batch size
+        # would make an engine without CUDA graphs compile new variants inside its steps.
         device = torch.device(device or "cpu")
         total, batch = len(ids), len(lens)
-        wide = _to_device(np.array(ids + positions + slots, dtype=np.int64), device)
+        t, b = _aligned(total, 2), _aligned(batch + 1, 4)      # 2 int64 or 4 int32 per 16 bytes
+        wide = np.zeros(3 * t, dtype=np.int64)
+        wide[:total], wide[t:t + total], wide[2 * t:2 * t + total] = ids, positions, slots
         table = padded_block_tables(tables, max_blocks)                               # numpy int32
-        narrow = _to_device(np.concatenate([np.array(cu + lens, dtype=np.int32), table.ravel()]), device)
+        narrow = np.zeros(2 * b + table.size, dtype=np.int32)
+        narrow[:batch + 1], narrow[b:b + batch], narrow[2 * b:] = cu, lens, table.ravel()
+        wide, narrow = _to_device(wide, device), _to_device(narrow, device)
         return cls(
             input_ids=wide[:total],
-            positions=wide[total:2 * total],
-            slot_mapping=wide[2 * total:],
+            positions=wide[t:t + total],
+            slot_mapping=wide[2 * t:2 * t + total],
             cu_seqlens_q=narrow[:batch + 1],
-            seq_lens=narrow[batch + 1:2 * batch + 1],
-            block_tables=narrow[2 * batch + 1:].view(table.shape),
+            seq_lens=narrow[b:b + batch],
+            block_tables=narrow[2 * b:].view(table.shape),
             max_seqlen_q=max(counts, default=0),
             max_seq_len=max(lens, default=0),
             fresh_prefill=bool(lens) and lens == counts,
@@ -277,6 +284,11 @@ def _step_inputs(manager, seq_ids: list, counts: list[int]
         tables.append(manager.block_table(seq_id))
         lens.append(length)
     return ids, positions, slots, lens, tables
+
+
+def _aligned(n: int, per_16_bytes: int) -> int:
+    """``n`` rounded up to a whole number of 16-byte units of ``per_16_bytes`` elements."""
+    return -(-n // per_16_bytes) * per_16_bytes
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
