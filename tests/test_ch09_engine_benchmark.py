@@ -188,6 +188,41 @@ def test_buckets():
     assert step_shapes(6, 100) == [("mixed", 100), ("mixed", 64), ("decode", 6), ("decode", 4), ("decode", 2),
                                    ("decode", 1)]
     assert step_shapes(4, 0) == [("decode", 4), ("decode", 2), ("decode", 1)]
+
+
+def test_eager_warm_up_widths_meet_every_split_class():
+    """An eager engine's warm-up runs block tables of widths 1 .. max_blocks, each at most
+    twice the one before: the split count follows the width, so no power of two of it (the
+    merge tile, a compiled variant of its own) is skipped between two widths the warm-up ran."""
+    from minillm.engine.model_runner import _warm_up_widths
+
+    for max_blocks in (1, 2, 5, 64, 100, 2048):
+        widths = _warm_up_widths(max_blocks)
+        assert widths[0] == 1 and widths[-1] == max_blocks and widths == sorted(set(widths))
+        assert all(b <= 2 * a for a, b in zip(widths, widths[1:])), widths
+    assert len(_warm_up_widths(2048)) < 25   # a ladder, not every width
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("new_tokens", [1, 3])
+def test_step_fields_are_16_byte_aligned_whatever_the_batch(batch, new_tokens):
+    """`PagedBatch.from_manager` packs the step into two buffers (one copy each to the GPU);
+    every field starts on a 16-byte boundary whatever the batch size and token count, so a
+    Triton kernel sees one alignment and compiles one variant (an eager engine compiled new
+    ones inside its steps when the offsets followed the batch)."""
+    from minillm.model.paged import PagedBatch
+    from minillm.paged import BlockManager
+
+    manager = BlockManager(64, 4)
+    rng = np.random.default_rng(batch)
+    for s in range(batch):
+        manager.allocate(s, rng.integers(0, 100, int(rng.integers(new_tokens, 9))).tolist())
+    step = PagedBatch.from_manager(manager, list(range(batch)), new_tokens)
+    for name in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens", "block_tables"):
+        assert getattr(step, name).data_ptr() % 16 == 0, name
+    assert step.cu_seqlens_q.tolist() == [new_tokens * i for i in range(batch + 1)]
+    assert step.input_ids.numel() == step.positions.numel() == step.slot_mapping.numel() == batch * new_tokens
+    assert step.seq_lens.numel() == batch and step.block_tables.shape[0] == batch
     assert [t for k, t in step_shapes(2, 100, smallest_mixed=16) if k == "mixed"] == [100, 64, 32, 16]
 
 

@@ -35,8 +35,9 @@ since only one runs at a time):
 Before each capture the bucket's step runs once eagerly: Triton compiles its kernels and
 Chapter 8's flat GEMM tunes its tiles then (neither may happen during a capture). On a CPU,
 for the torch attention backend, and for a step that fits no bucket, `forward` runs eagerly.
-An engine without graphs on CUDA runs the same padding steps once at start-up (`warm_up`):
-otherwise the first requests' steps would pay for compiling and tuning, a second or more.
+An engine without graphs on CUDA runs padding steps of every shape an eager step can take
+once at start-up (`warm_up`): otherwise its requests' steps would pay for compiling and
+tuning, a second or more each time.
 
 **Sampling in the graph (Chapter 10).** With ``capture_cuda_graphs(..., sample_tokens=True)``
 each step shape gets the tokens on the GPU too: its graph ends with the argmax of the logits
@@ -84,13 +85,14 @@ def step_shapes(max_num_seqs: int, max_num_batched_tokens: int = 0, smallest_mix
 
 
 def _warm_up_widths(max_blocks: int) -> list[int]:
-    """Block-table widths an eager warm-up runs: 1, 2, 4, ... and ``max_blocks``, each with its
-    own split count and its own class of Triton's integer specialization (one, a multiple of
-    16, other)."""
+    """Block-table widths an eager warm-up runs: 1, 2, 3, 5, 8, 12, ... (each at most 1.5
+    times the one before) and ``max_blocks``. The split count of flash-decoding follows the
+    width, and its merge tile is the split count's next power of two: widths that grow by
+    less than 2x between steps meet every power of two on the way, so every variant compiles."""
     widths, w = {max_blocks}, 1
     while w < max_blocks:
         widths.add(w)
-        w *= 2
+        w = max(w + 1, (3 * w) // 2)
     return sorted(widths)
 
 
