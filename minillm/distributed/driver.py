@@ -68,6 +68,7 @@ class TensorParallelRunner:
 
     def __init__(self, model: TensorParallelModel, cache: ShardedCache):
         self.model, self.cache = model, cache
+        self._copies: list[tuple[int, int]] = []   # the step's copy-on-write copies, sent with it
 
     @property
     def local(self):

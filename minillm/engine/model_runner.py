@@ -85,10 +85,11 @@ def step_shapes(max_num_seqs: int, max_num_batched_tokens: int = 0, smallest_mix
 
 
 def _warm_up_widths(max_blocks: int) -> list[int]:
-    """Block-table widths an eager warm-up runs: 1, 2, 3, 5, 8, 12, ... (each at most 1.5
-    times the one before) and ``max_blocks``. The split count of flash-decoding follows the
-    width, and its merge tile is the split count's next power of two: widths that grow by
-    less than 2x between steps meet every power of two on the way, so every variant compiles."""
+    """Block-table widths an eager warm-up runs: 1, 2, 3, 4, 6, 9, 13, ... (each about 1.5
+    times the one before, never more than twice) and ``max_blocks``. The split count of
+    flash-decoding follows the width, and its merge tile is the split count's next power of
+    two: widths that at most double between steps meet every power of two on the way, so every
+    variant compiles."""
     widths, w = {max_blocks}, 1
     while w < max_blocks:
         widths.add(w)
