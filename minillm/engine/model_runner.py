@@ -203,15 +203,20 @@ class ModelRunner:
         sampler with ``sample_tokens``, so that Triton compiles every variant of the kernels and
         the GEMMs and GEMVs time their tiles before the first request rather than inside a
         request's step (each compile is a second or more). An eager step is not padded: its
-        batch can have any size (decode steps: every size up to ``max_num_seqs``; mixed steps:
-        the token buckets down to 16, Chapter 8's smallest flat-GEMM bucket) and its block
-        tables any width, on which the attention kernels specialize (the width, and the split
-        count it leads to, `_warm_up_widths`). Returns the number of steps run (0 where graphs
-        could not run either: the torch backend, a CPU)."""
+        batch can have any size and its block tables any width, on which the attention kernels
+        specialize (the width, and the split count it leads to, `_warm_up_widths`). Decode steps
+        run every size up to Chapter 8's `GEMV_MAX_ROWS` (a GEMV compiles per row count; the
+        smallest batches also reach every split count) and the decode buckets above it (the flat
+        GEMM tunes per power of two of rows); mixed steps the token buckets down to 16, Chapter
+        8's smallest flat-GEMM bucket. Returns the number of steps run (0 where graphs could not
+        run either: the torch backend, a CPU)."""
         if not self.can_capture():
             return 0
+        from minillm.kernels.ch08_flat_gemm import GEMV_MAX_ROWS
+
         self._static_buffers(max_num_seqs, max_model_len, max_num_batched_tokens, sample_tokens)
-        shapes = [("decode", b) for b in range(max_num_seqs, 0, -1)]
+        sizes = set(range(1, min(GEMV_MAX_ROWS, max_num_seqs) + 1)) | set(decode_buckets(max_num_seqs))
+        shapes = [("decode", b) for b in sorted(sizes, reverse=True)]
         shapes += [s for s in step_shapes(max_num_seqs, max_num_batched_tokens, smallest_mixed=16) if s[0] == "mixed"]
         widths = _warm_up_widths(self.max_blocks)
         for kind, bucket in shapes:
