@@ -194,13 +194,13 @@ def test_eager_warm_up_widths_meet_every_split_class():
     """An eager engine's warm-up runs block tables of widths 1 .. max_blocks, each at most
     twice the one before: the split count follows the width, so no power of two of it (the
     merge tile, a compiled variant of its own) is skipped between two widths the warm-up ran."""
-    from minillm.engine.model_runner import _warm_up_widths
+    from minillm.engine.model_runner import warm_up_widths
 
     for max_blocks in (1, 2, 5, 64, 100, 2048):
-        widths = _warm_up_widths(max_blocks)
+        widths = warm_up_widths(max_blocks)
         assert widths[0] == 1 and widths[-1] == max_blocks and widths == sorted(set(widths))
         assert all(b <= 2 * a for a, b in zip(widths, widths[1:])), widths
-    assert len(_warm_up_widths(2048)) < 25   # a ladder, not every width
+    assert len(warm_up_widths(2048)) < 25   # a ladder, not every width
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])

@@ -82,8 +82,7 @@ class TensorParallelRunner:
         """`ModelRunner.forward_and_sample` on rank 0 (its graphs end with the sampler); the other
         ranks run the same step's forward pass, whose collectives are the same."""
         self._send_step(batch)
-        return self.model.worker.op_step(self.cache.cache_id, batch, self._copies,
-                                         "greedy" if sampling is None else sampling)
+        return self.model.worker.step_and_sample(self.cache.cache_id, batch, self._copies, sampling)
 
     def _send_step(self, batch) -> None:
         self._copies = self.cache.take_copies()

@@ -128,21 +128,20 @@ class Worker:
         return batch if isinstance(batch, PagedBatch) else batch_from_fields(batch, self.state.device)
 
     @torch.inference_mode()
-    def op_step(self, cache_id: int, batch, copies, sampling=None):
-        """The step's logits; with ``sampling`` (rank 0, which samples on its GPU:
-        `SamplingTensors` or the ``"greedy"`` of an all-greedy step) ``(logits, tokens)``."""
-        self._check_cache(cache_id)
-        if copies:
-            self.cache.copy_blocks(copies)
-        if sampling is None:
-            return self.runner.forward(self._batch(batch))
-        return self.runner.forward_and_sample(self._batch(batch), None if sampling == "greedy" else sampling)
+    def op_step(self, cache_id: int, batch, copies) -> torch.Tensor:
+        self._prepare(cache_id, copies)
+        return self.runner.forward(self._batch(batch))
+
+    @torch.inference_mode()
+    def step_and_sample(self, cache_id: int, batch, copies, sampling) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0's side of a step whose tokens it draws on its GPU (`ModelRunner.forward_and_sample`;
+        ``sampling=None``: all greedy); the other ranks run `op_step`, with the same collectives."""
+        self._prepare(cache_id, copies)
+        return self.runner.forward_and_sample(self._batch(batch), sampling)
 
     @torch.inference_mode()
     def op_forward_paged(self, cache_id: int, batch, last_only: bool, copies=()) -> torch.Tensor:
-        self._check_cache(cache_id)
-        if copies:
-            self.cache.copy_blocks(copies)
+        self._prepare(cache_id, copies)
         return self.model.forward_paged(self._batch(batch), self.cache, last_only=last_only)
 
     def op_enable_fused_decode(self, cache_id: int, mode: str, fold_into_gemv: bool | None = None) -> bool:
@@ -192,6 +191,13 @@ class Worker:
 
     def op_run(self, fn, args=(), kwargs=None):
         return fn(self, *args, **(kwargs or {}))
+
+    def _prepare(self, cache_id: int, copies) -> None:
+        """Before a step over pool ``cache_id``: check it is the current one, run the step's
+        copy-on-write block copies."""
+        self._check_cache(cache_id)
+        if copies:
+            self.cache.copy_blocks(copies)
 
     def _check_cache(self, cache_id: int) -> None:
         if self.cache is None or cache_id != self.cache_id:

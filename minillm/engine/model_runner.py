@@ -63,7 +63,8 @@ from minillm.decoding.gpu_sampling import SamplingTensors, sample
 from minillm.model.paged import PagedBatch, PagedKVCache
 from minillm.paged import blocks_for
 
-__all__ = ["ModelRunner", "choose_tokens", "decode_buckets", "step_shapes", "token_buckets"]
+__all__ = ["ModelRunner", "choose_tokens", "decode_buckets", "step_shapes", "token_buckets",
+           "warm_up_widths"]
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -84,7 +85,7 @@ def step_shapes(max_num_seqs: int, max_num_batched_tokens: int = 0, smallest_mix
     return sorted(shapes, key=lambda s: -s[1])
 
 
-def _warm_up_widths(max_blocks: int) -> list[int]:
+def warm_up_widths(max_blocks: int) -> list[int]:
     """Block-table widths an eager warm-up runs: 1, 2, 3, 4, 6, 9, 13, ... (each about 1.5
     times the one before, never more than twice) and ``max_blocks``. The split count of
     flash-decoding follows the width, and its merge tile is the split count's next power of
@@ -204,7 +205,7 @@ class ModelRunner:
         the GEMMs and GEMVs time their tiles before the first request rather than inside a
         request's step (each compile is a second or more). An eager step is not padded: its
         batch can have any size and its block tables any width, on which the attention kernels
-        specialize (the width, and the split count it leads to, `_warm_up_widths`). Decode steps
+        specialize (the width, and the split count it leads to, `warm_up_widths`). Decode steps
         run every size up to Chapter 8's `GEMV_MAX_ROWS` (a GEMV compiles per row count; the
         smallest batches also reach every split count) and the decode buckets above it (the flat
         GEMM tunes per power of two of rows); mixed steps the token buckets down to 16, Chapter
@@ -218,7 +219,7 @@ class ModelRunner:
         sizes = set(range(1, min(GEMV_MAX_ROWS, max_num_seqs) + 1)) | set(decode_buckets(max_num_seqs))
         shapes = [("decode", b) for b in sorted(sizes, reverse=True)]
         shapes += [s for s in step_shapes(max_num_seqs, max_num_batched_tokens, smallest_mixed=16) if s[0] == "mixed"]
-        widths = _warm_up_widths(self.max_blocks)
+        widths = warm_up_widths(self.max_blocks)
         for kind, bucket in shapes:
             for width in widths:
                 self._padding_step(kind, bucket, width)
