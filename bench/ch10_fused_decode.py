@@ -507,6 +507,12 @@ def measure_step(model, cache, batch, mode: str, profile: bool = False) -> dict:
         step()
         torch.cuda.synchronize()
         out = {"eager_step_ms": time_ms(step, warmup=10, rep=50)}
+        fused = model.fused_decode
+        if fused is not None:  # the same without layer replay: every layer through its wrappers
+            out["replayed_layers"] = fused.replayed_layers
+            fused.replay_layers = False
+            out["eager_step_ms_no_replay"] = time_ms(step, warmup=10, rep=50)
+            fused.replay_layers = True
         if profile:
             out["profile"] = profile_eager(model, step)
         graph = torch.cuda.CUDAGraph()
@@ -543,6 +549,8 @@ def part_step(results: Results, ctx: dict) -> None:
     f, u = m["fused"], m["unfused"]
     add("step_ms", f["step_ms"], "unfused", u["step_ms"], note="decode step + argmax, CUDA graph replay")
     add("eager_step_ms", f["eager_step_ms"], "unfused", u["eager_step_ms"])
+    add("eager_step_ms", f["eager_step_ms"], "fused, no replay", f["eager_step_ms_no_replay"],
+        note=f"{f['replayed_layers']} of {c.num_hidden_layers} layers replaying layer 1's recorded launches")
     add("kernels_per_step", f["profile"]["kernels"], "unfused", u["profile"]["kernels"], better="lower",
         note="CUDA kernels of one eager step (torch.profiler)")
     add("floor_bytes_ms", floor_bytes, note=f"(weights {wb / 1e6:.0f} MB + KV {kv / 1e6:.0f} MB) / copy bandwidth")
@@ -632,19 +640,23 @@ def offline_setup(device):
     return model, tokenizer, workload, warm, base
 
 
-def offline_runs(model, tokenizer, workload, warm, **config) -> dict:
-    """The engine on ``workload`` unfused, then fused (each after an untimed run of ``warm``),
-    with the Chapter 9 bench configuration plus ``config``: ``{"unfused": result, "fused": result}``."""
+def offline_runs(model, tokenizer, workload, warm, modes=("unfused", "fused"), **config) -> dict:
+    """The engine on ``workload`` in each of ``modes`` (each after an untimed run of ``warm``),
+    with the Chapter 9 bench configuration plus ``config``: ``{mode: result}``. Modes:
+    ``"unfused"``, ``"fused"``, and ``"fused, no replay"`` (fused, every layer's launches made
+    by its wrappers: `FusedDecode.replay_layers` off)."""
     from minillm.experiments import ch09_engine_benchmark as bench
 
     label = " eager" if config.get("cuda_graphs") == "off" else ""
     out = {}
-    for mode in ("unfused", "fused"):
+    for mode in modes:
+        fused = mode.startswith("fused")
         engine = bench.build_engine(model=model, tokenizer=tokenizer,
                                     config=bench.bench_engine_config(BATCH, device="cuda", max_model_len=1024,
-                                                                     fused_decode="on" if mode == "fused" else "off",
-                                                                     **config))
-        assert engine.fused_decode == (mode == "fused")
+                                                                     fused_decode="on" if fused else "off", **config))
+        assert engine.fused_decode == fused
+        if mode == "fused, no replay":
+            engine.runner.model.fused_decode.replay_layers = False
         bench.run_offline(engine, warm, use_tqdm=False)
         out[mode] = r = bench.run_offline(engine, workload, mode=mode + label, use_tqdm=False)
         del engine
@@ -680,7 +692,8 @@ def part_offline_eager(results: Results, ctx: dict) -> None:
     transformers' static batching."""
     device = ctx["device"]
     model, tokenizer, workload, warm, base = offline_setup(device)
-    out = offline_runs(model, tokenizer, workload, warm, cuda_graphs="off")
+    out = offline_runs(model, tokenizer, workload, warm, modes=("unfused", "fused", "fused, no replay"),
+                       cuda_graphs="off")
     for mode, r in out.items():
         results.add(BENCHMARK, {**base, "mode": f"{mode} eager", "cuda_graphs": "off"}, "decode_step_ms",
                     r.decode_step_ms, note=f"engine without CUDA graphs ({r.eager_steps} of {r.steps} steps eager); "
@@ -688,6 +701,9 @@ def part_offline_eager(results: Results, ctx: dict) -> None:
     f, u = out["fused"], out["unfused"]
     results.add(BENCHMARK, {**base, "mode": "fused eager", "cuda_graphs": "off"}, "output_tokens_per_s",
                 f.output_tokens_per_s, "unfused eager", u.output_tokens_per_s)
+    results.add(BENCHMARK, {**base, "mode": "fused eager", "cuda_graphs": "off"}, "output_tokens_per_s",
+                f.output_tokens_per_s, "fused, no replay eager", out["fused, no replay"].output_tokens_per_s,
+                note="layers 2 and up replaying layer 1's recorded launches, against every layer through its wrappers")
     model.fused_decode = None
     del model
     free_memory()
@@ -696,7 +712,7 @@ def part_offline_eager(results: Results, ctx: dict) -> None:
                     "skipped", None, note="no time left")
         return
     peer = hf_static_batching(ctx, workload)
-    for mode in ("fused", "unfused"):
+    for mode in ("fused", "fused, no replay", "unfused"):
         results.add(BENCHMARK, {**base, "mode": f"{mode} eager", "cuda_graphs": "off"}, "output_tokens_per_s",
                     out[mode].output_tokens_per_s, "hf_static_batching", peer.output_tokens_per_s,
                     note="the engine without CUDA graphs against transformers generate, batches of 64, "

@@ -9,7 +9,8 @@
   `block_d`, `dot_precision`, `scale_and_window`, `num_sms`, `head_dim_offsets`, and the
   online-softmax update itself (`online_softmax_update`, Chapter 3), which every attention
   kernel from Chapter 3 on calls once per tile of scores.
-- `launch`: ``kernel[grid](...)`` with less host time (decode steps are launch-bound).
+- `launch`: ``kernel[grid](...)`` with less host time (decode steps are launch-bound), and
+  `recording`/`record_call`: launches recorded to be made again with other tensors.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import sys
 import warnings
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Without a GPU, run every kernel in Triton's interpreter. Decided before Triton is imported.
 _TRITON_WAS_IMPORTED = "triton" in sys.modules
@@ -33,7 +35,8 @@ import triton.language as tl  # noqa: E402
 
 __all__ = ["triton", "tl", "interpreting", "launch", "LOG2E", "LN2", "LOG2E_C", "LN2_C", "CPU_NUM_SMS", "block_d",
            "dot_precision", "scale_and_window", "num_sms", "head_dim_offsets", "online_softmax_update",
-           "capture_calls", "graph_ms_per_call", "l2_copies"]
+           "capture_calls", "graph_ms_per_call", "l2_copies", "recording", "Recording", "record_call",
+           "is_recording", "unrecorded"]
 
 
 def interpreting() -> bool:
@@ -246,41 +249,75 @@ def _hooks_active() -> bool:
 
 def launch(kernel, grid: tuple, *args, **meta):
     """``kernel[grid](*args, **meta)`` with Triton's per-call binding skipped after the first
-    call of each signature.
+    call of each signature (and recorded where a `recording` is open).
 
     ``kernel``: a ``@triton.jit`` function whose runtime arguments (tensors, host tensor
     descriptors, scalars) are all passed positionally in ``args`` and whose ``tl.constexpr``
     parameters (those after them) come from ``meta`` or their defaults; ``meta`` may also hold launch options (``num_warps``,
     ``num_stages``). ``grid``: a tuple of 1-3 ints (not a callable)."""
-    if _FAST and not _hooks_active():
-        device = _driver.active.get_current_device()
-        types = tuple(map(type, args))
-        layout = _LAYOUTS.get((kernel, types))
-        if layout is None:
-            layout = _LAYOUTS[(kernel, types)] = _layout(types)
-        tensors, others, descriptors = layout
-        # Tensors count by dtype and 16-byte alignment, tensor descriptors by dtype and box
-        # (their address, shape and strides are encoded at every launch), everything else by
-        # value: `others` holds the integers (and floats, None, bools) Triton specializes on.
-        key = (kernel, device, types, others(args), *meta.items(),
-               *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors(args)],
-               *[(d.base.dtype, tuple(d.block_shape)) for d in descriptors(args)])
-        hit = _BINARIES.get(key)
-        if hit is not None:
-            binary, constexprs = hit
-            g1 = grid[1] if len(grid) > 1 else 1
-            g2 = grid[2] if len(grid) > 2 else 1
-            binary.run(grid[0], g1, g2, _driver.active.get_current_stream(device), binary.function,
-                       binary.packed_metadata, None, None, None, *args, *constexprs)
-            return binary
-        binary = kernel[grid](*args, **meta)
+    if not (_FAST and not _hooks_active()):
+        if _RECORDING is None:
+            return kernel[grid](*args, **meta)
+        if _FAST:
+            _RECORDING.refuse("a launch hook is set")
+        else:  # the interpreter: a replay calls the kernel again
+            _RECORDING.add(functools.partial(_interpreted, kernel, grid, meta), args)
+        with _unwatched():
+            return kernel[grid](*args, **meta)
+    device = _driver.active.get_current_device()
+    types = tuple(map(type, args))
+    layout = _LAYOUTS.get((kernel, types))
+    if layout is None:
+        layout = _LAYOUTS[(kernel, types)] = _layout(types)
+    tensors, others, descriptors = layout
+    # Tensors count by dtype and 16-byte alignment, tensor descriptors by dtype and box
+    # (their address, shape and strides are encoded at every launch), everything else by
+    # value: `others` holds the integers (and floats, None, bools) Triton specializes on.
+    key = (kernel, device, types, others(args), *meta.items(),
+           *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors(args)],
+           *[(d.base.dtype, tuple(d.block_shape)) for d in descriptors(args)])
+    hit = _BINARIES.get(key)
+    if hit is None:
+        with _unwatched():  # Triton's own binding and compiling
+            binary = kernel[grid](*args, **meta)
         constexprs = _trailing_values(kernel, len(args), meta)
-        if constexprs is not None and hasattr(binary, "packed_metadata"):
-            if len(_BINARIES) >= CACHE_SIZE:
-                _BINARIES.clear()
-            _BINARIES[key] = (binary, constexprs)
+        if constexprs is None or not hasattr(binary, "packed_metadata"):
+            if _RECORDING is not None:
+                _RECORDING.refuse(f"{getattr(kernel, '__name__', kernel)} is not launched through a cached binary")
+            return binary
+        if len(_BINARIES) >= CACHE_SIZE:
+            _BINARIES.clear()
+        _BINARIES[key] = (binary, constexprs)
+        if _RECORDING is not None:
+            _record_binary(binary, grid, device, args, constexprs, descriptors(args))
         return binary
-    return kernel[grid](*args, **meta)
+    binary, constexprs = hit
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    launcher_args = (grid[0], g1, g2, _driver.active.get_current_stream(device), binary.function,
+                     binary.packed_metadata, None, None, None, *args, *constexprs)
+    if _RECORDING is not None:
+        _record_binary(binary, grid, device, args, constexprs, descriptors(args), launcher_args)
+    binary.run(*launcher_args)
+    return binary
+
+
+def _record_binary(binary, grid, device, args, constexprs, descriptors, launcher_args=None) -> None:
+    """Record a launch of a cached binary: its C launcher and everything it was called with."""
+    if descriptors:  # a descriptor holds its tensor's address, which `Recording.bind` cannot see
+        _RECORDING.refuse("a tensor descriptor was launched")
+        return
+    if launcher_args is None:
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        launcher_args = (grid[0], g1, g2, _driver.active.get_current_stream(device), binary.function,
+                         binary.packed_metadata, None, None, None, *args, *constexprs)
+    _RECORDING.add(binary.run, launcher_args, pointers=True)
+
+
+def _interpreted(kernel, grid, meta, *args):
+    """A recorded launch under the interpreter: the kernel called again."""
+    kernel[grid](*args, **meta)
 
 
 def _layout(types: tuple) -> tuple:
@@ -319,3 +356,186 @@ def _trailing_values(kernel, n_args: int, meta: dict) -> tuple | None:
 _FAST = not interpreting()
 if _FAST:
     from triton.runtime import driver as _driver
+
+
+# ----------------------------------------------------------------------------------------
+# Recording launches to replay them with other tensors (Chapter 10's eager layers).
+#
+# A decoder layer of a decode step launches the same ten kernels with the same grids and
+# integers as the layer before it; only the pointers to its weights and its slice of the KV
+# cache differ. `recording` keeps, for every launch made inside it, what the C launcher was
+# called with; `Recording.replay` calls the launchers again with some pointers swapped. The
+# Python of the wrappers (checks, allocation, planning, `launch`'s key) runs once, and a
+# replayed launch costs the C launcher alone. A CUDA graph does the same for the whole step,
+# in the driver.
+#
+# A recording is only good if *everything* the recorded code did on the device went through
+# `launch` or `record_call`: a torch operator in between (a cuBLAS GEMM, an add) would be left
+# out of the replay. While recording, a dispatch mode watches for such operators and marks the
+# recording unusable (`Recording.reason`); allocation and views are allowed (they queue no work).
+# ----------------------------------------------------------------------------------------
+#: aten operators that may run between recorded launches: they allocate or make views, and
+#: queue no work on the device.
+_NO_WORK_OPS = frozenset({
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "view", "_unsafe_view", "reshape",
+    "_reshape_alias", "slice", "select", "as_strided", "t", "transpose", "unsqueeze", "squeeze", "permute",
+    "expand", "alias", "detach", "split", "split_with_sizes", "narrow", "unbind", "view_as", "unflatten",
+    "flatten", "contiguous", "lift_fresh", "resolve_conj", "resolve_neg"})
+_RECORDING: "Recording | None" = None
+
+
+class Recording:
+    """The launches made inside a `recording` block, to be made again by `replay`.
+
+    ``calls``: ``(launcher, arguments, pointers)`` triples (the compiled kernel's C launcher
+    with its grid, stream and runtime arguments, ``pointers`` True: it takes tensors' addresses
+    as plain integers; under the interpreter a call of the kernel, and `record_call`'s
+    calls: False); ``reason``: None while every operation was recorded, else why the
+    recording cannot be replayed (an operator that did device work outside `launch`, an
+    autotuned kernel, a tensor descriptor, a launch hook)."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.reason: str | None = None
+        self._swaps: list[tuple] | None = None
+        self._templates: list[list] = []
+
+    def add(self, fn, args, pointers: bool = False) -> None:
+        """Record ``fn(*args)``: a call whose device work depends on its arguments only."""
+        self.calls.append((fn, args, pointers))
+
+    def refuse(self, reason: str) -> None:
+        """Mark the recording unusable (the first reason given is kept)."""
+        if self.reason is None:
+            self.reason = reason
+
+    def bind(self, old: list[torch.Tensor]) -> bool:
+        """Prepare `replay` to substitute the tensors ``old`` (by their address): every argument
+        that starts where one of them starts is replaced. Returns False (and sets `reason`)
+        where the recording cannot be replayed, or where an argument lies *inside* one of
+        ``old`` without starting at its address (a view at an offset, which a substitute of
+        the same address would not describe)."""
+        if self.reason is not None:
+            return False
+        starts = {t.data_ptr(): j for j, t in enumerate(old)}
+        spans = [_extent(t) for t in old]
+        swaps, templates = [], []
+        for c, (_, args, pointers) in enumerate(self.calls):
+            template = list(args)
+            for i, a in enumerate(args):
+                if not isinstance(a, torch.Tensor):
+                    continue
+                p = a.data_ptr()
+                if pointers:  # the C launcher reads the address: pass it, not the tensor
+                    template[i] = p
+                j = starts.get(p)
+                if j is not None:
+                    swaps.append((c, i, j, pointers))
+                elif any(lo < p < hi for lo, hi in spans):
+                    self.refuse(f"an argument of call {c} points inside a substituted tensor")
+                    return False
+            templates.append(template)
+        self._swaps, self._templates = swaps, templates
+        return True
+
+    def replay(self, new: list[torch.Tensor]) -> None:
+        """Make every recorded call again, with ``new[j]`` in place of `bind`'s ``old[j]``
+        (same dtype, shape and 16-byte alignment: the compiled kernels were specialized on
+        the old ones). The calls go to the stream they were recorded on."""
+        if self._swaps is None:
+            raise RuntimeError("bind the recording before replaying it")
+        args = [t.copy() for t in self._templates]
+        addresses = [t.data_ptr() for t in new]
+        for c, i, j, pointers in self._swaps:
+            args[c][i] = addresses[j] if pointers else new[j]
+        for (fn, _, _), a in zip(self.calls, args):
+            fn(*a)
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """``(first, end)``: the byte addresses ``t``'s elements span."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else -1
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+class _WorkWatcher(TorchDispatchMode):
+    """Marks ``recording`` unusable at the first aten operator that may queue device work
+    (`_NO_WORK_OPS` excepted) outside a recorded call."""
+
+    def __init__(self, recording: Recording):
+        super().__init__()
+        self.recording, self.paused = recording, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and func.overloadpacket.__name__ not in _NO_WORK_OPS:
+            self.recording.refuse(f"{func} ran outside a recorded launch")
+        return func(*args, **(kwargs or {}))
+
+
+_WATCHER: _WorkWatcher | None = None
+
+
+class recording:
+    """``with recording() as rec:`` records every `launch` (and `record_call`) made inside the
+    block into ``rec`` (a `Recording`), while running them as usual. Not nested."""
+
+    def __enter__(self) -> Recording:
+        global _RECORDING, _WATCHER
+        if _RECORDING is not None:
+            raise RuntimeError("recordings do not nest")
+        _RECORDING = Recording()
+        _WATCHER = _WorkWatcher(_RECORDING)
+        _WATCHER.__enter__()
+        return _RECORDING
+
+    def __exit__(self, *exc) -> None:
+        global _RECORDING, _WATCHER
+        try:
+            _WATCHER.__exit__(*exc)
+        finally:
+            _RECORDING, _WATCHER = None, None
+
+
+class _unwatched:
+    """``with _unwatched():`` the watcher of an open recording ignores the operators run
+    inside (they belong to a recorded call, or to `unrecorded` work)."""
+
+    def __enter__(self) -> None:
+        if _WATCHER is not None:
+            _WATCHER.paused += 1
+
+    def __exit__(self, *exc) -> None:
+        if _WATCHER is not None:
+            _WATCHER.paused -= 1
+
+
+class unrecorded(_unwatched):
+    """``with unrecorded():`` device work that a replay must not repeat, launches included: a
+    workspace made (and zeroed) once and kept for every later call, which the kernels leave
+    as they found it; an autotuner timing its candidates before the first call of a shape."""
+
+    def __enter__(self) -> None:
+        global _RECORDING
+        self.recording, _RECORDING = _RECORDING, None
+        super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        global _RECORDING
+        _RECORDING = self.recording
+        super().__exit__(*exc)
+
+
+def is_recording() -> bool:
+    """Whether a `recording` is open."""
+    return _RECORDING is not None
+
+
+def record_call(fn, *args):
+    """``fn(*args)``, recorded where a `recording` is open: for device work that is not a
+    Triton launch (a cuBLAS GEMM into a given output). ``fn``'s work must depend on its
+    arguments only, and it must write into tensors it is given (a replay reuses them)."""
+    if _RECORDING is None:
+        return fn(*args)
+    _RECORDING.add(fn, args)
+    with _unwatched():
+        return fn(*args)

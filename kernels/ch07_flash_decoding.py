@@ -44,7 +44,7 @@ import torch
 from minillm.kernels.base import (
     tl, triton,
     CPU_NUM_SMS, LN2_C, LOG2E, LOG2E_C, block_d, dot_precision, head_dim_offsets, interpreting, launch, num_sms,
-    online_softmax_update, scale_and_window,
+    online_softmax_update, scale_and_window, unrecorded,
 )
 from minillm.kernels.ch05_paged_attention import (  # Chapter 5's tile addressing, reused as it is
     blocks_per_tile, check_paged, decode_block_n, decode_outputs, tile_rows,
@@ -673,8 +673,10 @@ def _reused(key: tuple, device, make):
     fill is captured with the graph, so every replay starts from zero)."""
     buf = _WORKSPACES.get(key)
     if buf is None:
-        buf = make()
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        with unrecorded():  # made once for later calls, which leave it as they found it
+            buf = make()
+        if not capturing:
             if len(_WORKSPACES) >= WORKSPACE_CACHE_SIZE:
                 _WORKSPACES.clear()
             _WORKSPACES[key] = buf

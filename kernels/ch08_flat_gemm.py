@@ -106,9 +106,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
-from minillm.kernels.base import dot_precision, interpreting, launch, num_sms, tl, triton
+from minillm.kernels.base import dot_precision, interpreting, is_recording, launch, num_sms, record_call, tl, triton, unrecorded
 
-__all__ = ["gemv", "flat_gemm", "linear", "store_result", "choose_kernel", "find_inflection_points", "DispatchTable", "DEFAULT_TABLE", "TileConfig",
+__all__ = ["gemv", "flat_gemm", "linear", "linear_into", "store_result", "choose_kernel", "find_inflection_points", "DispatchTable", "DEFAULT_TABLE", "TileConfig",
            "pick_config", "rows_bucket", "split_k_for", "GEMV_TILES", "FLAT_GEMM_TILES", "DEFAULT_THRESHOLDS", "KERNELS"]
 
 #: The three kernels of the dispatcher, in the order ``M`` hands over from one to the next.
@@ -308,7 +308,7 @@ def _gemv_kernel(X, W, Bias, Out, Partials, Counters, M, N, K, k_per_split,
                   n_ok[:, None], Bias, Out, Partials, Counters, M, N, stride_om, stride_on, HAS_BIAS, SPLIT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled variant per tile, whatever the batch (M only masks rows)
 def _flat_gemm_kernel(X, W, Bias, Out, Partials, Counters, M, N, K, k_per_split,
                       stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
@@ -465,7 +465,8 @@ def _make_plan(kind: str, x: torch.Tensor, weight: torch.Tensor, has_bias: bool,
     partials = counters = None
     if split > 1:
         partials = torch.empty(split, M, N, device=x.device, dtype=torch.float32)
-        counters = torch.zeros(grid[0] * grid[1], device=x.device, dtype=torch.int32)
+        with unrecorded():  # kept in the plan; the kernel leaves the counters at zero
+            counters = torch.zeros(grid[0] * grid[1], device=x.device, dtype=torch.int32)
     meta = dict(HAS_BIAS=has_bias, SPLIT=split > 1, EVEN_K=K % cfg.block_k == 0, BLOCK_N=cfg.block_n,
                 BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if kind == "gemv":
@@ -562,7 +563,8 @@ def pick_config(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     else:
         key = (kind, x.dtype, rows_bucket(kind, M), N, K, x.device.index)
         if key not in _TUNED:
-            _TUNED[key], TUNING_TIMES[key] = _tune(kind, tiles, x, weight, bias)
+            with unrecorded():  # timing runs, not part of the call
+                _TUNED[key], TUNING_TIMES[key] = _tune(kind, tiles, x, weight, bias)
         cfg = _TUNED[key]
     _PICKED[fast_key] = cfg
     return cfg
@@ -782,6 +784,15 @@ class DispatchTable:
 DEFAULT_TABLE = DispatchTable()
 
 
+def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` written into ``out``: the BLAS GEMM torch runs for it
+    (cuBLAS on a GPU; the same ``addmm``/``mm``, so the same numbers). ``x: [M, K]``,
+    ``weight: [N, K]``, ``bias: [N]`` or None, ``out: [M, N]``; returns ``out``."""
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            table: DispatchTable | None = None) -> torch.Tensor:
     """``torch.nn.functional.linear`` with the heuristic dataflow: `gemv`, `flat_gemm` or
@@ -797,7 +808,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(-1, K)
     M, N = x2.shape[0], weight.shape[0]
     kind = choose_kernel(M, N, K, table if table is not None else DEFAULT_TABLE)
-    if kind == "cublas":
+    if kind == "cublas" and is_recording():  # a recorded call, which a replayed layer makes again (Chapter 10)
+        y = record_call(linear_into, x2, weight, bias, x2.new_empty((M, N)))
+    elif kind == "cublas":
         y = F.linear(x2, weight, bias)
     else:
         y = _run(kind, x2, weight, bias, None, None, None)

@@ -302,8 +302,9 @@ def run_to_completion(engine, prompts, params, max_steps: int = 10_000) -> list:
 
 def compiled_kernel_variants() -> dict[str, int]:
     """``{"chNN_module.kernel": count}``: how many compiled variants (specializations) each
-    ``@triton.jit`` kernel of `minillm.kernels` holds in this process. Two snapshots around
-    some work tell whether it compiled anything (an engine's requests should not)."""
+    ``@triton.jit`` kernel of `minillm.kernels` holds in this process, and ``"....tuned_keys"``
+    the keys each ``triton.autotune``'d kernel has tuned for. Two snapshots around some work
+    tell whether it compiled or tuned anything (an engine's requests should not)."""
     import importlib
     import pkgutil
 
@@ -318,4 +319,8 @@ def compiled_kernel_variants() -> dict[str, int]:
             if isinstance(obj, triton.runtime.JITFunction) and obj.fn.__module__ == module.__name__:
                 caches = getattr(obj, "device_caches", {})
                 counts[f"{info.name}.{name}"] = sum(len(entry[0]) for entry in caches.values())
+            elif isinstance(obj, triton.runtime.Autotuner) and obj.base_fn.__module__ == module.__name__:
+                # an autotuned kernel: the keys it has benchmarked its configs for (a new key
+                # times every config, a stall as long as a compile)
+                counts[f"{info.name}.{name}.tuned_keys"] = len(obj.cache)
     return counts

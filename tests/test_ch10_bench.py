@@ -146,26 +146,33 @@ def test_offline_eager_part_bookkeeping_with_stand_ins(monkeypatch):
     def build_engine(model=None, tokenizer=None, config=None):
         assert config.cuda_graphs == "off"
         built.append(config.fused_decode)
-        return types.SimpleNamespace(fused_decode=config.fused_decode == "on")
+        fused = types.SimpleNamespace(replay_layers=True)
+        return types.SimpleNamespace(fused_decode=config.fused_decode == "on",
+                                     runner=types.SimpleNamespace(model=types.SimpleNamespace(fused_decode=fused)))
 
     def result(tok_s, **kw):
         return bench.OfflineResult("x", "", 1, 1, 1.0, 1, 1, tok_s, tok_s, 1.0, 1, 1.0, steps=10, eager_steps=10,
                                    decode_step_ms=1000 / tok_s, **kw)
 
+    def tokens_per_s(engine):
+        if not engine.fused_decode:
+            return 200.0
+        return 300.0 if engine.runner.model.fused_decode.replay_layers else 250.0
+
     monkeypatch.setattr(bench, "build_engine", build_engine)
-    monkeypatch.setattr(bench, "run_offline",
-                        lambda engine, work, **kw: result(300.0 if engine.fused_decode else 200.0))
+    monkeypatch.setattr(bench, "run_offline", lambda engine, work, **kw: result(tokens_per_s(engine)))
     monkeypatch.setattr(bench, "build_random_llama", lambda *a, **kw: "path")
     monkeypatch.setattr(bench, "load_hf_model", lambda *a: object())
     monkeypatch.setattr(bench, "run_hf_static", lambda hf, work, n, **kw: peers.append(len(work)) or result(100.0))
     results = Results("cpu", env={})
     ctx = {"device": torch.device("cpu"), "left": lambda: 1e9}
     b.part_offline_eager(results, ctx)
-    assert built == ["off", "on"] and len(peers) == 2           # one warm-up and one timed peer run
+    assert built == ["off", "on", "on"] and len(peers) == 2     # one warm-up and one timed peer run
     rows = results.rows
     assert {b.row_part(r) for r in rows} == {"offline_eager"}
     ratio = {(r["params"]["mode"], r["peer"]): r["ratio"] for r in rows if r["metric"] == "output_tokens_per_s"}
-    assert ratio == {("fused eager", "unfused eager"): 1.5, ("fused eager", "hf_static_batching"): 3.0,
+    assert ratio == {("fused eager", "unfused eager"): 1.5, ("fused eager", "fused, no replay eager"): 1.2,
+                     ("fused eager", "hf_static_batching"): 3.0, ("fused, no replay eager", "hf_static_batching"): 2.5,
                      ("unfused eager", "hf_static_batching"): 2.0}
     b.part_offline_eager(Results("cpu", env={}), ctx)          # the peer is measured once per run
     assert len(peers) == 2

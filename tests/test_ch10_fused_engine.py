@@ -90,6 +90,53 @@ def test_norms_and_swiglu_folded_into_the_gemvs_match_on_cpu():
         torch.testing.assert_close(g, w, atol=2e-4, rtol=2e-4, msg=lambda m: f"step {step}: {m}")
 
 
+def _replay_compared(model, seqs: int, fold: bool | None) -> None:
+    """Decode steps of ``seqs`` sequences with layers 2 and up replayed from layer 1's recorded
+    launches, and the same steps through every layer's wrappers: the logits must be the same
+    numbers (the same kernels on the same data)."""
+    device = model.lm_head.weight.device
+    cache = model.new_paged_cache(256, 4, backend="triton")
+    enable_fused_decode(model, cache, "on")
+    fused = model.fused_decode
+    fused.fold_into_gemv = fold
+    manager = BlockManager(256, 4, enable_prefix_caching=False)
+    rng = np.random.default_rng(seqs)
+    ids = list(range(seqs))
+    for i in ids:
+        manager.allocate(i, rng.integers(0, VOCAB, int(rng.integers(1, 30))).tolist())
+    layers = model.config.num_hidden_layers
+    with torch.inference_mode():
+        for step in range(3):
+            manager.append_slots(ids, rng.integers(0, VOCAB, seqs).tolist())
+            batch = PagedBatch.from_manager(manager, ids, 1, device=device)
+            fused.replay_layers = True
+            replayed = model.forward_paged(batch, cache).clone()
+            assert (fused.replayed_layers, fused.refusal) == (layers - 2, None)
+            fused.replay_layers = False
+            plain = model.forward_paged(batch, cache)
+            assert fused.replayed_layers == 0
+            torch.testing.assert_close(replayed, plain, atol=0, rtol=0, msg=lambda m: f"step {step}: {m}")
+
+
+@on_cpu
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("fold", [None, True], ids=["dispatch", "folded"])
+def test_replayed_layers_equal_every_layer_through_its_wrappers_on_cpu(family, fold):
+    """`FusedDecode.replay_layers` (`minillm.kernels.base.recording`): a 4-layer model, so
+    that two layers are replays; random weights per layer, so that a replay reading layer 1's
+    weights, cache or inputs instead of its own would change the logits."""
+    model = tiny_llama(1, vocab_size=VOCAB, family=family, layers=4, intermediate_size=96,
+                       qkv_bias=family == "qwen2")
+    _replay_compared(model, 3, fold)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqs", [3, 40])  # GEMVs with their neighbours folded in (PDL on Hopper); flat GEMMs
+def test_gpu_replayed_layers_equal_every_layer_through_its_wrappers(seqs):
+    model = tiny_llama(1, vocab_size=VOCAB, layers=5, intermediate_size=96).to("cuda", torch.bfloat16)
+    _replay_compared(model, seqs, None)
+
+
 def test_merged_weights_are_views_and_the_torch_path_is_unchanged():
     model = tiny_model("qwen2")
     x = torch.randint(0, VOCAB, (2, 6))
@@ -244,7 +291,8 @@ def test_gpu_fused_engine_decodes_greedily_and_samples_on_device(dtype, cuda_gra
 @pytest.mark.gpu
 def test_gpu_eager_engine_tunes_everything_before_the_first_request():
     """Without graphs the engine runs every step shape once at start-up (`ModelRunner.warm_up`):
-    the GEMV and flat-GEMM tiles are tuned then and every kernel variant compiled, and requests
+    the GEMV, flat-GEMM and prompt-attention tiles are tuned then and every kernel variant
+    compiled, and requests
     whose batch shrinks one at a time through every size, over block tables of many widths
     (prompts of 2 to 400 tokens), tune and compile nothing more, fused or not."""
     from minillm.kernels import ch08_flat_gemm, ch10_fused_decode
@@ -268,7 +316,7 @@ def test_gpu_eager_engine_tunes_everything_before_the_first_request():
         assert engine.runner.num_replays == 0 and engine.runner.num_eager >= 16
         assert (set(ch10_fused_decode.PROLOGUE_CONFIGS), set(ch08_flat_gemm.TUNING_TIMES)) == tuned
         grew = {k: (n, compiled.get(k, 0)) for k, n in compiled_kernel_variants().items() if n != compiled.get(k, 0)}
-        assert not grew, f"compiled during the requests (variants after, before): {grew}"
+        assert not grew, f"compiled or tuned during the requests (after, before): {grew}"
         model.fused_decode = None
 
 

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from minillm.kernels.base import (
     CPU_NUM_SMS, LN2, LOG2E, block_d, clear_launch_cache, dot_precision, head_dim_offsets, launch, launch_cache,
-    num_sms, online_softmax_update, scale_and_window,
+    num_sms, online_softmax_update, record_call, recording, scale_and_window,
 )
 
 
@@ -93,6 +93,57 @@ def test_cached_launch_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, _reference(x, y, 3.0))
+
+
+# ----------------------------------------------------------------------------------------
+# Recording launches and replaying them with other tensors (Chapter 10's eager layers)
+# ----------------------------------------------------------------------------------------
+def _chain(x, y, out, w):
+    """Two launches and a recorded torch call: ``out = w · (0.5·x + y)²``-ish, through a
+    buffer."""
+    mid = torch.empty_like(y)
+    launch(_axpy_kernel, (triton.cdiv(y.numel(), 64),), x, y, mid, y.numel(), 0.5, 1, BLOCK=64)
+    launch(_axpy_kernel, (triton.cdiv(y.numel(), 64),), mid, y, out, y.numel(), 2.0, 1, BLOCK=64, SQUARE=True)
+    record_call(_mul_into, out, w, out)
+
+
+def _mul_into(a, b, out):
+    return torch.mul(a, b, out=out)
+
+
+@pytest.mark.parametrize("n", [1, 37, 130])
+def test_a_recording_replays_with_swapped_tensors(n, device, gen):
+    x, y, w = (torch.randn(n, generator=gen).to(device) for _ in range(3))
+    out = torch.empty_like(y)
+    with recording() as rec:
+        _chain(x, y, out, w)
+    assert rec.reason is None and len(rec.calls) == 3
+    torch.testing.assert_close(out, w * (2.0 * (0.5 * x + y) ** 2 + y))
+    assert rec.bind([x, w])
+    for _ in range(2):  # other inputs, other weights; the same buffers and output
+        x2, w2 = torch.randn(n, generator=gen).to(device), torch.randn(n, generator=gen).to(device)
+        out.zero_()
+        rec.replay([x2, w2])
+        torch.testing.assert_close(out, w2 * (2.0 * (0.5 * x2 + y) ** 2 + y))
+
+
+def test_a_recording_refuses_what_it_cannot_replay(device, gen):
+    x, y, w = (torch.randn(64, generator=gen).to(device) for _ in range(3))
+    out = torch.empty_like(y)
+    with recording() as rec:
+        _chain(x, y, out, w)
+        out.add_(1.0)  # device work outside a launch: a replay would leave it out
+    assert rec.reason is not None and "add" in rec.reason
+    assert not rec.bind([x])
+    with pytest.raises(RuntimeError, match="bind"):
+        rec.replay([x])
+    big = torch.randn(128, generator=gen).to(device)
+    with recording() as rec:
+        _chain(big[32:96], y, out, w)  # an argument inside a tensor to substitute, not at its start
+    assert rec.reason is None and not rec.bind([big, w]) and "inside" in rec.reason
+    with recording() as rec, pytest.raises(RuntimeError, match="nest"):
+        with recording():
+            pass
 
 
 # ----------------------------------------------------------------------------------------

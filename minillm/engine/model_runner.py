@@ -37,7 +37,9 @@ Chapter 8's flat GEMM tunes its tiles then (neither may happen during a capture)
 for the torch attention backend, and for a step that fits no bucket, `forward` runs eagerly.
 An engine without graphs on CUDA runs padding steps of every shape an eager step can take
 once at start-up (`warm_up`): otherwise its requests' steps would pay for compiling and
-tuning, a second or more each time.
+tuning, a second or more each time. Both also run steps of fresh prompts in each length
+class (a prompt-only step runs eagerly either way, and its varlen FlashAttention kernel tunes
+its tiles per class of lengths: `_warm_up_prompts`).
 
 **Sampling in the graph (Chapter 10).** With ``capture_cuda_graphs(..., sample_tokens=True)``
 each step shape gets the tokens on the GPU too: its graph ends with the argmax of the logits
@@ -53,6 +55,7 @@ logits, so a step gives the same tokens with and without the graphs.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import warnings
 from dataclasses import dataclass
 
@@ -194,6 +197,7 @@ class ModelRunner:
                                  disable=not progress):
             batch, sampling = self._padding_step(kind, bucket)   # compiles and tunes, then record
             self.graphs[(kind, bucket)], pool = self.capture(batch, pool, sampling)
+        self._warm_up_prompts()  # a fresh prompt's step runs eagerly
         self._keep_alive = _reused_kernel_buffers()
         return len(self.graphs)
 
@@ -223,8 +227,46 @@ class ModelRunner:
         for kind, bucket in shapes:
             for width in widths:
                 self._padding_step(kind, bucket, width)
+        prompts = self._warm_up_prompts()
         torch.cuda.synchronize(self.cache.pool.device)
-        return len(shapes) * len(widths)
+        return len(shapes) * len(widths) + prompts
+
+    def _warm_up_prompts(self) -> int:
+        """Run steps of fresh prompts in each length class the varlen FlashAttention kernel of a
+        prompt-only step tunes for (`minillm.kernels.ch04_flash_attention.seq_bucket`: powers
+        of two from 64), so that it picks its tiles now and not inside a request's first step.
+        The kernel also specializes on the longest prompt and the step's total tokens being
+        multiples of 16 or not, and compiles a variant for each pair: each class runs the four
+        pairs. (A step of one-token prompts has a decode step's shape and takes
+        flash-decoding.) Returns the number of steps run."""
+        from minillm.kernels.ch04_flash_attention import seq_bucket
+
+        rows = self._buf["input_ids"].shape[0]
+        longest = min(self.max_model_len, rows)
+        steps = []
+        for top in sorted({min(1 << e, longest) for e in range(6, seq_bucket(longest).bit_length())}, reverse=True):
+            steps += [[top], [top - 1], [top - 1, 1], [top, 1] if top < rows else [top - 16, 1]]
+        steps = [lengths for lengths in steps if max(lengths) >= 2 and min(lengths) >= 1]
+        for lengths in steps:
+            self._prompt_step(lengths)
+        return len(steps)
+
+    def _prompt_step(self, lengths: list[int]) -> None:
+        """Run one step of fresh prompts of ``lengths`` padding tokens (slots -1: nothing is
+        written; attention reads and computes over the pool's unwritten rows, so that the
+        varlen kernel tunes on real lengths)."""
+        b, total = self._buf, sum(lengths)
+        batch = dataclasses.replace(self._static_batch("mixed", total), max_seqlen_q=max(lengths), fresh_prefill=True)
+        b["slot_mapping"].fill_(-1)
+        ends = torch.tensor(list(itertools.accumulate(lengths)), dtype=b["cu_seqlens_q"].dtype)
+        b["cu_seqlens_q"].fill_(total)
+        b["cu_seqlens_q"][0] = 0
+        b["cu_seqlens_q"][1:len(lengths) + 1].copy_(ends)
+        b["seq_lens"].zero_()
+        b["seq_lens"][:len(lengths)].copy_(torch.tensor(lengths, dtype=b["seq_lens"].dtype))
+        self.model.forward_paged(batch, self.cache, last_only=True)
+        b["seq_lens"].zero_()
+        b["cu_seqlens_q"].zero_()
 
     def _static_buffers(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
                         sample_tokens: bool) -> None:

@@ -32,6 +32,12 @@ launches (`minillm.kernels.ch10_fused_decode.pdl_enabled`). A 1B Llama's decode 
 sequence is then 5 kernels a layer instead of 9 (`FusedDecode.fold_into_gemv` forces either
 way).
 
+Without a CUDA graph, a step's time is the host's Python around its launches, and every layer
+repeats it with the same answers. So each eager step runs layer 1 through its wrappers while
+recording its launches (`minillm.kernels.base.recording`), and layers 2 and up replay them
+with their own weights and cache slices swapped in (`FusedDecode.replay_layers`): the same
+kernels, the same logits, a fraction of the host time.
+
 The residual stream is carried separately from the block outputs, as vLLM's layers do:
 ``h, residual = add_rmsnorm(block_out, residual, w)`` replaces ``x = x + block_out; h =
 norm(x)``. Logits are computed for the rows that sample only (each sequence's last new token,
@@ -39,6 +45,7 @@ norm(x)``. Logits are computed for the rows that sample only (each sequence's la
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +69,33 @@ FOLD_ROPE = True
 #: break at attention. A switch for measurements: with the fold above, 0.978 -> 0.964 ms on
 #: the H100 (its launch hidden, and the o projection's first loads under it).
 ATTENTION_PDL = True
+
+
+#: `FusedDecode.replay_layers`' default. On an H100 host (280M Llama, 64 sequences, eager), the
+#: step's host time went from about 12 ms to 4-8 ms (``chapters/10_fused_decode.ipynb``).
+REPLAY_LAYERS = True
+
+
+@dataclass
+class _Step:
+    """What every layer of one step shares: the batch, the cache, the rotary tables, and which
+    projections run as PDL-chained GEMVs with their neighbours folded in."""
+    batch: PagedBatch
+    cache: PagedKVCache
+    cos: torch.Tensor
+    sin: torch.Tensor
+    pdl: bool
+    gemv_qkv: bool
+    gemv_o: bool
+    gemv_gate_up: bool
+    gemv_down: bool
+
+
+def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a kernel compiled for ``a`` runs unchanged on ``b``: dtype, shape, strides and
+    16-byte alignment alike."""
+    return (a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and (a.data_ptr() % 16 == 0) == (b.data_ptr() % 16 == 0))
 
 
 @dataclass
@@ -98,14 +132,20 @@ def _merge(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """What `minillm.model.torch_model.Linear` does with a weight of its own: Chapter 8's
-    dispatcher on CUDA in fp16/bf16, ``F.linear`` elsewhere."""
+    dispatcher on CUDA in fp16/bf16, ``F.linear`` elsewhere (a recorded call while a layer is
+    being recorded, so that its replays make it too)."""
     if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype:
         from minillm.model.torch_model import _flat_gemm_linear
 
         dispatch = _flat_gemm_linear()
         if dispatch is not None:
             return dispatch(x, weight, bias)
-    return F.linear(x, weight, bias)
+    from minillm.kernels.base import is_recording, record_call
+    from minillm.kernels.ch08_flat_gemm import linear_into
+
+    if not is_recording():
+        return F.linear(x, weight, bias)
+    return record_call(linear_into, x, weight, bias, x.new_empty((x.shape[0], weight.shape[0])))
 
 
 def supports_fused_decode(model) -> bool:
@@ -137,6 +177,15 @@ class FusedDecode:
         #: None: fold the norms and SwiGLU into the GEMVs where the dispatch picks the GEMV;
         #: True/False: always/never (True runs the folded kernels under the interpreter too).
         self.fold_into_gemv: bool | None = None
+        #: Record layer 1's launches each step and replay them for layers 2 and up (eager steps:
+        #: the wrappers' Python runs for two layers instead of all; `minillm.kernels.base.recording`).
+        self.replay_layers = REPLAY_LAYERS
+        self._distributed = any(hasattr(mod, "reduce") for mod in model.modules())
+        self._alike = None   # (the cache, whether every layer's tensors are like layer 1's)
+        self._own: list[list[torch.Tensor]] | None = None   # per layer, its weights (`_layer_tensors`)
+        #: The last step's layers made by replay, and why its recording was not replayed (None
+        #: when it was, or when none was made).
+        self.replayed_layers, self.refusal = 0, None
         self.weights = []
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
@@ -145,41 +194,34 @@ class FusedDecode:
             self.weights.append(_LayerWeights(qkv, qkv_b, gate_up, gate_up_b))
 
     def __call__(self, batch: PagedBatch, cache: PagedKVCache, last_only: bool = False) -> torch.Tensor:
+        from minillm.kernels.base import recording
         from minillm.model.torch_model import rope_cos_sin
 
         model, c, k = self.model, self.model.config, self.k
-        H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        D = c.head_dim
         x = model.model.embed_tokens(batch.input_ids)                                   # [N, hidden]
-        N = x.shape[0]
         cos, sin = rope_cos_sin(batch.positions, D, c.rope_theta, x.dtype)              # [N, D], once a step
-        pdl = ATTENTION_PDL and k.pdl_enabled(x.device)
         # Which projections fold into GEMVs: every layer has the same shapes and rows, so one
         # decision each per step (asked per layer, they were a few percent of an eager step).
         a, m = model.model.layers[0].self_attn, model.model.layers[0].mlp
-        gemv_qkv, gemv_o = self._gemv(x, self.weights[0].qkv), self._gemv(x, a.o_proj.weight)
-        gemv_gate_up, gemv_down = self._gemv(x, self.weights[0].gate_up), self._gemv(x, m.down_proj.weight)
-        residual = None
-        for i, (layer, w) in enumerate(zip(model.model.layers, self.weights)):
-            ln = layer.input_layernorm
-            if gemv_qkv and FOLD_ROPE:  # one kernel: norm, q/k/v, rotary, cache write
-                q, residual = k.add_rmsnorm_gemv_rope(x, residual, ln.weight, ln.eps, w.qkv, w.qkv_bias, H, cos, sin,
-                                                      cache.k[i], cache.v[i], batch.slot_mapping)
+        gemv = (self._gemv(x, self.weights[0].qkv), self._gemv(x, a.o_proj.weight),
+                self._gemv(x, self.weights[0].gate_up), self._gemv(x, m.down_proj.weight))
+        step = _Step(batch, cache, cos, sin, ATTENTION_PDL and k.pdl_enabled(x.device), *gemv)
+        residual, replay = None, None
+        self.replayed_layers, self.refusal = 0, None
+        for i in range(len(model.model.layers)):
+            if replay is not None:  # layer 1's launches again, with this layer's weights and cache
+                replay.replay([*self._layer_tensors(cache, i), x, residual])
+                self.replayed_layers += 1
+            elif i == 1 and self._can_replay(x):
+                with recording() as rec:
+                    out = self._layer(i, x, residual, step)
+                # x and residual are the buffers the next layers read and overwrite in turn
+                replay = rec if self._bind(rec, cache, x, residual, *out) else None
+                self.refusal = rec.reason if replay is None else None
+                x, residual = out
             else:
-                qkv, residual = self._norm_linear(x, residual, ln, w.qkv, w.qkv_bias, gemv_qkv)  # [N, (H + 2Hkv) D]
-                q = qkv[:, :H * D].view(N, H, D)
-                kk = qkv[:, H * D:(H + Hkv) * D].view(N, Hkv, D)
-                v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
-                q = k.rope_write_kv(q, kk, v, cos, sin, cache.k[i], cache.v[i], batch.slot_mapping)
-            # Attention chains with its neighbours where they are PDL GEMVs (the regime measured).
-            out = paged_attention(q, cache, i, batch, scale=D ** -0.5, pdl=pdl and gemv_qkv)  # [N, H, D]
-            x = self._project(out.reshape(N, H * D), layer.self_attn.o_proj, gemv_o)
-            ln = layer.post_attention_layernorm
-            gate_up, residual = self._norm_linear(x, residual, ln, w.gate_up, w.gate_up_bias, gemv_gate_up)
-            down = layer.mlp.down_proj
-            if gemv_down:  # SwiGLU's activation folded into the down GEMV
-                x = _partial_sums_added(down, k.silu_mul_gemv(gate_up, down.weight, down.bias))
-            else:
-                x = _partial_sums_added(down, _linear(k.silu_mul(gate_up), down.weight, down.bias))
+                x, residual = self._layer(i, x, residual, step)
         if last_only and batch.max_seqlen_q != 1:  # only the rows that sample (one new token each: all rows)
             rows = batch.last_token_rows
             x, residual = x[rows], residual[rows]
@@ -188,6 +230,72 @@ class FusedDecode:
         logits = self._norm_linear(x, residual, model.model.norm, head.weight, head.bias, gemv_head)[0]
         gather = getattr(head, "gather", None)   # tensor parallel: this rank's vocabulary rows -> all of them
         return gather(logits) if gather is not None else logits
+
+    def _layer(self, i: int, x: torch.Tensor, residual: torch.Tensor | None, step: "_Step"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder layer ``i``: ``(x, residual) -> (x, residual)``, both ``[N, hidden]``."""
+        c, k, layer, w, cache, batch = self.model.config, self.k, self.model.model.layers[i], self.weights[i], \
+            step.cache, step.batch
+        H, Hkv, D, N = c.num_attention_heads, c.num_key_value_heads, c.head_dim, x.shape[0]
+        ln = layer.input_layernorm
+        if step.gemv_qkv and FOLD_ROPE:  # one kernel: norm, q/k/v, rotary, cache write
+            q, residual = k.add_rmsnorm_gemv_rope(x, residual, ln.weight, ln.eps, w.qkv, w.qkv_bias, H, step.cos,
+                                                  step.sin, cache.k[i], cache.v[i], batch.slot_mapping)
+        else:
+            qkv, residual = self._norm_linear(x, residual, ln, w.qkv, w.qkv_bias, step.gemv_qkv)  # [N, (H + 2Hkv) D]
+            q = qkv[:, :H * D].view(N, H, D)
+            kk = qkv[:, H * D:(H + Hkv) * D].view(N, Hkv, D)
+            v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
+            q = k.rope_write_kv(q, kk, v, step.cos, step.sin, cache.k[i], cache.v[i], batch.slot_mapping)
+        # Attention chains with its neighbours where they are PDL GEMVs (the regime measured).
+        out = paged_attention(q, cache, i, batch, scale=D ** -0.5, pdl=step.pdl and step.gemv_qkv)  # [N, H, D]
+        x = self._project(out.reshape(N, H * D), layer.self_attn.o_proj, step.gemv_o)
+        ln = layer.post_attention_layernorm
+        gate_up, residual = self._norm_linear(x, residual, ln, w.gate_up, w.gate_up_bias, step.gemv_gate_up)
+        down = layer.mlp.down_proj
+        if step.gemv_down:  # SwiGLU's activation folded into the down GEMV
+            x = _partial_sums_added(down, k.silu_mul_gemv(gate_up, down.weight, down.bias))
+        else:
+            x = _partial_sums_added(down, _linear(k.silu_mul(gate_up), down.weight, down.bias))
+        return x, residual
+
+    # -- replaying layer 1's launches for the layers after it ----------------------------
+    def _can_replay(self, x: torch.Tensor) -> bool:
+        """Whether this step records layer 1 and replays it (`replay_layers`): not while a CUDA
+        graph is captured (the graph already launches the step once), nor on a tensor-parallel
+        rank (its layers end in all-reduces, which are not launches), nor with autograd on."""
+        if not self.replay_layers or len(self.model.model.layers) < 3 or self._distributed:
+            return False
+        if torch.is_grad_enabled():  # recorded GEMMs write into given outputs, which autograd refuses
+            return False
+        return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+    def _layer_tensors(self, cache: PagedKVCache, i: int) -> list[torch.Tensor]:
+        """Everything of layer ``i`` a launch may point to: its parameters and buffers, its
+        merged weights (listed once: walking the modules costs tens of microseconds), its K
+        and V pools."""
+        if self._own is None:
+            self._own = []
+            for layer, w in zip(self.model.model.layers, self.weights):
+                merged = [t for t in (w.qkv, w.qkv_bias, w.gate_up, w.gate_up_bias) if t is not None]
+                self._own.append([*layer.parameters(), *layer.buffers(), *merged])
+        return [*self._own[i], cache.k[i], cache.v[i]]
+
+    def _bind(self, rec, cache: PagedKVCache, x_in, residual_in, x_out, residual_out) -> bool:
+        """Prepare ``rec`` (layer 1's launches) for the later layers: their tensors take the place
+        of layer 1's, and the layer's outputs the place of its inputs. False where it cannot
+        be replayed (`Recording.reason`), or where a later layer's tensors differ from layer
+        1's in dtype, shape or 16-byte alignment (the binaries were specialized on them)."""
+        if residual_in is None or rec.reason is not None:
+            return False
+        first = self._layer_tensors(cache, 1)
+        if self._alike is None or self._alike[0]() is not cache:  # checked once per cache
+            self._alike = (weakref.ref(cache), all(
+                _same_kind(a, b) for i in range(2, len(self.model.model.layers))
+                for a, b in zip(first, self._layer_tensors(cache, i), strict=True)))
+        alike = self._alike[1]
+        return (alike and _same_kind(x_in, x_out) and _same_kind(residual_in, residual_out)
+                and rec.bind([*first, x_in, residual_in]))
 
     def _gemv(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether this projection runs as a GEMV with its neighbours folded in: where Chapter
