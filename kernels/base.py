@@ -477,7 +477,9 @@ _WATCHER: _WorkWatcher | None = None
 
 class recording:
     """``with recording() as rec:`` records every `launch` (and `record_call`) made inside the
-    block into ``rec`` (a `Recording`), while running them as usual. Not nested."""
+    block into ``rec`` (a `Recording`), while running them as usual. Not nested, and one
+    recording per process at a time: launches from another thread while it is open would be
+    recorded too (an engine steps its model from one thread)."""
 
     def __enter__(self) -> Recording:
         global _RECORDING, _WATCHER
