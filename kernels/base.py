@@ -289,29 +289,30 @@ def launch(kernel, grid: tuple, *args, **meta):
             _BINARIES.clear()
         _BINARIES[key] = (binary, constexprs)
         if _RECORDING is not None:
-            _record_binary(binary, grid, device, args, constexprs, descriptors(args))
+            _record_binary(binary, _launcher_args(binary, grid, device, args, constexprs), descriptors(args))
         return binary
     binary, constexprs = hit
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    launcher_args = (grid[0], g1, g2, _driver.active.get_current_stream(device), binary.function,
-                     binary.packed_metadata, None, None, None, *args, *constexprs)
+    launcher_args = _launcher_args(binary, grid, device, args, constexprs)
     if _RECORDING is not None:
-        _record_binary(binary, grid, device, args, constexprs, descriptors(args), launcher_args)
+        _record_binary(binary, launcher_args, descriptors(args))
     binary.run(*launcher_args)
     return binary
 
 
-def _record_binary(binary, grid, device, args, constexprs, descriptors, launcher_args=None) -> None:
+def _launcher_args(binary, grid: tuple, device, args: tuple, constexprs: tuple) -> tuple:
+    """What a compiled kernel's C launcher takes: the grid, the stream, the kernel and its
+    metadata, no hooks, the runtime arguments, then the constexpr values."""
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    return (grid[0], g1, g2, _driver.active.get_current_stream(device), binary.function, binary.packed_metadata,
+            None, None, None, *args, *constexprs)
+
+
+def _record_binary(binary, launcher_args: tuple, descriptors: tuple) -> None:
     """Record a launch of a cached binary: its C launcher and everything it was called with."""
     if descriptors:  # a descriptor holds its tensor's address, which `Recording.bind` cannot see
         _RECORDING.refuse("a tensor descriptor was launched")
         return
-    if launcher_args is None:
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        launcher_args = (grid[0], g1, g2, _driver.active.get_current_stream(device), binary.function,
-                         binary.packed_metadata, None, None, None, *args, *constexprs)
     _RECORDING.add(binary.run, launcher_args, pointers=True)
 
 

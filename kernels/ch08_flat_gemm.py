@@ -108,7 +108,7 @@ import torch
 import torch.nn.functional as F
 from minillm.kernels.base import dot_precision, interpreting, is_recording, launch, num_sms, record_call, tl, triton, unrecorded
 
-__all__ = ["gemv", "flat_gemm", "linear", "linear_into", "store_result", "choose_kernel", "find_inflection_points", "DispatchTable", "DEFAULT_TABLE", "TileConfig",
+__all__ = ["gemv", "flat_gemm", "linear", "linear_into", "blas_linear", "store_result", "choose_kernel", "find_inflection_points", "DispatchTable", "DEFAULT_TABLE", "TileConfig",
            "pick_config", "rows_bucket", "split_k_for", "GEMV_TILES", "FLAT_GEMM_TILES", "DEFAULT_THRESHOLDS", "KERNELS"]
 
 #: The three kernels of the dispatcher, in the order ``M`` hands over from one to the next.
@@ -793,6 +793,15 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.addmm(bias, x, weight.t(), out=out)
 
 
+def blas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x: [M, K]``; while a layer is being recorded
+    (`minillm.kernels.base.recording`, Chapter 10), the same GEMM as a recorded call into a new
+    output (`linear_into`), so that the layer's replays make it too."""
+    if not is_recording():
+        return F.linear(x, weight, bias)
+    return record_call(linear_into, x, weight, bias, x.new_empty((x.shape[0], weight.shape[0])))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            table: DispatchTable | None = None) -> torch.Tensor:
     """``torch.nn.functional.linear`` with the heuristic dataflow: `gemv`, `flat_gemm` or
@@ -808,10 +817,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(-1, K)
     M, N = x2.shape[0], weight.shape[0]
     kind = choose_kernel(M, N, K, table if table is not None else DEFAULT_TABLE)
-    if kind == "cublas" and is_recording():  # a recorded call, which a replayed layer makes again (Chapter 10)
-        y = record_call(linear_into, x2, weight, bias, x2.new_empty((M, N)))
-    elif kind == "cublas":
-        y = F.linear(x2, weight, bias)
+    if kind == "cublas":
+        y = blas_linear(x2, weight, bias)
     else:
         y = _run(kind, x2, weight, bias, None, None, None)
     return y.reshape(*x.shape[:-1], N)

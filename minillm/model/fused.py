@@ -49,7 +49,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minillm.model.paged import PagedBatch, PagedKVCache, paged_attention
@@ -140,12 +139,9 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
         dispatch = _flat_gemm_linear()
         if dispatch is not None:
             return dispatch(x, weight, bias)
-    from minillm.kernels.base import is_recording, record_call
-    from minillm.kernels.ch08_flat_gemm import linear_into
+    from minillm.kernels.ch08_flat_gemm import blas_linear
 
-    if not is_recording():
-        return F.linear(x, weight, bias)
-    return record_call(linear_into, x, weight, bias, x.new_empty((x.shape[0], weight.shape[0])))
+    return blas_linear(x, weight, bias)
 
 
 def supports_fused_decode(model) -> bool:
@@ -218,7 +214,7 @@ class FusedDecode:
                     out = self._layer(i, x, residual, step)
                 # x and residual are the buffers the next layers read and overwrite in turn
                 replay = rec if self._bind(rec, cache, x, residual, *out) else None
-                self.refusal = rec.reason if replay is None else None
+                self.refusal = rec.reason
                 x, residual = out
             else:
                 x, residual = self._layer(i, x, residual, step)
@@ -283,19 +279,18 @@ class FusedDecode:
 
     def _bind(self, rec, cache: PagedKVCache, x_in, residual_in, x_out, residual_out) -> bool:
         """Prepare ``rec`` (layer 1's launches) for the later layers: their tensors take the place
-        of layer 1's, and the layer's outputs the place of its inputs. False where it cannot
-        be replayed (`Recording.reason`), or where a later layer's tensors differ from layer
-        1's in dtype, shape or 16-byte alignment (the binaries were specialized on them)."""
-        if residual_in is None or rec.reason is not None:
-            return False
+        of layer 1's, and the layer's outputs the place of its inputs. False (with
+        `Recording.reason` set) where it cannot be replayed, e.g. where a later layer's tensors
+        differ from layer 1's in dtype, shape or 16-byte alignment (the binaries were
+        specialized on them)."""
         first = self._layer_tensors(cache, 1)
         if self._alike is None or self._alike[0]() is not cache:  # checked once per cache
             self._alike = (weakref.ref(cache), all(
                 _same_kind(a, b) for i in range(2, len(self.model.model.layers))
                 for a, b in zip(first, self._layer_tensors(cache, i), strict=True)))
-        alike = self._alike[1]
-        return (alike and _same_kind(x_in, x_out) and _same_kind(residual_in, residual_out)
-                and rec.bind([*first, x_in, residual_in]))
+        if not (self._alike[1] and _same_kind(x_in, x_out) and _same_kind(residual_in, residual_out)):
+            rec.refuse("a later layer's tensors are not like layer 1's (dtype, shape, strides, alignment)")
+        return rec.bind([*first, x_in, residual_in])
 
     def _gemv(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether this projection runs as a GEMV with its neighbours folded in: where Chapter
