@@ -31,6 +31,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("ch04_flash_attention", "bench.ch04_flash_attention"),
     ("ch04_ablations", "bench.ch04_ablations"),
     ("ch04_hopper", "bench.ch04_hopper"),   # sm_90 (FA3's ideas, FP8)
+    ("ch04_gluon", "bench.ch04_gluon"),     # sm_90 (warp specialization in Gluon)
     ("ch05_paged_attention", "bench.ch05_paged_attention"),
     ("ch06_sharing", "bench.ch06_sharing"),
     ("ch06_copy_on_write", "bench.ch06_copy_on_write"),

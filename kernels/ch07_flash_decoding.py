@@ -147,12 +147,15 @@ def _exact_split(q, k_head, v_head, desc_k, desc_v, col0, table, stride_tn, stri
     return acc, l, m
 
 
-# The integers that change from one engine step to the next (the block tables' width, the
-# partials' strides, which follow the split count) are not specialized on: each value class
+# The integers that change from one engine step to the next (the block tables' width; the LSE
+# partials' batch and head strides, S·heads and S) are not specialized on: each value class
 # (one, a multiple of 16, other) would otherwise be a compiled variant of its own, and an
-# engine without CUDA graphs would compile them inside its requests' steps.
-@triton.jit(do_not_specialize=["stride_tb", "max_blocks", "stride_ob", "stride_oh", "stride_os",
-                               "stride_lb", "stride_lh", "stride_ls"])
+# engine without CUDA graphs would compile them inside its requests' steps. The output
+# partials' strides also follow S, but as multiples of head_dim they stay multiples of 16 for
+# every head_dim that is one, so specializing on them costs no variant and tells the compiler
+# that rows of partials are 16-byte aligned (vector stores, and vector loads in the merge):
+# without it, batch-1 decode with 8 KV heads ran 3-8% slower on an H100.
+@triton.jit(do_not_specialize=["stride_tb", "max_blocks", "stride_lb", "stride_lh"])
 def _split_kernel(
     Q, K, V, DescK, DescV, BlockTables, SeqLens, O, LSE, Fallbacks, Out, OutLse, Counters,
     stride_qb, stride_qh, stride_qd,

@@ -1,0 +1,116 @@
+"""Chapter 4 benchmark, Gluon: FlashAttention-3's warp specialization written out, on an sm_90 GPU.
+
+The forward points of ``bench/ch04_hopper.py`` (bf16, 16k tokens per point: batch · N =
+16384, hidden 2048 = heads · head_dim, N from 1k to 16k, head dims 128 and 64, causal and not),
+each timed with `triton.testing.do_bench` (median, L2 flushed) for:
+
+- the three Gluon kernels of `minillm.kernels.ch04_flash_attention_gluon`: ``pipelined`` (one
+  kind of warp), ``ws`` (a loader warp and two consumer warpgroups) and ``ws_pingpong`` (the
+  consumers take turns at the tensor cores; the module's default);
+- the peers, in the same process on the same inputs: SDPA pinned to cuDNN and to
+  FlashAttention-2 (``sdpa_cudnn``, ``sdpa_flash``) and the Triton Hopper kernel of
+  `minillm.kernels.ch04_flash_attention_hopper` with its default config (``triton_hopper``).
+
+Rows (``params``: batch, heads, seq_len, head_dim, causal, dtype, kernel):
+
+==============  ===========================================================================
+``TFLOPs``      kernel ``ws_pingpong``: one row per peer (sdpa_cudnn, sdpa_flash,
+                triton_hopper), ratio > 1: ours faster; kernels ``pipelined`` and ``ws``: peer
+                ``ws_pingpong`` (the ablation: ratio < 1 means the step it lacks helps);
+                fraction of the bf16 matmul rate measured in the run
+``time_ms``     the same pairs in milliseconds
+``rel_err``     ‖ours − SDPA cuDNN‖ / ‖SDPA cuDNN‖ for each Gluon kernel
+==============  ===========================================================================
+
+The sweep stops starting points after ``MINILLM_CH04_GLUON_BUDGET_S`` seconds (default 150).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+import torch
+
+from minillm.costs import nominal_attention_flops
+from minillm.kernels.ch04_flash_attention_gluon import VARIANTS, flash_attention_gluon, gluon_applies
+from minillm.kernels.ch04_flash_attention_hopper import flash_attention_hopper
+
+from bench.ch04_hopper import CAUSAL, HEAD_DIMS, HIDDEN, SEQ_LENS, TOKENS, WARMUP_MS, REP_MS, _sdpa, _timed
+from bench.common import Results, attempt, cuda_device, dtype_name, free_memory, rel_err, sweep_start
+
+BENCHMARK = "ch04_gluon"
+DEFAULT_VARIANT = "ws_pingpong"
+PEERS = ("sdpa_cudnn", "sdpa_flash", "triton_hopper")
+
+
+def budget_s() -> float:
+    """Seconds after which no new point is started: ``MINILLM_CH04_GLUON_BUDGET_S`` (default 150)."""
+    return float(os.environ.get("MINILLM_CH04_GLUON_BUDGET_S", "150"))
+
+
+def run(results: Results, device) -> None:
+    """Every point of the sweep on ``device`` (an sm_90 GPU), until the budget is spent."""
+    device = cuda_device(device, "the Chapter 4 Gluon benchmark")
+    sweep(results, device)
+
+
+def sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, tokens: int = TOKENS,
+          hidden: int = HIDDEN, timer: Callable | None = None) -> None:
+    timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, budget_s(), timer, WARMUP_MS, REP_MS)
+    mm = (results.ceilings or {}).get("bf16_matmul_TFLOPs")
+    for head_dim in head_dims:
+        for causal in CAUSAL:
+            for n in seq_lens:
+                if out_of_time():
+                    return
+                t0 = time.perf_counter()
+                _point(results, device, gen, n, head_dim, causal, mm, timer, tokens, hidden)
+                free_memory()
+                print(f"  [{BENCHMARK}] D={head_dim} causal={causal} N={n}: {time.perf_counter() - t0:.1f} s",
+                      flush=True)
+
+
+def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, mm, timer, tokens: int,
+           hidden: int) -> None:
+    batch, heads = max(1, tokens // n), hidden // head_dim
+    q, k, v = (torch.randn((batch, heads, n, head_dim), device=device, dtype=torch.bfloat16, generator=gen)
+               for _ in range(3))
+    if not gluon_applies(q, k, v):
+        raise RuntimeError("the Gluon kernels need an sm_90 GPU and a Triton whose Gluon API the module knows")
+    flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal)
+    tflops = lambda ms: flops / (ms * 1e-3) / 1e12 if ms else None  # noqa: E731
+    base = {"batch": batch, "heads": heads, "seq_len": n, "head_dim": head_dim, "causal": causal,
+            "dtype": dtype_name(q.dtype)}
+
+    peers = {"sdpa_cudnn": _sdpa("sdpa_cudnn", causal), "sdpa_flash": _sdpa("sdpa_flash", causal),
+             "triton_hopper": lambda q, k, v: flash_attention_hopper(q, k, v, causal=causal)}
+    peer_ms, cudnn_out = {}, None
+    for name, fn in peers.items():
+        res, status = attempt(lambda: _timed(lambda: fn(q, k, v), timer), allow_errors=True)
+        peer_ms[name] = (res[0] if res else None, status)
+        if name == "sdpa_cudnn" and res:
+            cudnn_out = res[1]
+
+    ours = {}
+    for variant in VARIANTS:
+        ms, (out, _) = _timed(lambda: flash_attention_gluon(q, k, v, causal=causal, variant=variant), timer)
+        ours[variant] = ms
+        if cudnn_out is not None:
+            results.add(BENCHMARK, {**base, "kernel": variant}, "rel_err", rel_err(out, cudnn_out), "sdpa_cudnn",
+                        note="‖ours − cuDNN‖ / ‖cuDNN‖")
+
+    def add(kernel, ms, peer, p_ms, note):
+        params = {**base, "kernel": kernel}
+        results.add(BENCHMARK, params, "time_ms", ms, peer, p_ms, note=note)
+        results.add(BENCHMARK, params, "TFLOPs", tflops(ms), peer, tflops(p_ms),
+                    fraction_of_ceiling=tflops(ms) / mm if mm else None, note=note)
+
+    for name, (p_ms, status) in peer_ms.items():
+        add(DEFAULT_VARIANT, ours[DEFAULT_VARIANT], name, p_ms, status or None)
+    for variant in VARIANTS:
+        if variant != DEFAULT_VARIANT:
+            add(variant, ours[variant], DEFAULT_VARIANT, ours[DEFAULT_VARIANT], "ablation: the steps it lacks")
+    print(f"  [{BENCHMARK}] D={head_dim} causal={causal} N={n}: "
+          + ", ".join(f"{v} {tflops(ms):.0f}" for v, ms in ours.items()) + "; "
+          + ", ".join(f"{p} {tflops(ms) or 0:.0f}" for p, (ms, _) in peer_ms.items()) + " TFLOP/s", flush=True)

@@ -1,0 +1,424 @@
+"""Chapter 4, on Hopper, written out: FlashAttention-3's warp specialization in Gluon.
+
+`minillm.kernels.ch04_flash_attention_hopper` asks Triton's compiler for FlashAttention-3's
+ideas through switches (``tl.range(..., warp_specialize=True)``, ``num_stages``); on sm_90 the
+compiler left the schedule as it was, and the kernel stayed at 0.75-0.8x cuDNN at head dim
+128. **Gluon** (``triton.experimental.gluon``) is Triton's lower layer: the same Python
+front end, but the program states what the compiler otherwise decides: the layout of every
+tensor in registers, shared-memory buffers, ``mbarrier`` objects, TMA copies, asynchronous
+``wgmma`` and when to wait for it, and which warps run which function, with how many
+registers (``gl.warp_specialize``, which sets ``setmaxnreg``). This module writes FA3's
+forward with it, in three steps that the chapter measures one against the other:
+
+1. ``"pipelined"``: one program of 8 warps (two warpgroups, 64 query rows each) per 128-row
+   query tile; K/V tiles arrive by TMA in a ring of ``num_stages`` shared-memory slots, each
+   guarded by an mbarrier; the loop is ordered as FA3's *intra-warpgroup overlap*: the
+   scores ``S_j = Q K_jᵀ`` are started before ``P_{j-1} V_{j-1}``, and the softmax of block j
+   runs while that second matmul is still on the tensor cores. The same warps also refill
+   the ring, after a barrier across the whole program.
+2. ``"ws"``: warp specialization. A *loader* warp (24 registers) only issues TMA copies into
+   the ring and waits until a slot is free; two *consumer* warpgroups (4 warps and 240
+   registers each, 64 query rows each) only compute. A slot is free when both consumers
+   have arrived on its "empty" barrier; a tile is ready when its "ready" barrier has seen
+   the copy's bytes. No barrier spans the whole program any more.
+3. ``"ws_pingpong"``: FA3's *ping-pong*: the two consumers take turns to start their matmuls
+   (a token passed through two mbarriers), so that one warpgroup's exponentials run while the
+   other's matmuls hold the tensor cores.
+
+Scope: bf16, ``q: [batch, q_heads, seq, head_dim]``, ``k, v: [batch, kv_heads, seq,
+head_dim]`` (GQA: ``q_heads % kv_heads == 0``), head_dim 64 or 128, ``seq`` a multiple of 128
+(every tile full: no bounds logic), queries and keys of the same length; causal masks on the
+diagonal. Forward only. `gluon_applies` says whether a call qualifies; `flash_attention_hopper`
+covers everything else.
+
+Gluon kernels run on an NVIDIA GPU only: Triton's interpreter does not execute them, so the
+CPU side of the tests checks the wrapper and, with a Triton whose Gluon API this module knows
+(3.6, the version torch 2.11 ships, and 3.9), compiles the kernels for sm_90 without a GPU.
+Gluon is experimental and renames things between releases; the three names that moved
+between 3.6 and 3.9 are bound once below.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from minillm.kernels.base import LOG2E
+
+# Gluon's names for a TMA copy and a barrier across a partition's warps (3.6 / 3.7 and later).
+if hasattr(tma, "async_load"):
+    _tma_load, _tma_store, _warps_barrier = tma.async_load, tma.async_store, gl.barrier
+else:
+    _tma_load, _tma_store = tma.async_copy_global_to_shared, tma.async_copy_shared_to_global
+    _warps_barrier = gl.thread_barrier
+
+#: Query rows per program (two warpgroups of 64).
+BLOCK_M = 128
+#: The three kernels, in the order the chapter builds them.
+VARIANTS = ("pipelined", "ws", "ws_pingpong")
+#: Triton versions whose Gluon API this module was compiled against.
+GLUON_VERSIONS = ((3, 6), (3, 9))
+
+
+# ----------------------------------------------------------------------------------------
+# Helpers inside the kernel
+# ----------------------------------------------------------------------------------------
+@gluon.jit
+def _online_softmax(s, m_i, l_i, qk_scale, row0, col0, mask_this, CAUSAL: gl.constexpr,
+                    ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """One step of Chapter 3's online softmax in base 2 on a ``[ROWS, BLOCK_N]`` fp32 tile of
+    raw scores ``s`` (in ``s_layout``, the wgmma accumulator's). ``m_i, l_i: [ROWS]``: running
+    max (of ``s·qk_scale``) and sum; ``row0``/``col0``: sequence positions of the tile's first
+    row and column; ``mask_this``: the tile straddles the diagonal (causal only).
+    Returns ``(p, alpha, m_new, l_new)`` as `minillm.kernels.base.online_softmax_update`."""
+    if CAUSAL:
+        if mask_this:
+            rows = row0 + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout))
+            cols = col0 + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+            s = gl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+    # The scale is positive, so it commutes with the max and folds into one FMA per score.
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                 k_desc, v_desc, kv_row0, n_blocks, n_full, row0, qk_scale,
+                 CONSUMER: gl.constexpr, WS: gl.constexpr, PINGPONG: gl.constexpr,
+                 CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """The key loop of one set of query rows: returns ``(acc [ROWS, HEAD_D] fp32, not yet
+    divided by l; m_i, l_i [ROWS])`` for ``softmax(Q Kᵀ · scale) V`` over ``n_blocks`` blocks.
+
+    ``q_smem: [ROWS, HEAD_D]`` (loaded); ``k_smem, v_smem: [NUM_STAGES, BLOCK_N, HEAD_D]``
+    rings: block j sits in slot ``j % NUM_STAGES``, and its ``*_ready`` barrier completes
+    phase ``(j // NUM_STAGES) & 1`` when the copy has landed. ``WS``: a consumer frees a slot
+    by arriving on ``*_empty`` (the loader warp refills it); else these warps refill it
+    themselves. ``PINGPONG``: wait for ``turn[CONSUMER]`` before starting the matmuls, pass
+    the turn on right after.
+
+    Iteration j:  start S_j = Q K_jᵀ;  acc *= alpha_{j-1};  start acc += P_{j-1} V_{j-1};
+    wait for S_j only (P V keeps running);  softmax(S_j) on the CUDA cores;  wait for P V.
+    """
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    # P as the register operand of P·V: with k_width=2 this layout holds each thread's
+    # elements of S where they already are, so the conversion moves no data.
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+
+    # Block 0: its scores and softmax, with nothing to overlap yet.
+    mbarrier.wait(k_ready.index(0), 0)
+    s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s_tok])
+    if WS:
+        mbarrier.arrive(k_empty.index(0))
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, row0, 0, n_full <= 0, CAUSAL, ROWS, BLOCK_N,
+                                         s_layout)
+    p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+
+    for j in range(1, n_blocks):
+        slot = j % NUM_STAGES
+        phase = (j // NUM_STAGES) & 1
+        prev = (j - 1) % NUM_STAGES
+        prev_phase = ((j - 1) // NUM_STAGES) & 1
+        if PINGPONG:  # turn j - 1: consumer 0's first wait passes at once, consumer 1 waits for it
+            mbarrier.wait(turn.index(CONSUMER), ((j - 1) & 1) ^ (1 - CONSUMER))
+        mbarrier.wait(k_ready.index(slot), phase)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        mbarrier.wait(v_ready.index(prev), prev_phase)
+        acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - CONSUMER))
+        # Matmul groups retire in order: leaving 1 outstanding retires S_j and keeps P V running.
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        if WS:
+            mbarrier.arrive(k_empty.index(slot))
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, row0, j * BLOCK_N, j >= n_full, CAUSAL,
+                                             ROWS, BLOCK_N, s_layout)
+        # p_op is a dependency so that its registers are not reused before the matmul read them.
+        acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
+        if WS:
+            mbarrier.arrive(v_empty.index(prev))
+        else:  # both warpgroups are done with slot `prev`: refill it with block j - 1 + NUM_STAGES
+            _warps_barrier()
+            nxt = j - 1 + NUM_STAGES
+            more = nxt < n_blocks
+            mbarrier.expect(k_ready.index(prev), k_desc.block_type.nbytes, pred=more)
+            _tma_load(k_desc, [kv_row0 + nxt * BLOCK_N, 0], k_ready.index(prev), k_smem.index(prev), pred=more)
+            mbarrier.expect(v_ready.index(prev), v_desc.block_type.nbytes, pred=more)
+            _tma_load(v_desc, [kv_row0 + nxt * BLOCK_N, 0], v_ready.index(prev), v_smem.index(prev), pred=more)
+        p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+
+    # The last block's P V.
+    last = (n_blocks - 1) % NUM_STAGES
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // NUM_STAGES) & 1)
+    acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+    acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
+    if WS:
+        mbarrier.arrive(v_empty.index(last))
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _store_rows(acc, m_i, l_i, o_smem, o_desc, lse_ptr, o_row, ROWS: gl.constexpr, HEAD_D: gl.constexpr,
+                NUM_WARPS: gl.constexpr):
+    """FA2's epilogue: ``O = acc / l`` in bf16 through ``o_smem`` (the rows' Q buffer, no longer
+    read) and one TMA store at row ``o_row`` of the 2-D ``[batch·heads·seq, HEAD_D]`` output;
+    ``lse = (m + log2 l)·ln 2`` (natural log) to ``lse_ptr[o_row:o_row + ROWS]``."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    o = acc * (1.0 / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)))[:, None]
+    o_smem.store(o.to(gl.bfloat16))
+    fence_async_shared()  # ordinary stores to shared memory, then the TMA (async proxy) reads them
+    _warps_barrier()  # every warp's rows are in place before the copy starts
+    _tma_store(o_desc, [o_row, 0], o_smem)
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    gl.store(lse_ptr + o_row + gl.arange(0, ROWS, lse.type.layout), lse)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _tile_coordinates(seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """This program's query tile (causal: the longest rows first) and where its rows sit in
+    the 2-D views: ``(row0, q_row, kv_row0, n_blocks)``."""
+    n_m = seq_len // 128
+    row0 = (n_m - 1 - gl.program_id(0)) * 128
+    bh = gl.program_id(1)
+    kv_bh = (bh // q_heads) * (q_heads // group) + (bh % q_heads) // group  # GQA: shared K/V
+    if CAUSAL:
+        n_blocks = (row0 + 128) // BLOCK_N
+    else:
+        n_blocks = seq_len // BLOCK_N
+    return row0, bh * seq_len + row0, kv_bh * seq_len, n_blocks
+
+
+# ----------------------------------------------------------------------------------------
+# Kernel 1: software-pipelined, one kind of warp
+# ----------------------------------------------------------------------------------------
+@gluon.jit
+def _pipelined_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seq_len, q_heads, group, qk_scale,
+                      CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
+                      NUM_STAGES: gl.constexpr):
+    """Grid ``(seq / 128, batch · q_heads)``, 8 warps. Descriptors over the 2-D views
+    ``[rows, HEAD_D]``: Q and O in 128-row blocks, K and V in ``BLOCK_N``-row blocks."""
+    row0, q_row, kv_row0, n_blocks = _tile_coordinates(seq_len, q_heads, group, CAUSAL, BLOCK_N)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [128, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+    _tma_load(q_desc, [q_row, 0], q_ready, q_smem)
+    for i in gl.static_range(NUM_STAGES):  # fill the ring
+        more = i < n_blocks
+        mbarrier.expect(k_ready.index(i), k_desc.block_type.nbytes, pred=more)
+        _tma_load(k_desc, [kv_row0 + i * BLOCK_N, 0], k_ready.index(i), k_smem.index(i), pred=more)
+        mbarrier.expect(v_ready.index(i), v_desc.block_type.nbytes, pred=more)
+        _tma_load(v_desc, [kv_row0 + i * BLOCK_N, 0], v_ready.index(i), v_smem.index(i), pred=more)
+    mbarrier.wait(q_ready, 0)
+
+    acc, m_i, l_i = _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_ready, v_ready, k_ready,
+                                 k_desc, v_desc, kv_row0, n_blocks, (row0 + 1) // BLOCK_N, row0, qk_scale,
+                                 0, False, False, CAUSAL, 128, BLOCK_N, HEAD_D, NUM_STAGES, 8)
+    _warps_barrier()  # both warpgroups are done with Q before its buffer takes O
+    _store_rows(acc, m_i, l_i, q_smem, o_desc, lse_ptr, q_row, 128, HEAD_D, 8)
+
+
+# ----------------------------------------------------------------------------------------
+# Kernel 2: a loader warp and two consumer warpgroups (optionally in ping-pong)
+# ----------------------------------------------------------------------------------------
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
+              k_desc, v_desc, o_desc, lse_ptr, q_row, kv_row0, row0, n_blocks, qk_scale,
+              CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
+              HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """One consumer warpgroup: rows ``[64·CONSUMER, 64·CONSUMER + 64)`` of the 128-row tile."""
+    my_q = q_smem.index(CONSUMER)
+    my_row0 = row0 + CONSUMER * 64
+    mbarrier.wait(q_ready, 0)
+    acc, m_i, l_i = _attend_rows(my_q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                                 k_desc, v_desc, kv_row0, n_blocks, (my_row0 + 1) // BLOCK_N, my_row0, qk_scale,
+                                 CONSUMER, True, PINGPONG, CAUSAL, 64, BLOCK_N, HEAD_D, NUM_STAGES, 4)
+    _store_rows(acc, m_i, l_i, my_q, o_desc, lse_ptr, q_row + CONSUMER * 64, 64, HEAD_D, 4)
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+            q_row, kv_row0, n_blocks, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """One warp: the two 64-row halves of Q, then K_j and V_j into the rings. It reuses a slot
+    once both consumers arrived on its empty barrier (count 2); on the first pass it waits
+    for parity 1, which a fresh barrier reports as complete."""
+    mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+    _tma_load(q_desc, [q_row, 0], q_ready, q_smem.index(0))
+    _tma_load(q_desc, [q_row + 64, 0], q_ready, q_smem.index(1))
+    for j in range(n_blocks):
+        slot = j % NUM_STAGES
+        free_phase = ((j // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), free_phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [kv_row0 + j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), free_phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [kv_row0 + j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seq_len, q_heads, group, qk_scale,
+                             CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
+                             NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                             LOADER_REGS: gl.constexpr):
+    """Grid ``(seq / 128, batch · q_heads)``, ``num_warps=4`` (consumer 0, the default
+    partition) plus the workers: consumer 1 (4 warps) and the loader (1 warp). Q and O blocks
+    of 64 rows, K and V blocks of ``BLOCK_N`` rows."""
+    row0, q_row, kv_row0, n_blocks = _tile_coordinates(seq_len, q_heads, group, CAUSAL, BLOCK_N)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)  # the loader's expect() is the one arrival
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    fence_async_shared()
+
+    # The argument tuples are written in place: a tuple kept in a variable would turn its
+    # constexpr members (the consumer's index among them) into run-time values.
+    gl.warp_specialize(
+        [(_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
+                      k_desc, v_desc, o_desc, lse_ptr, q_row, kv_row0, row0, n_blocks, qk_scale,
+                      0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES)),
+         (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
+                      k_desc, v_desc, o_desc, lse_ptr, q_row, kv_row0, row0, n_blocks, qk_scale,
+                      1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES)),
+         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+                    v_empty, q_row, kv_row0, n_blocks, BLOCK_N, NUM_STAGES))],
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------
+def default_tiles(head_dim: int) -> tuple[int, int]:
+    """``(block_n, num_stages)``. Shared memory per program: Q (128·d·2 bytes) plus, per
+    stage, a K and a V tile (2·block_n·d·2 bytes): at d = 128 two stages take 160 KiB of the
+    227 KiB an SM offers, three would take 224 KiB and leave nothing for the output."""
+    return (128, 2) if head_dim == 128 else (128, 3)
+
+
+def gluon_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `flash_attention_gluon` takes these inputs: a CUDA device of compute
+    capability 9.x, bf16, head_dim 64 or 128, equal lengths that are multiples of 128, GQA
+    heads, and a Triton whose Gluon API this module knows."""
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+            and tuple(int(x) for x in triton.__version__.split(".")[:2]) in GLUON_VERSIONS
+            and _reason(q, k, v) is None)
+
+
+def _reason(q, k, v) -> str | None:
+    """Why these inputs are out of scope, or None."""
+    if not (q.dtype == k.dtype == v.dtype == torch.bfloat16):
+        return f"q, k, v must be bf16, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        return f"q, k, v must be [batch, heads, seq, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+    b, h, s, d = q.shape
+    if k.shape[0] != b or k.shape[2:] != (s, d) or h % k.shape[1]:
+        return f"k, v must be [batch, kv_heads, seq, head_dim] with q_heads % kv_heads == 0, got {tuple(k.shape)}"
+    if d not in (64, 128):
+        return f"head_dim must be 64 or 128, got {d}"
+    if s % BLOCK_M or s == 0:
+        return f"seq must be a positive multiple of {BLOCK_M}, got {s}"
+    return None
+
+
+def _descriptor(t2d: torch.Tensor, rows: int) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for([rows, t2d.shape[1]], gl.bfloat16)
+    return TensorDescriptor.from_tensor(t2d, [rows, t2d.shape[1]], layout)
+
+
+def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                          scale: float | None = None, variant: str = "ws_pingpong", block_n: int | None = None,
+                          num_stages: int | None = None, consumer_regs: int = 240, loader_regs: int = 24,
+                          compile_only: bool = False):
+    """``softmax(scale · q kᵀ + mask) v`` with the Gluon kernels (forward only).
+
+    - ``q: [batch, q_heads, seq, head_dim]``, ``k, v: [batch, kv_heads, seq, head_dim]``, bf16,
+      ``q_heads % kv_heads == 0``, head_dim 64 or 128, ``seq`` a multiple of 128 (ValueError
+      otherwise); non-contiguous inputs are copied;
+    - ``causal``: query i sees keys ``j <= i``; ``scale`` defaults to ``1/sqrt(head_dim)``;
+    - ``variant``: one of `VARIANTS`; ``block_n`` (64 or 128) and ``num_stages`` default to
+      `default_tiles`; ``consumer_regs`` / ``loader_regs``: registers per thread of the
+      warp-specialized partitions (``setmaxnreg``).
+
+    Returns ``(out [batch, q_heads, seq, head_dim] bf16, lse [batch, q_heads, seq] fp32,
+    natural log)``; with ``compile_only``, compiles without launching and returns the
+    compiled kernel (``.asm``, ``.metadata``)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    reason = _reason(q, k, v)
+    if reason:
+        raise ValueError(reason)
+    b, h, s, d = q.shape
+    default_n, default_stages = default_tiles(d)
+    block_n, num_stages = block_n or default_n, num_stages or default_stages
+    if block_n not in (64, 128):
+        raise ValueError(f"block_n must be 64 or 128, got {block_n}")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    qk_scale = (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E
+
+    out = torch.empty_like(q)
+    lse = torch.empty((b, h, s), device=q.device, dtype=torch.float32)
+    q2, o2 = q.view(-1, d), out.view(-1, d)  # rows of every (batch, head), one after another
+    k_desc, v_desc = _descriptor(k.view(-1, d), block_n), _descriptor(v.view(-1, d), block_n)
+    grid = (s // BLOCK_M, b * h)
+    args = (lse, s, h, h // k.shape[1], qk_scale)
+    if variant == "pipelined":
+        kernel, rows, meta = _pipelined_kernel, BLOCK_M, dict(num_warps=8)
+    else:
+        kernel, rows = _warp_specialized_kernel, 64
+        meta = dict(PINGPONG=variant == "ws_pingpong", CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
+                    num_warps=4)
+    descriptors = (_descriptor(q2, rows), k_desc, v_desc, _descriptor(o2, rows))
+    meta.update(CAUSAL=bool(causal), HEAD_D=d, BLOCK_N=block_n, NUM_STAGES=num_stages)
+    if compile_only:
+        return kernel.warmup(*descriptors, *args, grid=grid, **meta)
+    kernel[grid](*descriptors, *args, **meta)
+    return out, lse

@@ -1,0 +1,193 @@
+"""Chapter 4's Gluon forward (`flash_attention_gluon`) against the float64 reference.
+
+- GPU (sm_90, `make gpu`): every variant (pipelined, warp-specialized, ping-pong), head dims
+  64 and 128, causal and not, MHA and GQA, lengths 128 to 1152, fresh seeds; out and lse
+  against `minillm.reference.attention`, with the bf16 tolerance.
+- CPU: the wrapper refuses what the kernels do not cover (with the reason), and `gluon_applies`
+  says no off a Hopper GPU. Gluon kernels do not run under Triton's interpreter; instead,
+  with a Triton whose Gluon API the module knows, every kernel is compiled for sm_90 on the CPU
+  (a stand-in driver that names the target) and its PTX is checked for what the chapter claims:
+  asynchronous wgmma, register reallocation (``setmaxnreg``) in the warp-specialized kernels
+  only, and no spills to local memory.
+"""
+import pytest
+import torch
+import triton
+
+from minillm.kernels.ch04_flash_attention_gluon import (
+    GLUON_VERSIONS, VARIANTS, flash_attention_gluon, gluon_applies,
+)
+from minillm.reference import attention
+from minillm.testing import assert_close, random_tensor, to_numpy
+
+TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
+
+
+def make_qkv(batch, q_heads, kv_heads, seq, head_dim, device, gen):
+    q = random_tensor((batch, q_heads, seq, head_dim), torch.bfloat16, device, gen)
+    k = random_tensor((batch, kv_heads, seq, head_dim), torch.bfloat16, device, gen)
+    v = random_tensor((batch, kv_heads, seq, head_dim), torch.bfloat16, device, gen)
+    return q, k, v
+
+
+# ----------------------------------------------------------------------------------------
+# CPU: scope checks and compiling for sm_90 without a GPU
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape_q, shape_kv, dtype, match", [
+    ((1, 2, 256, 64), (1, 2, 256, 64), torch.float16, "bf16"),
+    ((1, 2, 256, 96), (1, 2, 256, 96), torch.bfloat16, "head_dim"),
+    ((1, 2, 200, 64), (1, 2, 200, 64), torch.bfloat16, "multiple of 128"),
+    ((1, 3, 256, 64), (1, 2, 256, 64), torch.bfloat16, "kv_heads"),
+    ((1, 2, 256, 64), (1, 2, 384, 64), torch.bfloat16, "kv_heads"),
+])
+def test_refuses_inputs_out_of_scope(shape_q, shape_kv, dtype, match):
+    q = torch.zeros(shape_q, dtype=dtype)
+    k = torch.zeros(shape_kv, dtype=dtype)
+    with pytest.raises(ValueError, match=match):
+        flash_attention_gluon(q, k, k)
+    assert not gluon_applies(q, k, k)
+
+
+def test_refuses_unknown_variant_and_tile():
+    q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="variant"):
+        flash_attention_gluon(q, q, q, variant="fastest")
+    with pytest.raises(ValueError, match="block_n"):
+        flash_attention_gluon(q, q, q, block_n=32)
+
+
+def test_does_not_apply_off_the_gpu():
+    q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
+    assert not gluon_applies(q, q, q)
+
+
+#: Compiles every kernel for sm_90 in a fresh process: Gluon functions must be defined with
+#: the interpreter off (under TRITON_INTERPRET=1 they become interpreted functions, which the
+#: compiler cannot call), and Triton's active driver is replaced by one that names an sm_90
+#: target and launches nothing, which is enough for ``warmup`` to compile.
+COMPILE_SCRIPT = r"""
+import json, sys, torch
+from triton.backends.compiler import GPUTarget
+from triton.backends.driver import DriverBase
+from triton.runtime import driver
+
+
+class CompileOnlySm90(DriverBase):
+    def __init__(self):
+        pass
+
+    @staticmethod
+    def is_active():
+        return True
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def map_python_to_cpp_type(self, ty):
+        from triton.backends.nvidia.driver import ty_to_cpp
+        return ty_to_cpp(ty)
+
+    def get_benchmarker(self):
+        raise NotImplementedError
+
+    def get_empty_cache_for_benchmark(self):
+        raise NotImplementedError
+
+    def clear_cache(self, cache):
+        pass
+
+
+driver.set_active(CompileOnlySm90())
+from minillm.kernels.ch04_flash_attention_gluon import VARIANTS, flash_attention_gluon
+
+facts = {}
+for variant in VARIANTS:
+    for head_dim in (64, 128):
+        for causal in (False, True):
+            q = torch.zeros(1, 4, 256, head_dim, dtype=torch.bfloat16)
+            k = torch.zeros(1, 2, 256, head_dim, dtype=torch.bfloat16)
+            compiled = flash_attention_gluon(q, k, k, causal=causal, variant=variant, compile_only=True)
+            ptx = compiled.asm["ptx"]
+            facts[f"{variant} {head_dim} {causal}"] = {
+                "wgmma": ptx.count("wgmma.mma_async"), "wait_1": "wgmma.wait_group.sync.aligned 1" in ptx,
+                "setmaxnreg": "setmaxnreg" in ptx, "local": "ld.local" in ptx or "st.local" in ptx,
+                "shared": compiled.metadata.shared}
+json.dump(facts, sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def sm90_compiled():
+    """``{"variant head_dim causal": facts of its PTX}`` for every kernel, compiled for sm_90."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(TRITON_VERSION not in GLUON_VERSIONS,
+                    reason=f"the module's Gluon API is that of Triton {GLUON_VERSIONS}, not {triton.__version__}")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compiles with a stand-in driver: CPU-only machines")
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiles_for_sm90(sm90_compiled, variant, head_dim, causal):
+    facts = sm90_compiled[f"{variant} {head_dim} {causal}"]
+    assert facts["wgmma"] > 0
+    assert facts["wait_1"]  # S_j retired while P V stays in flight
+    assert facts["setmaxnreg"] == variant.startswith("ws")  # registers moved to the consumers
+    assert not facts["local"]  # nothing spilled
+    assert facts["shared"] <= 227 * 1024
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: against the float64 reference
+# ----------------------------------------------------------------------------------------
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="Gluon's wgmma/TMA kernels need an sm_90 GPU")
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch, q_heads, kv_heads, seq", [(2, 3, 3, 128), (1, 4, 1, 640), (2, 8, 2, 1152)])
+def test_matches_reference_on_gpu(variant, head_dim, causal, batch, q_heads, kv_heads, seq, gen, seed):
+    q, k, v = make_qkv(batch, q_heads, kv_heads, seq, head_dim, "cuda", gen)
+    assert gluon_applies(q, k, v)
+    out, lse = flash_attention_gluon(q, k, v, causal=causal, variant=variant)
+    ref_out, ref_lse = attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal)
+    assert_close(out, ref_out, torch.bfloat16, "out", seed)
+    assert_close(lse, ref_lse, torch.bfloat16, "lse", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="Gluon's wgmma/TMA kernels need an sm_90 GPU")
+@pytest.mark.parametrize("block_n, num_stages", [(64, 2), (64, 3), (128, 2)])
+def test_tiles_and_scale_on_gpu(block_n, num_stages, gen, seed):
+    q, k, v = make_qkv(1, 2, 2, 384, 128, "cuda", gen)
+    out, lse = flash_attention_gluon(q, k, v, causal=True, scale=0.3, block_n=block_n, num_stages=num_stages)
+    ref_out, ref_lse = attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True, scale=0.3)
+    assert_close(out, ref_out, torch.bfloat16, "out", seed)
+    assert_close(lse, ref_lse, torch.bfloat16, "lse", seed)
