@@ -6,7 +6,7 @@ each timed with `triton.testing.do_bench` (median, L2 flushed) for:
 
 - the three Gluon kernels of `minillm.kernels.ch04_flash_attention_gluon`: ``pipelined`` (one
   kind of warp), ``ws`` (a loader warp and two consumer warpgroups) and ``ws_pingpong`` (the
-  consumers take turns at the tensor cores; the module's default);
+  consumers take turns at the tensor cores); ``ws`` is the module's default;
 - the peers, in the same process on the same inputs: SDPA pinned to cuDNN and to
   FlashAttention-2 (``sdpa_cudnn``, ``sdpa_flash``) and the Triton Hopper kernel of
   `minillm.kernels.ch04_flash_attention_hopper` with its default config (``triton_hopper``).
@@ -14,33 +14,41 @@ each timed with `triton.testing.do_bench` (median, L2 flushed) for:
 Rows (``params``: batch, heads, seq_len, head_dim, causal, dtype, kernel):
 
 ==============  ===========================================================================
-``TFLOPs``      kernel ``ws_pingpong``: one row per peer (sdpa_cudnn, sdpa_flash,
-                triton_hopper), ratio > 1: ours faster; kernels ``pipelined`` and ``ws``: peer
-                ``ws_pingpong`` (the ablation: ratio < 1 means the step it lacks helps);
+``TFLOPs``      kernel ``ws``: one row per peer (sdpa_cudnn, sdpa_flash, triton_hopper),
+                ratio > 1: ours faster; kernels ``pipelined`` and ``ws_pingpong``: peer ``ws``
+                (the ablation: the step one lacks and the step the other adds);
                 fraction of the bf16 matmul rate measured in the run
 ``time_ms``     the same pairs in milliseconds
 ``rel_err``     ‖ours − SDPA cuDNN‖ / ‖SDPA cuDNN‖ for each Gluon kernel
 ==============  ===========================================================================
+
+FP8 (``dtype`` "fp8", kernels ``fp8_ws`` and ``fp8_ws_pingpong``: `flash_attention_gluon_fp8`
+on inputs quantized beforehand, `prepare_gluon_fp8`, whose time is not included): TFLOPs and
+time_ms against peers ``ws`` and ``ws_pingpong`` (the bf16 Gluon kernels: ratio > 1 is FP8's
+gain), ``triton_hopper`` and ``sdpa_cudnn``; rel_err against SDPA cuDNN's bf16 output.
 
 The sweep stops starting points after ``MINILLM_CH04_GLUON_BUDGET_S`` seconds (default 150).
 """
 from __future__ import annotations
 
 import os
-import time
 from typing import Callable
 
 import torch
 
 from minillm.costs import nominal_attention_flops
-from minillm.kernels.ch04_flash_attention_gluon import VARIANTS, flash_attention_gluon, gluon_applies
+from minillm.kernels.ch04_flash_attention_gluon import (
+    VARIANTS, flash_attention_gluon, flash_attention_gluon_fp8, gluon_applies, prepare_gluon_fp8,
+)
 from minillm.kernels.ch04_flash_attention_hopper import flash_attention_hopper
 
-from bench.ch04_hopper import CAUSAL, HEAD_DIMS, HIDDEN, SEQ_LENS, TOKENS, WARMUP_MS, REP_MS, _sdpa, _timed
-from bench.common import Results, attempt, cuda_device, dtype_name, free_memory, rel_err, sweep_start
+from bench.ch04_hopper import (
+    CAUSAL, HEAD_DIMS, HIDDEN, REP_MS, SEQ_LENS, TOKENS, WARMUP_MS, _sdpa, _timed, each_point,
+)
+from bench.common import Results, attempt, cuda_device, dtype_name, rel_err, sweep_start
 
 BENCHMARK = "ch04_gluon"
-DEFAULT_VARIANT = "ws_pingpong"
+DEFAULT_VARIANT = "ws"
 PEERS = ("sdpa_cudnn", "sdpa_flash", "triton_hopper")
 
 
@@ -59,16 +67,9 @@ def sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, toke
           hidden: int = HIDDEN, timer: Callable | None = None) -> None:
     timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, budget_s(), timer, WARMUP_MS, REP_MS)
     mm = (results.ceilings or {}).get("bf16_matmul_TFLOPs")
-    for head_dim in head_dims:
-        for causal in CAUSAL:
-            for n in seq_lens:
-                if out_of_time():
-                    return
-                t0 = time.perf_counter()
-                _point(results, device, gen, n, head_dim, causal, mm, timer, tokens, hidden)
-                free_memory()
-                print(f"  [{BENCHMARK}] D={head_dim} causal={causal} N={n}: {time.perf_counter() - t0:.1f} s",
-                      flush=True)
+    each_point(BENCHMARK, head_dims, seq_lens, out_of_time,
+               lambda head_dim, causal, n: _point(results, device, gen, n, head_dim, causal, mm, timer, tokens,
+                                                  hidden))
 
 
 def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, mm, timer, tokens: int,
@@ -110,7 +111,23 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
         add(DEFAULT_VARIANT, ours[DEFAULT_VARIANT], name, p_ms, status or None)
     for variant in VARIANTS:
         if variant != DEFAULT_VARIANT:
-            add(variant, ours[variant], DEFAULT_VARIANT, ours[DEFAULT_VARIANT], "ablation: the steps it lacks")
+            add(variant, ours[variant], DEFAULT_VARIANT, ours[DEFAULT_VARIANT], "ablation against warp specialization")
+    prepared = prepare_gluon_fp8(q, k, v)
+    fp8 = {}
+    for variant in VARIANTS[1:]:
+        ms, (out, _) = _timed(lambda: flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant,
+                                                                prepared=prepared), timer)
+        fp8[f"fp8_{variant}"] = ms
+        fp8_params = {**base, "dtype": "fp8", "kernel": f"fp8_{variant}"}
+        note = "e4m3 Q/K/V, scales per 64 rows of Q, per 128 keys of K, per head of V; quantization not included"
+        if cudnn_out is not None:
+            results.add(BENCHMARK, fp8_params, "rel_err", rel_err(out, cudnn_out), "sdpa_cudnn",
+                        note="‖ours − cuDNN (bf16)‖ / ‖cuDNN‖")
+        for peer, p_ms in (("ws", ours["ws"]), ("ws_pingpong", ours["ws_pingpong"]),
+                           ("triton_hopper", peer_ms["triton_hopper"][0]), ("sdpa_cudnn", peer_ms["sdpa_cudnn"][0])):
+            results.add(BENCHMARK, fp8_params, "time_ms", ms, peer, p_ms, note=note)
+            results.add(BENCHMARK, fp8_params, "TFLOPs", tflops(ms), peer, tflops(p_ms),
+                        fraction_of_ceiling=tflops(ms) / mm if mm else None, note=note)
     print(f"  [{BENCHMARK}] D={head_dim} causal={causal} N={n}: "
-          + ", ".join(f"{v} {tflops(ms):.0f}" for v, ms in ours.items()) + "; "
+          + ", ".join(f"{v} {tflops(ms):.0f}" for v, ms in {**ours, **fp8}.items()) + "; "
           + ", ".join(f"{p} {tflops(ms) or 0:.0f}" for p, (ms, _) in peer_ms.items()) + " TFLOP/s", flush=True)

@@ -155,16 +155,25 @@ def sweep_points(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LEN
     for head_dim in head_dims:  # first: cheap, and the accuracy half of the FP8 claim
         _errors(results, device, gen, head_dim, error_seq_len, hidden, dtype)
         free_memory()
+    each_point(BENCHMARK, head_dims, seq_lens, out_of_time,
+               lambda head_dim, causal, n: _point(results, device, gen, n, head_dim, causal, mm, timer,
+                                                  n in ablation_seq_lens, tokens, hidden, dtype))
+
+
+def each_point(benchmark: str, head_dims, seq_lens, out_of_time: Callable[[], bool],
+               run_point: Callable[[int, bool, int], None]) -> None:
+    """``run_point(head_dim, causal, n)`` at every forward point (head dim outermost, then the
+    mask, then N), each followed by freeing memory and a line with its time, until
+    ``out_of_time()``."""
     for head_dim in head_dims:
         for causal in CAUSAL:
             for n in seq_lens:
                 if out_of_time():
                     return
                 t0 = time.perf_counter()
-                _point(results, device, gen, n, head_dim, causal, mm, timer, n in ablation_seq_lens, tokens, hidden,
-                       dtype)
+                run_point(head_dim, causal, n)
                 free_memory()
-                print(f"  [{BENCHMARK}] D={head_dim} causal={causal} N={n}: {time.perf_counter() - t0:.1f} s",
+                print(f"  [{benchmark}] D={head_dim} causal={causal} N={n}: {time.perf_counter() - t0:.1f} s",
                       flush=True)
 
 

@@ -25,6 +25,12 @@ forward with it, in three steps that the chapter measures one against the other:
    (a token passed through two mbarriers), so that one warpgroup's exponentials run while the
    other's matmuls hold the tensor cores.
 
+And `flash_attention_gluon_fp8`: the warp-specialized kernel with e4m3 matmuls (Hopper's FP8
+tensor cores run at twice the bf16 rate): Q with one scale per 64 rows, K per ``block_n`` keys,
+V per head, as in `flash_attention_fp8` of the Triton module; P is rounded to e4m3 into shared
+memory for P·V, and V's ring holds tiles of Vᵀ, because an 8-bit ``wgmma`` reads its second
+operand along the reduction axis (the keys).
+
 Scope: bf16, ``q: [batch, q_heads, seq, head_dim]``, ``k, v: [batch, kv_heads, seq,
 head_dim]`` (GQA: ``q_heads % kv_heads == 0``), head_dim 64 or 128, ``seq`` a multiple of 128
 (every tile full: no bounds logic), queries and keys of the same length; causal masks on the
@@ -93,11 +99,50 @@ def _online_softmax(s, m_i, l_i, qk_scale, row0, col0, mask_this, CAUSAL: gl.con
 
 
 @gluon.jit
+def _v_operand(v_tile, FP8: gl.constexpr):
+    """The ``[BLOCK_N, HEAD_D]`` second operand of P·V: the tile itself, or in FP8 a view of the
+    ``[HEAD_D, BLOCK_N]`` tile of Vᵀ (no data moves)."""
+    if FP8:
+        operand = v_tile.permute((1, 0))
+    else:
+        operand = v_tile
+    return operand
+
+
+@gluon.jit
+def _p_operand(p, p_smem, p_layout: gl.constexpr, FP8: gl.constexpr):
+    """P (fp32, the scores' layout) as the first operand of P·V: in bf16, registers in
+    ``p_layout``; in FP8, e4m3 in ``p_smem``. (Hopper's 8-bit wgmma could read P from
+    registers too, but four keys per thread in a row means shuffling them, and the wait for a
+    matmul cannot hold 8-bit registers, so P takes the way through shared memory.)"""
+    if FP8:
+        p_smem.store(p.to(p_smem.dtype))
+        fence_async_shared()  # ordinary stores, then the wgmma (async proxy) reads them
+        _warps_barrier()  # every warp's rows are stored before the matmul starts
+        operand = p_smem
+    else:
+        operand = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    return operand
+
+
+@gluon.jit
+def _wait_pv(acc_tok, p_op, FP8: gl.constexpr):
+    """Wait for every matmul in flight (the last P·V): the accumulator, and in bf16 P's
+    registers, a dependency so that they are not reused before the matmul has read them."""
+    if FP8:
+        acc = warpgroup_mma_wait(0, deps=[acc_tok])
+    else:
+        acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
+    return acc, p_op
+
+
+@gluon.jit
 def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-                 k_desc, v_desc, kv_row0, n_blocks, n_full, row0, qk_scale,
+                 k_desc, v_desc, kv_row0, n_blocks, n_full, row0, qk_scale, k_scales, p_smem,
                  CONSUMER: gl.constexpr, WS: gl.constexpr, PINGPONG: gl.constexpr,
                  CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+                 HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                 FP8: gl.constexpr = False):
     """The key loop of one set of query rows: returns ``(acc [ROWS, HEAD_D] fp32, not yet
     divided by l; m_i, l_i [ROWS])`` for ``softmax(Q Kᵀ · scale) V`` over ``n_blocks`` blocks.
 
@@ -106,17 +151,22 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
     phase ``(j // NUM_STAGES) & 1`` when the copy has landed. ``WS``: a consumer frees a slot
     by arriving on ``*_empty`` (the loader warp refills it); else these warps refill it
     themselves. ``PINGPONG``: wait for ``turn[CONSUMER]`` before starting the matmuls, pass
-    the turn on right after.
+    the turn on right after. ``FP8``: Q, K and V are e4m3, V's ring holds tiles of Vᵀ
+    (``[HEAD_D, BLOCK_N]``: an 8-bit ``wgmma`` reads its second operand along the keys),
+    block j's scores are scaled by ``qk_scale · k_scales[j]`` (K's scale per block; Q's is in
+    ``qk_scale`` already) and P is rounded to e4m3 into ``p_smem`` (``[ROWS, BLOCK_N]``) for P·V.
 
     Iteration j:  start S_j = Q K_jᵀ;  acc *= alpha_{j-1};  start acc += P_{j-1} V_{j-1};
     wait for S_j only (P V keeps running);  softmax(S_j) on the CUDA cores;  wait for P V.
     """
+    MMA_K: gl.constexpr = 256 // k_smem.dtype.primitive_bitwidth  # 16 for bf16, 32 for e4m3
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, MMA_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
-    # P as the register operand of P·V: with k_width=2 this layout holds each thread's
-    # elements of S where they already are, so the conversion moves no data.
+                                                       instr_shape=[16, HEAD_D, MMA_K])
+    # bf16 P as the register operand of P·V: with k_width=2 this layout holds each thread's
+    # elements of S where they already are, so the conversion moves no data. (FP8's P goes
+    # through shared memory: see `_p_operand`.)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -131,9 +181,10 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
     s = warpgroup_mma_wait(0, deps=[s_tok])
     if WS:
         mbarrier.arrive(k_empty.index(0))
-    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, row0, 0, n_full <= 0, CAUSAL, ROWS, BLOCK_N,
+    tile_scale = qk_scale * gl.load(k_scales) if FP8 else qk_scale
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, tile_scale, row0, 0, n_full <= 0, CAUSAL, ROWS, BLOCK_N,
                                          s_layout)
-    p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    p_op = _p_operand(p, p_smem, p_layout, FP8)
 
     for j in range(1, n_blocks):
         slot = j % NUM_STAGES
@@ -146,17 +197,17 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
         s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         mbarrier.wait(v_ready.index(prev), prev_phase)
-        acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        acc_tok = warpgroup_mma(p_op, _v_operand(v_smem.index(prev), FP8), acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - CONSUMER))
         # Matmul groups retire in order: leaving 1 outstanding retires S_j and keeps P V running.
         s = warpgroup_mma_wait(1, deps=[s_tok])
         if WS:
             mbarrier.arrive(k_empty.index(slot))
-        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, row0, j * BLOCK_N, j >= n_full, CAUSAL,
+        tile_scale = qk_scale * gl.load(k_scales + j) if FP8 else qk_scale
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, tile_scale, row0, j * BLOCK_N, j >= n_full, CAUSAL,
                                              ROWS, BLOCK_N, s_layout)
-        # p_op is a dependency so that its registers are not reused before the matmul read them.
-        acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
+        acc, p_op = _wait_pv(acc_tok, p_op, FP8)
         if WS:
             mbarrier.arrive(v_empty.index(prev))
         else:  # both warpgroups are done with slot `prev`: refill it with block j - 1 + NUM_STAGES
@@ -167,14 +218,14 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
             _tma_load(k_desc, [kv_row0 + nxt * BLOCK_N, 0], k_ready.index(prev), k_smem.index(prev), pred=more)
             mbarrier.expect(v_ready.index(prev), v_desc.block_type.nbytes, pred=more)
             _tma_load(v_desc, [kv_row0 + nxt * BLOCK_N, 0], v_ready.index(prev), v_smem.index(prev), pred=more)
-        p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        p_op = _p_operand(p, p_smem, p_layout, FP8)
 
     # The last block's P V.
     last = (n_blocks - 1) % NUM_STAGES
     acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // NUM_STAGES) & 1)
-    acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-    acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
+    acc_tok = warpgroup_mma(p_op, _v_operand(v_smem.index(last), FP8), acc, is_async=True)
+    acc, p_op = _wait_pv(acc_tok, p_op, FP8)
     if WS:
         mbarrier.arrive(v_empty.index(last))
     return acc, m_i, l_i
@@ -182,13 +233,13 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
 
 @gluon.jit
 def _store_rows(acc, m_i, l_i, o_smem, o_desc, lse_ptr, o_row, ROWS: gl.constexpr, HEAD_D: gl.constexpr,
-                NUM_WARPS: gl.constexpr):
+                NUM_WARPS: gl.constexpr, out_scale=1.0):
     """FA2's epilogue: ``O = acc / l`` in bf16 through ``o_smem`` (the rows' Q buffer, no longer
     read) and one TMA store at row ``o_row`` of the 2-D ``[batch·heads·seq, HEAD_D]`` output;
-    ``lse = (m + log2 l)·ln 2`` (natural log) to ``lse_ptr[o_row:o_row + ROWS]``."""
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
-    o = acc * (1.0 / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)))[:, None]
+    ``lse = (m + log2 l)·ln 2`` (natural log) to ``lse_ptr[o_row:o_row + ROWS]``. ``out_scale``
+    multiplies O (FP8: V's scale)."""
+    o_layout: gl.constexpr = acc.type.layout
+    o = acc * (out_scale / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)))[:, None]
     o_smem.store(o.to(gl.bfloat16))
     fence_async_shared()  # ordinary stores to shared memory, then the TMA (async proxy) reads them
     _warps_barrier()  # every warp's rows are in place before the copy starts
@@ -201,7 +252,8 @@ def _store_rows(acc, m_i, l_i, o_smem, o_desc, lse_ptr, o_row, ROWS: gl.constexp
 @gluon.jit
 def _tile_coordinates(seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
     """This program's query tile (causal: the longest rows first) and where its rows sit in
-    the 2-D views: ``(row0, q_row, kv_row0, n_blocks)``."""
+    the 2-D views: ``(row0, q_row, kv_bh, n_blocks)`` (``kv_bh``: the index of its K/V head
+    among all of the batch's, whose rows start at ``kv_bh · seq_len``)."""
     n_m = seq_len // 128
     row0 = (n_m - 1 - gl.program_id(0)) * 128
     bh = gl.program_id(1)
@@ -210,7 +262,7 @@ def _tile_coordinates(seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_N: gl
         n_blocks = (row0 + 128) // BLOCK_N
     else:
         n_blocks = seq_len // BLOCK_N
-    return row0, bh * seq_len + row0, kv_bh * seq_len, n_blocks
+    return row0, bh * seq_len + row0, kv_bh, n_blocks
 
 
 # ----------------------------------------------------------------------------------------
@@ -222,7 +274,8 @@ def _pipelined_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seq_len, q_heads,
                       NUM_STAGES: gl.constexpr):
     """Grid ``(seq / 128, batch · q_heads)``, 8 warps. Descriptors over the 2-D views
     ``[rows, HEAD_D]``: Q and O in 128-row blocks, K and V in ``BLOCK_N``-row blocks."""
-    row0, q_row, kv_row0, n_blocks = _tile_coordinates(seq_len, q_heads, group, CAUSAL, BLOCK_N)
+    row0, q_row, kv_bh, n_blocks = _tile_coordinates(seq_len, q_heads, group, CAUSAL, BLOCK_N)
+    kv_row0 = kv_bh * seq_len
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [128, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
@@ -246,7 +299,7 @@ def _pipelined_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seq_len, q_heads,
     mbarrier.wait(q_ready, 0)
 
     acc, m_i, l_i = _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_ready, v_ready, k_ready,
-                                 k_desc, v_desc, kv_row0, n_blocks, (row0 + 1) // BLOCK_N, row0, qk_scale,
+                                 k_desc, v_desc, kv_row0, n_blocks, (row0 + 1) // BLOCK_N, row0, qk_scale, lse_ptr, q_smem,
                                  0, False, False, CAUSAL, 128, BLOCK_N, HEAD_D, NUM_STAGES, 8)
     _warps_barrier()  # both warpgroups are done with Q before its buffer takes O
     _store_rows(acc, m_i, l_i, q_smem, o_desc, lse_ptr, q_row, 128, HEAD_D, 8)
@@ -256,26 +309,38 @@ def _pipelined_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seq_len, q_heads,
 # Kernel 2: a loader warp and two consumer warpgroups (optionally in ping-pong)
 # ----------------------------------------------------------------------------------------
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-              k_desc, v_desc, o_desc, lse_ptr, q_row, kv_row0, row0, n_blocks, qk_scale,
-              CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
-              HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """One consumer warpgroup: rows ``[64·CONSUMER, 64·CONSUMER + 64)`` of the 128-row tile."""
+def _consumer(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
+              k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, q_row, kv_bh, seq_len, row0, n_blocks,
+              qk_scale, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
+              HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, FP8: gl.constexpr):
+    """One consumer warpgroup: rows ``[64·CONSUMER, 64·CONSUMER + 64)`` of the 128-row tile.
+    ``FP8``: the scales are fp32 arrays ``q_scales [batch·q_heads·seq/64]``, ``k_scales
+    [batch·kv_heads·seq/BLOCK_N]`` and ``v_scales [batch·kv_heads]``, in row order."""
     my_q = q_smem.index(CONSUMER)
     my_row0 = row0 + CONSUMER * 64
+    o_row = q_row + CONSUMER * 64
+    if FP8:
+        rows_scale = qk_scale * gl.load(q_scales + o_row // 64)
+        out_scale = gl.load(v_scales + kv_bh)
+    else:
+        rows_scale = qk_scale
+        out_scale = 1.0
     mbarrier.wait(q_ready, 0)
     acc, m_i, l_i = _attend_rows(my_q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-                                 k_desc, v_desc, kv_row0, n_blocks, (my_row0 + 1) // BLOCK_N, my_row0, qk_scale,
-                                 CONSUMER, True, PINGPONG, CAUSAL, 64, BLOCK_N, HEAD_D, NUM_STAGES, 4)
-    _store_rows(acc, m_i, l_i, my_q, o_desc, lse_ptr, q_row + CONSUMER * 64, 64, HEAD_D, 4)
+                                 k_desc, v_desc, kv_bh * seq_len, n_blocks, (my_row0 + 1) // BLOCK_N, my_row0,
+                                 rows_scale, k_scales + kv_bh * (seq_len // BLOCK_N), p_smem.index(CONSUMER),
+                                 CONSUMER, True, PINGPONG, CAUSAL, 64, BLOCK_N, HEAD_D, NUM_STAGES, 4, FP8)
+    _store_rows(acc, m_i, l_i, o_smem.index(CONSUMER), o_desc, lse_ptr, o_row, 64, HEAD_D, 4, out_scale)
 
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-            q_row, kv_row0, n_blocks, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+            q_row, kv_bh, seq_len, n_blocks, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, FP8: gl.constexpr):
     """One warp: the two 64-row halves of Q, then K_j and V_j into the rings. It reuses a slot
     once both consumers arrived on its empty barrier (count 2); on the first pass it waits
-    for parity 1, which a fresh barrier reports as complete."""
+    for parity 1, which a fresh barrier reports as complete. ``FP8``: V's tiles come from Vᵀ,
+    ``[batch·kv_heads·HEAD_D, seq]``, columns ``j·BLOCK_N`` onwards of the head's rows."""
+    kv_row0 = kv_bh * seq_len
     mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
     _tma_load(q_desc, [q_row, 0], q_ready, q_smem.index(0))
     _tma_load(q_desc, [q_row + 64, 0], q_ready, q_smem.index(1))
@@ -287,21 +352,35 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_
         _tma_load(k_desc, [kv_row0 + j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), free_phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [kv_row0 + j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+        if FP8:
+            _tma_load(v_desc, [kv_bh * v_desc.block_type.shape[0], j * BLOCK_N], v_ready.index(slot),
+                      v_smem.index(slot))
+        else:
+            _tma_load(v_desc, [kv_row0 + j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
-def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seq_len, q_heads, group, qk_scale,
-                             CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
-                             NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                             LOADER_REGS: gl.constexpr):
+def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len,
+                             q_heads, group, qk_scale, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr,
+                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FP8: gl.constexpr = False):
     """Grid ``(seq / 128, batch · q_heads)``, ``num_warps=4`` (consumer 0, the default
     partition) plus the workers: consumer 1 (4 warps) and the loader (1 warp). Q and O blocks
-    of 64 rows, K and V blocks of ``BLOCK_N`` rows."""
-    row0, q_row, kv_row0, n_blocks = _tile_coordinates(seq_len, q_heads, group, CAUSAL, BLOCK_N)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, HEAD_D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    of 64 rows, K blocks of ``BLOCK_N`` rows, V blocks of ``BLOCK_N`` rows (FP8: of Vᵀ,
+    ``HEAD_D`` rows by ``BLOCK_N`` keys). In bf16 each consumer's Q buffer takes its O for the
+    store; in FP8 O (bf16) is twice the size of Q (e4m3) and has buffers of its own."""
+    row0, q_row, kv_bh, n_blocks = _tile_coordinates(seq_len, q_heads, group, CAUSAL, BLOCK_N)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 64, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    if FP8:
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, HEAD_D, BLOCK_N], v_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, 64, HEAD_D], o_desc.layout)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.float8e4nv)
+        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, BLOCK_N], p_layout)
+    else:
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+        o_smem = q_smem
+        p_smem = q_smem  # (unused)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -321,14 +400,14 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seq_len, q
     # The argument tuples are written in place: a tuple kept in a variable would turn its
     # constexpr members (the consumer's index among them) into run-time values.
     gl.warp_specialize(
-        [(_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-                      k_desc, v_desc, o_desc, lse_ptr, q_row, kv_row0, row0, n_blocks, qk_scale,
-                      0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES)),
-         (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-                      k_desc, v_desc, o_desc, lse_ptr, q_row, kv_row0, row0, n_blocks, qk_scale,
-                      1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES)),
+        [(_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
+                      k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, q_row, kv_bh, seq_len, row0,
+                      n_blocks, qk_scale, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8)),
+         (_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
+                      k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, q_row, kv_bh, seq_len, row0,
+                      n_blocks, qk_scale, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8)),
          (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
-                    v_empty, q_row, kv_row0, n_blocks, BLOCK_N, NUM_STAGES))],
+                    v_empty, q_row, kv_bh, seq_len, n_blocks, BLOCK_N, NUM_STAGES, FP8))],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],
     )
@@ -337,11 +416,17 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seq_len, q
 # ----------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------
-def default_tiles(head_dim: int) -> tuple[int, int]:
-    """``(block_n, num_stages)``. Shared memory per program: Q (128·d·2 bytes) plus, per
-    stage, a K and a V tile (2·block_n·d·2 bytes): at d = 128 two stages take 160 KiB of the
-    227 KiB an SM offers, three would take 224 KiB and leave nothing for the output."""
-    return (128, 2) if head_dim == 128 else (128, 3)
+def default_tiles(head_dim: int, fp8: bool = False) -> tuple[int, int]:
+    """``(block_n, num_stages)``, from a sweep on the H100 (``bench/results/raw/
+    nvidia-h100.gluon_tile_sweep.log``). Shared memory per program: Q (128·d·e bytes, e = 2 in
+    bf16, 1 in e4m3) plus, per stage, a K and a V tile (2·block_n·d·e bytes), plus in FP8 the
+    bf16 output and e4m3 P buffers: at d = 128 in bf16 two stages take 160 KiB of the 227 KiB
+    an SM offers, three would take 224 KiB and leave nothing for the output. A power-of-two
+    stage count keeps the ring's slot and phase arithmetic to shifts and masks (three stages
+    ran up to 11 % slower than two or four at d = 64)."""
+    if fp8:
+        return (128, 2)
+    return (128, 2) if head_dim == 128 else (128, 4)
 
 
 def gluon_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -369,13 +454,18 @@ def _reason(q, k, v) -> str | None:
     return None
 
 
-def _descriptor(t2d: torch.Tensor, rows: int) -> TensorDescriptor:
-    layout = gl.NVMMASharedLayout.get_default_for([rows, t2d.shape[1]], gl.bfloat16)
-    return TensorDescriptor.from_tensor(t2d, [rows, t2d.shape[1]], layout)
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
+
+
+def _descriptor(t2d: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
+    """A TMA descriptor over the 2-D ``t2d`` in ``[rows, cols]`` blocks (cols: whole rows)."""
+    block = [rows, cols or t2d.shape[1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t2d.dtype])
+    return TensorDescriptor.from_tensor(t2d, block, layout)
 
 
 def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                          scale: float | None = None, variant: str = "ws_pingpong", block_n: int | None = None,
+                          scale: float | None = None, variant: str = "ws", block_n: int | None = None,
                           num_stages: int | None = None, consumer_regs: int = 240, loader_regs: int = 24,
                           compile_only: bool = False):
     """``softmax(scale · q kᵀ + mask) v`` with the Gluon kernels (forward only).
@@ -396,27 +486,71 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     reason = _reason(q, k, v)
     if reason:
         raise ValueError(reason)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return _launch(q, k, v, None, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs,
+                   compile_only)
+
+
+def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                              scale: float | None = None, variant: str = "ws", prepared: tuple | None = None,
+                              block_n: int | None = None, num_stages: int | None = None, consumer_regs: int = 240,
+                              loader_regs: int = 24, compile_only: bool = False):
+    """The warp-specialized kernel with e4m3 matmuls: Q in blocks of 64 rows (one consumer's
+    rows) and K in blocks of ``block_n`` keys, each with its own scale, V with one scale per
+    head, fp32 accumulation (the quantization of `minillm.kernels.ch04_flash_attention_hopper.
+    quantize_blocks`). Inputs, scope and result as `flash_attention_gluon` (bf16 in, bf16
+    out); ``variant``: ``"ws"`` or ``"ws_pingpong"``; ``prepared``: `prepare_gluon_fp8`'s
+    result for these inputs, to time the kernel without the quantization."""
+    if variant not in VARIANTS[1:]:
+        raise ValueError(f"the FP8 kernel is warp-specialized: variant must be one of {VARIANTS[1:]}, got {variant!r}")
+    reason = _reason(q, k, v)
+    if reason:
+        raise ValueError(reason)
+    block_n = block_n or default_tiles(q.shape[-1], fp8=True)[0]
+    prepared = prepared or prepare_gluon_fp8(q, k, v, block_n)
+    return _launch(*prepared, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs,
+                   compile_only, out_shape=q.shape)
+
+
+def prepare_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int = 128) -> tuple:
+    """``(q8, k8, v8ᵀ, (q_scales, k_scales, v_scales))`` for `flash_attention_gluon_fp8`: e4m3
+    ``q8 [b, h, s, d]``, ``k8 [b, h_kv, s, d]``, ``v8ᵀ [b, h_kv, d, s]`` and their fp32 scales
+    (per 64 query rows, per ``block_n`` keys, per head of V)."""
+    from minillm.kernels.ch04_flash_attention_hopper import quantize_blocks
+
+    q8, q_scales = quantize_blocks(q, 64)
+    k8, k_scales = quantize_blocks(k, block_n)
+    v8t, v_scales = quantize_blocks(v, v.shape[2], transpose=True)
+    return q8, k8, v8t, (q_scales, k_scales, v_scales)
+
+
+def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs,
+            compile_only, out_shape=None):
+    """Make the descriptors and launch (or compile) the kernel of ``variant``. ``scales``:
+    None for bf16, else FP8's ``(q_scales, k_scales, v_scales)`` with ``v`` as Vᵀ."""
+    fp8 = scales is not None
     b, h, s, d = q.shape
-    default_n, default_stages = default_tiles(d)
+    default_n, default_stages = default_tiles(d, fp8)
     block_n, num_stages = block_n or default_n, num_stages or default_stages
     if block_n not in (64, 128):
         raise ValueError(f"block_n must be 64 or 128, got {block_n}")
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     qk_scale = (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E
-
-    out = torch.empty_like(q)
+    out = torch.empty(out_shape or q.shape, device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((b, h, s), device=q.device, dtype=torch.float32)
-    q2, o2 = q.view(-1, d), out.view(-1, d)  # rows of every (batch, head), one after another
-    k_desc, v_desc = _descriptor(k.view(-1, d), block_n), _descriptor(v.view(-1, d), block_n)
+    k_desc = _descriptor(k.view(-1, d), block_n)
+    # FP8: V's tiles are [d, block_n] blocks of Vᵀ, viewed as [b·h_kv·d, s].
+    v_desc = _descriptor(v.view(-1, s), d, block_n) if fp8 else _descriptor(v.view(-1, d), block_n)
     grid = (s // BLOCK_M, b * h)
-    args = (lse, s, h, h // k.shape[1], qk_scale)
     if variant == "pipelined":
-        kernel, rows, meta = _pipelined_kernel, BLOCK_M, dict(num_warps=8)
+        kernel, rows, args = _pipelined_kernel, BLOCK_M, (lse, s, h, h // k.shape[1], qk_scale)
+        meta = dict(num_warps=8)
     else:
+        q_scales, k_scales, v_scales = scales if fp8 else (lse, lse, lse)  # (bf16: unread)
         kernel, rows = _warp_specialized_kernel, 64
+        args = (lse, q_scales, k_scales, v_scales, s, h, h // k.shape[1], qk_scale)
         meta = dict(PINGPONG=variant == "ws_pingpong", CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
-                    num_warps=4)
-    descriptors = (_descriptor(q2, rows), k_desc, v_desc, _descriptor(o2, rows))
+                    FP8=fp8, num_warps=4)
+    descriptors = (_descriptor(q.view(-1, d), rows), k_desc, v_desc, _descriptor(out.view(-1, d), rows))
     meta.update(CAUSAL=bool(causal), HEAD_D=d, BLOCK_N=block_n, NUM_STAGES=num_stages)
     if compile_only:
         return kernel.warmup(*descriptors, *args, grid=grid, **meta)

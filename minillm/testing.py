@@ -324,3 +324,34 @@ def compiled_kernel_variants() -> dict[str, int]:
                 # times every config, a stall as long as a compile)
                 counts[f"{info.name}.{name}.tuned_keys"] = len(obj.cache)
     return counts
+
+
+def assert_within_fp8_bound(out: torch.Tensor, q, k, v, block_m: int, block_n: int, causal: bool,
+                            v_block: int | None, rotation=None, what: str = "", seed: int | None = None,
+                            accumulator_bits: int | None = None) -> None:
+    """Assert an FP8 attention kernel's ``out`` is within the error that FP8 allows of exact
+    attention of the block-quantized inputs (`minillm.reference.ch04_fp8`), elementwise:
+    rounding P to e4m3, on a GPU the tensor cores' ~14-bit FP8 accumulation, and the rounding
+    of ``out`` to its dtype (``accumulator_bits``: the bits the model of the tensor cores'
+    FP8 accumulator keeps, default `minillm.reference.ch04_fp8.FP8_ACCUMULATOR_BITS`). ``q, k,
+    v``: float64 NumPy arrays of what the kernel quantized
+    (``rotation`` applied by the reference if given); ``block_m``/``block_n``/``v_block``:
+    the rows per scale of Q, K and V (``v_block`` None: ``block_n``). Also checks that the
+    bound is not vacuous (well below the output's own size)."""
+    from minillm.reference import ch04_fp8 as ref8
+
+    kw = dict(causal=causal, rotation=rotation, v_block=v_block)
+    want = ref8.fp8_attention(q, k, v, block_m, block_n, **kw)
+    bound = ref8.p_rounding_bound(q, k, v, block_m, block_n, **kw)
+    if out.is_cuda:  # exact products and sums under the interpreter
+        bits = ref8.FP8_ACCUMULATOR_BITS if accumulator_bits is None else accumulator_bits
+        bound = bound + ref8.fp8_accumulation_bound(q, k, v, block_m, block_n, bits=bits, **kw)
+    out_rounding = {torch.float32: 1e-6, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[out.dtype]
+    err = np.abs(to_numpy(out) - want)
+    allowed = bound + out_rounding * np.abs(want) + 1e-5
+    worst = np.unravel_index(np.argmax(err - allowed), err.shape)
+    assert np.all(err <= allowed), (f"seed {seed}, {what}: fp8 error {err[worst]:.3e} > bound {allowed[worst]:.3e} "
+                                    f"at {worst} (want {want[worst]:.4e}; {int((err > allowed).sum())} of "
+                                    f"{err.size} elements)")
+    # A wrong scale or a lost block would move the output by about its own size.
+    assert np.linalg.norm(bound) < 0.5 * np.linalg.norm(want)

@@ -39,7 +39,9 @@ from minillm.kernels.ch04_flash_attention_hopper import (
 from minillm.reference import attention
 from minillm.reference import ch04_fp8 as ref8
 from minillm.reference.ch04_flash_attention import fa2_backward
-from minillm.testing import assert_close, poisoned, random_tensor, skip_fp32_on_gpu, to_numpy, tolerance
+from minillm.testing import (
+    assert_close, assert_within_fp8_bound, poisoned, random_tensor, skip_fp32_on_gpu, to_numpy, tolerance,
+)
 
 SWITCHES = ("tma", "warp_specialize", "persistent", "overlap")
 
@@ -244,25 +246,8 @@ def check_fp8(q, k, v, causal, config, rotate, seed):
         qn, kn = (to_numpy(t.float() @ rot32) for t in (q, k))
         rot = None
     v_block = None if config.v_scale == "block" else vn.shape[2]  # one scale for the whole head
-    want = ref8.fp8_attention(qn, kn, vn, config.block_m, config.block_n, causal=causal, rotation=rot, v_block=v_block)
-    bound = ref8.p_rounding_bound(qn, kn, vn, config.block_m, config.block_n, causal=causal, rotation=rot,
-                                  v_block=v_block)
-    if q.is_cuda:  # the tensor cores' FP8 accumulation keeps ~14 bits (exact in the interpreter)
-        bound = bound + ref8.fp8_accumulation_bound(qn, kn, vn, config.block_m, config.block_n, causal=causal,
-                                                    rotation=rot, v_block=v_block)
-    got = to_numpy(out)
-    # bf16/fp16 output: one more rounding of the result; fp32: accumulation slack only.
-    out_rounding = {torch.float32: 1e-6, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[q.dtype]
-    err = np.abs(got - want)
-    allowed = bound + out_rounding * np.abs(want) + 1e-5
-    worst = np.unravel_index(np.argmax(err - allowed), err.shape)
-    assert np.all(err <= allowed), (f"seed {seed}, {config.describe()}, V scale per {config.v_scale}, rotate "
-                                    f"{rotate}: fp8 error {err[worst]:.3e} > bound {allowed[worst]:.3e} at {worst} "
-                                    f"(want {want[worst]:.4e}, got {got[worst]:.4e}; "
-                                    f"{int((err > allowed).sum())} of {err.size} elements)")
-    # The bound is not vacuous: a wrong scale or a lost block would move the output by about
-    # its own size, far more than the bound allows.
-    assert np.linalg.norm(bound) < 0.5 * np.linalg.norm(want)
+    assert_within_fp8_bound(out, qn, kn, vn, config.block_m, config.block_n, causal, v_block, rot,
+                            f"{config.describe()}, V scale per {config.v_scale}, rotate {rotate}", seed)
 
 
 FP8_SMALL = [(1, 4, 2, 45, 61, 32, True), (2, 2, 1, 37, 37, 16, False), (1, 2, 1, 40, 23, 64, True)]
