@@ -4,9 +4,10 @@ The forward points of ``bench/ch04_hopper.py`` (bf16, 16k tokens per point: batc
 16384, hidden 2048 = heads · head_dim, N from 1k to 16k, head dims 128 and 64, causal and not),
 each timed with `triton.testing.do_bench` (median, L2 flushed) for:
 
-- the three Gluon kernels of `minillm.kernels.ch04_flash_attention_gluon`: ``pipelined`` (one
-  kind of warp), ``ws`` (a loader warp and two consumer warpgroups) and ``ws_pingpong`` (the
-  consumers take turns at the tensor cores); ``ws`` is the module's default;
+- the Gluon kernels of `minillm.kernels.ch04_flash_attention_gluon`: ``pipelined`` (one kind
+  of warp), ``ws`` (a loader warp and two consumer warpgroups; the module's default) with one
+  program per tile (``ws_grid``) and persistent (``ws_persistent``), and ``ws_pingpong`` (the
+  consumers take turns at the tensor cores);
 - the peers, in the same process on the same inputs: SDPA pinned to cuDNN and to
   FlashAttention-2 (``sdpa_cudnn``, ``sdpa_flash``) and the Triton Hopper kernel of
   `minillm.kernels.ch04_flash_attention_hopper` with its default config (``triton_hopper``).
@@ -14,9 +15,10 @@ each timed with `triton.testing.do_bench` (median, L2 flushed) for:
 Rows (``params``: batch, heads, seq_len, head_dim, causal, dtype, kernel):
 
 ==============  ===========================================================================
-``TFLOPs``      kernel ``ws``: one row per peer (sdpa_cudnn, sdpa_flash, triton_hopper),
-                ratio > 1: ours faster; kernels ``pipelined`` and ``ws_pingpong``: peer ``ws``
-                (the ablation: the step one lacks and the step the other adds);
+``TFLOPs``      kernel ``ws`` (the default, `persistent_by_default`): one row per
+                peer (sdpa_cudnn, sdpa_flash, triton_hopper), ratio > 1: ours faster; kernels
+                ``pipelined``, ``ws_grid`` (one program per tile), ``ws_persistent`` (one per
+                SM) and ``ws_pingpong``: peer ``ws`` (the ablation);
                 fraction of the bf16 matmul rate measured in the run
 ``time_ms``     the same pairs in milliseconds
 ``rel_err``     ‖ours − SDPA cuDNN‖ / ‖SDPA cuDNN‖ for each Gluon kernel
@@ -38,7 +40,8 @@ import torch
 
 from minillm.costs import nominal_attention_flops
 from minillm.kernels.ch04_flash_attention_gluon import (
-    VARIANTS, flash_attention_gluon, flash_attention_gluon_fp8, gluon_applies, prepare_gluon_fp8,
+    VARIANTS, flash_attention_gluon, flash_attention_gluon_fp8, gluon_applies, persistent_by_default,
+    prepare_gluon_fp8,
 )
 from minillm.kernels.ch04_flash_attention_hopper import flash_attention_hopper
 
@@ -93,13 +96,19 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
         if name == "sdpa_cudnn" and res:
             cudnn_out = res[1]
 
+    # The kernels: the three steps, and the warp-specialized one both ways of persistence
+    # ("ws" is the module's default, whichever of the two `persistent_by_default` picks).
+    kernels = {"pipelined": dict(variant="pipelined"), "ws_grid": dict(variant="ws", persistent=False),
+               "ws_persistent": dict(variant="ws", persistent=True), "ws_pingpong": dict(variant="ws_pingpong")}
     ours = {}
-    for variant in VARIANTS:
-        ms, (out, _) = _timed(lambda: flash_attention_gluon(q, k, v, causal=causal, variant=variant), timer)
-        ours[variant] = ms
+    for name, kw in kernels.items():
+        ms, (out, _) = _timed(lambda: flash_attention_gluon(q, k, v, causal=causal, **kw), timer)
+        ours[name] = ms
         if cudnn_out is not None:
-            results.add(BENCHMARK, {**base, "kernel": variant}, "rel_err", rel_err(out, cudnn_out), "sdpa_cudnn",
+            results.add(BENCHMARK, {**base, "kernel": name}, "rel_err", rel_err(out, cudnn_out), "sdpa_cudnn",
                         note="‖ours − cuDNN‖ / ‖cuDNN‖")
+    default_kernel = "ws_persistent" if persistent_by_default("ws", causal, n) else "ws_grid"
+    ours[DEFAULT_VARIANT] = ours[default_kernel]
 
     def add(kernel, ms, peer, p_ms, note):
         params = {**base, "kernel": kernel}
@@ -109,9 +118,9 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
 
     for name, (p_ms, status) in peer_ms.items():
         add(DEFAULT_VARIANT, ours[DEFAULT_VARIANT], name, p_ms, status or None)
-    for variant in VARIANTS:
-        if variant != DEFAULT_VARIANT:
-            add(variant, ours[variant], DEFAULT_VARIANT, ours[DEFAULT_VARIANT], "ablation against warp specialization")
+    for name in kernels:
+        if name != default_kernel:
+            add(name, ours[name], DEFAULT_VARIANT, ours[DEFAULT_VARIANT], f"ablation against the default ({default_kernel})")
     prepared = prepare_gluon_fp8(q, k, v)
     fp8 = {}
     for variant in VARIANTS[1:]:

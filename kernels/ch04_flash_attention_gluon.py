@@ -8,7 +8,7 @@ front end, but the program states what the compiler otherwise decides: the layou
 tensor in registers, shared-memory buffers, ``mbarrier`` objects, TMA copies, asynchronous
 ``wgmma`` and when to wait for it, and which warps run which function, with how many
 registers (``gl.warp_specialize``, which sets ``setmaxnreg``). This module writes FA3's
-forward with it, in three steps that the chapter measures one against the other:
+forward with it, in steps that the chapter measures one against the other:
 
 1. ``"pipelined"``: one program of 8 warps (two warpgroups, 64 query rows each) per 128-row
    query tile; K/V tiles arrive by TMA in a ring of ``num_stages`` shared-memory slots, each
@@ -24,6 +24,11 @@ forward with it, in three steps that the chapter measures one against the other:
 3. ``"ws_pingpong"``: FA3's *ping-pong*: the two consumers take turns to start their matmuls
    (a token passed through two mbarriers), so that one warpgroup's exponentials run while the
    other's matmuls hold the tensor cores.
+
+Both warp-specialized kernels can also run **persistent** (``persistent=True``): one program
+per SM, taking tiles in turn, with the rings running on from one tile to the next and Q in two
+buffers, so that the loader fetches the next tile while the consumers finish this one
+(`persistent_by_default` says when that is the default).
 
 And `flash_attention_gluon_fp8`: the warp-specialized kernel with e4m3 matmuls (Hopper's FP8
 tensor cores run at twice the bf16 rate): Q with one scale per 64 rows, K per ``block_n`` keys,
@@ -57,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from minillm.kernels.base import LOG2E
+from minillm.kernels.base import LOG2E, num_sms
 
 # Gluon's names for a TMA copy and a barrier across a partition's warps (3.6 / 3.7 and later).
 if hasattr(tma, "async_load"):
@@ -138,7 +143,7 @@ def _wait_pv(acc_tok, p_op, FP8: gl.constexpr):
 
 @gluon.jit
 def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-                 k_desc, v_desc, kv_row0, n_blocks, n_full, row0, qk_scale, k_scales, p_smem,
+                 k_desc, v_desc, kv_row0, n_blocks, n_full, row0, qk_scale, k_scales, p_smem, it0, turn0,
                  CONSUMER: gl.constexpr, WS: gl.constexpr, PINGPONG: gl.constexpr,
                  CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                  HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
@@ -147,11 +152,12 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
     divided by l; m_i, l_i [ROWS])`` for ``softmax(Q Kᵀ · scale) V`` over ``n_blocks`` blocks.
 
     ``q_smem: [ROWS, HEAD_D]`` (loaded); ``k_smem, v_smem: [NUM_STAGES, BLOCK_N, HEAD_D]``
-    rings: block j sits in slot ``j % NUM_STAGES``, and its ``*_ready`` barrier completes
-    phase ``(j // NUM_STAGES) & 1`` when the copy has landed. ``WS``: a consumer frees a slot
+    rings, which have already passed ``it0`` blocks (of earlier tiles of a persistent
+    program): block j sits in slot ``(it0 + j) % NUM_STAGES``, and its ``*_ready`` barrier
+    completes phase ``((it0 + j) // NUM_STAGES) & 1`` when the copy has landed. ``WS``: a consumer frees a slot
     by arriving on ``*_empty`` (the loader warp refills it); else these warps refill it
     themselves. ``PINGPONG``: wait for ``turn[CONSUMER]`` before starting the matmuls, pass
-    the turn on right after. ``FP8``: Q, K and V are e4m3, V's ring holds tiles of Vᵀ
+    the turn on right after (``turn0``: turns taken in earlier tiles). ``FP8``: Q, K and V are e4m3, V's ring holds tiles of Vᵀ
     (``[HEAD_D, BLOCK_N]``: an 8-bit ``wgmma`` reads its second operand along the keys),
     block j's scores are scaled by ``qk_scale · k_scales[j]`` (K's scale per block; Q's is in
     ``qk_scale`` already) and P is rounded to e4m3 into ``p_smem`` (``[ROWS, BLOCK_N]``) for P·V.
@@ -176,23 +182,24 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
 
     # Block 0: its scores and softmax, with nothing to overlap yet.
-    mbarrier.wait(k_ready.index(0), 0)
-    s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    first = it0 % NUM_STAGES
+    mbarrier.wait(k_ready.index(first), (it0 // NUM_STAGES) & 1)
+    s_tok = warpgroup_mma(q_smem, k_smem.index(first).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s_tok])
     if WS:
-        mbarrier.arrive(k_empty.index(0))
+        mbarrier.arrive(k_empty.index(first))
     tile_scale = qk_scale * gl.load(k_scales) if FP8 else qk_scale
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, tile_scale, row0, 0, n_full <= 0, CAUSAL, ROWS, BLOCK_N,
                                          s_layout)
     p_op = _p_operand(p, p_smem, p_layout, FP8)
 
     for j in range(1, n_blocks):
-        slot = j % NUM_STAGES
-        phase = (j // NUM_STAGES) & 1
-        prev = (j - 1) % NUM_STAGES
-        prev_phase = ((j - 1) // NUM_STAGES) & 1
-        if PINGPONG:  # turn j - 1: consumer 0's first wait passes at once, consumer 1 waits for it
-            mbarrier.wait(turn.index(CONSUMER), ((j - 1) & 1) ^ (1 - CONSUMER))
+        slot = (it0 + j) % NUM_STAGES
+        phase = ((it0 + j) // NUM_STAGES) & 1
+        prev = (it0 + j - 1) % NUM_STAGES
+        prev_phase = ((it0 + j - 1) // NUM_STAGES) & 1
+        if PINGPONG:  # turn t: consumer 0's first wait passes at once, consumer 1 waits for it
+            mbarrier.wait(turn.index(CONSUMER), ((turn0 + j - 1) & 1) ^ (1 - CONSUMER))
         mbarrier.wait(k_ready.index(slot), phase)
         s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
@@ -221,9 +228,9 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
         p_op = _p_operand(p, p_smem, p_layout, FP8)
 
     # The last block's P V.
-    last = (n_blocks - 1) % NUM_STAGES
+    last = (it0 + n_blocks - 1) % NUM_STAGES
     acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // NUM_STAGES) & 1)
+    mbarrier.wait(v_ready.index(last), ((it0 + n_blocks - 1) // NUM_STAGES) & 1)
     acc_tok = warpgroup_mma(p_op, _v_operand(v_smem.index(last), FP8), acc, is_async=True)
     acc, p_op = _wait_pv(acc_tok, p_op, FP8)
     if WS:
@@ -250,13 +257,14 @@ def _store_rows(acc, m_i, l_i, o_smem, o_desc, lse_ptr, o_row, ROWS: gl.constexp
 
 
 @gluon.jit
-def _tile_coordinates(seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-    """This program's query tile (causal: the longest rows first) and where its rows sit in
-    the 2-D views: ``(row0, q_row, kv_bh, n_blocks)`` (``kv_bh``: the index of its K/V head
-    among all of the batch's, whose rows start at ``kv_bh · seq_len``)."""
+def _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Query tile ``tile`` of ``(seq_len / 128) · batch · q_heads``: heads outermost (programs
+    running together share K/V in L2) and within a head the longest causal rows first; and
+    where its rows sit in the 2-D views: ``(row0, q_row, kv_bh, n_blocks)`` (``kv_bh``: the
+    index of its K/V head among all of the batch's, whose rows start at ``kv_bh · seq_len``)."""
     n_m = seq_len // 128
-    row0 = (n_m - 1 - gl.program_id(0)) * 128
-    bh = gl.program_id(1)
+    row0 = (n_m - 1 - tile % n_m) * 128
+    bh = tile // n_m
     kv_bh = (bh // q_heads) * (q_heads // group) + (bh % q_heads) // group  # GQA: shared K/V
     if CAUSAL:
         n_blocks = (row0 + 128) // BLOCK_N
@@ -272,9 +280,9 @@ def _tile_coordinates(seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_N: gl
 def _pipelined_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seq_len, q_heads, group, qk_scale,
                       CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
                       NUM_STAGES: gl.constexpr):
-    """Grid ``(seq / 128, batch · q_heads)``, 8 warps. Descriptors over the 2-D views
+    """Grid ``(seq / 128 · batch · q_heads,)``, 8 warps. Descriptors over the 2-D views
     ``[rows, HEAD_D]``: Q and O in 128-row blocks, K and V in ``BLOCK_N``-row blocks."""
-    row0, q_row, kv_bh, n_blocks = _tile_coordinates(seq_len, q_heads, group, CAUSAL, BLOCK_N)
+    row0, q_row, kv_bh, n_blocks = _tile_coordinates(gl.program_id(0), seq_len, q_heads, group, CAUSAL, BLOCK_N)
     kv_row0 = kv_bh * seq_len
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [128, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
@@ -299,7 +307,7 @@ def _pipelined_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seq_len, q_heads,
     mbarrier.wait(q_ready, 0)
 
     acc, m_i, l_i = _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_ready, v_ready, k_ready,
-                                 k_desc, v_desc, kv_row0, n_blocks, (row0 + 1) // BLOCK_N, row0, qk_scale, lse_ptr, q_smem,
+                                 k_desc, v_desc, kv_row0, n_blocks, (row0 + 1) // BLOCK_N, row0, qk_scale, lse_ptr, q_smem, 0, 0,
                                  0, False, False, CAUSAL, 128, BLOCK_N, HEAD_D, NUM_STAGES, 8)
     _warps_barrier()  # both warpgroups are done with Q before its buffer takes O
     _store_rows(acc, m_i, l_i, q_smem, o_desc, lse_ptr, q_row, 128, HEAD_D, 8)
@@ -309,68 +317,98 @@ def _pipelined_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seq_len, q_heads,
 # Kernel 2: a loader warp and two consumer warpgroups (optionally in ping-pong)
 # ----------------------------------------------------------------------------------------
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-              k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, q_row, kv_bh, seq_len, row0, n_blocks,
+def _consumer(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+              k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group, n_tiles,
               qk_scale, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
               HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, FP8: gl.constexpr):
-    """One consumer warpgroup: rows ``[64·CONSUMER, 64·CONSUMER + 64)`` of the 128-row tile.
+    """One consumer warpgroup: rows ``[64·CONSUMER, 64·CONSUMER + 64)`` of each of this
+    program's tiles (``pid, pid + #programs, ...``: one tile unless the grid is persistent).
+    Q comes in two buffers, the tiles alternating between them; a buffer is given back
+    (``q_empty``) once this consumer's output, staged in it in bf16, has been stored.
     ``FP8``: the scales are fp32 arrays ``q_scales [batch·q_heads·seq/64]``, ``k_scales
     [batch·kv_heads·seq/BLOCK_N]`` and ``v_scales [batch·kv_heads]``, in row order."""
-    my_q = q_smem.index(CONSUMER)
-    my_row0 = row0 + CONSUMER * 64
-    o_row = q_row + CONSUMER * 64
-    if FP8:
-        rows_scale = qk_scale * gl.load(q_scales + o_row // 64)
-        out_scale = gl.load(v_scales + kv_bh)
-    else:
-        rows_scale = qk_scale
-        out_scale = 1.0
-    mbarrier.wait(q_ready, 0)
-    acc, m_i, l_i = _attend_rows(my_q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-                                 k_desc, v_desc, kv_bh * seq_len, n_blocks, (my_row0 + 1) // BLOCK_N, my_row0,
-                                 rows_scale, k_scales + kv_bh * (seq_len // BLOCK_N), p_smem.index(CONSUMER),
-                                 CONSUMER, True, PINGPONG, CAUSAL, 64, BLOCK_N, HEAD_D, NUM_STAGES, 4, FP8)
-    _store_rows(acc, m_i, l_i, o_smem.index(CONSUMER), o_desc, lse_ptr, o_row, 64, HEAD_D, 4, out_scale)
+    it0 = 0  # K/V blocks this program's ring has passed
+    turn0 = 0  # ping-pong turns taken
+    i = 0  # tiles done
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        row0, q_row, kv_bh, n_blocks = _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL, BLOCK_N)
+        buf = i % 2
+        my_q = q_smem.index(buf * 2 + CONSUMER)
+        my_row0 = row0 + CONSUMER * 64
+        o_row = q_row + CONSUMER * 64
+        if FP8:
+            rows_scale = qk_scale * gl.load(q_scales + o_row // 64)
+            out_scale = gl.load(v_scales + kv_bh)
+            my_o = o_smem.index(CONSUMER)
+        else:
+            rows_scale = qk_scale
+            out_scale = 1.0
+            my_o = my_q
+        mbarrier.wait(q_ready.index(buf), (i // 2) & 1)
+        acc, m_i, l_i = _attend_rows(my_q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                                     k_desc, v_desc, kv_bh * seq_len, n_blocks, (my_row0 + 1) // BLOCK_N, my_row0,
+                                     rows_scale, k_scales + kv_bh * (seq_len // BLOCK_N), p_smem.index(CONSUMER),
+                                     it0, turn0, CONSUMER, True, PINGPONG, CAUSAL, 64, BLOCK_N, HEAD_D, NUM_STAGES,
+                                     4, FP8)
+        _store_rows(acc, m_i, l_i, my_o, o_desc, lse_ptr, o_row, 64, HEAD_D, 4, out_scale)
+        mbarrier.arrive(q_empty.index(buf))
+        it0 += n_blocks
+        turn0 += n_blocks - 1
+        i += 1
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-            q_row, kv_bh, seq_len, n_blocks, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, FP8: gl.constexpr):
-    """One warp: the two 64-row halves of Q, then K_j and V_j into the rings. It reuses a slot
-    once both consumers arrived on its empty barrier (count 2); on the first pass it waits
-    for parity 1, which a fresh barrier reports as complete. ``FP8``: V's tiles come from Vᵀ,
-    ``[batch·kv_heads·HEAD_D, seq]``, columns ``j·BLOCK_N`` onwards of the head's rows."""
-    kv_row0 = kv_bh * seq_len
-    mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-    _tma_load(q_desc, [q_row, 0], q_ready, q_smem.index(0))
-    _tma_load(q_desc, [q_row + 64, 0], q_ready, q_smem.index(1))
-    for j in range(n_blocks):
-        slot = j % NUM_STAGES
-        free_phase = ((j // NUM_STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(slot), free_phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [kv_row0 + j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), free_phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        if FP8:
-            _tma_load(v_desc, [kv_bh * v_desc.block_type.shape[0], j * BLOCK_N], v_ready.index(slot),
-                      v_smem.index(slot))
-        else:
-            _tma_load(v_desc, [kv_row0 + j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+            seq_len, q_heads, group, n_tiles, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+            NUM_STAGES: gl.constexpr, FP8: gl.constexpr):
+    """One warp, for each of this program's tiles: the two 64-row halves of Q into the tile's
+    Q buffer, then K_j and V_j into the rings, which run on from one tile to the next (so a
+    persistent program loads the next tile while the consumers finish this one). A slot or a
+    Q buffer is reused once both consumers arrived on its empty barrier (count 2); on the first
+    pass the wait is for parity 1, which a fresh barrier reports as complete. ``FP8``: V's
+    tiles come from Vᵀ, ``[batch·kv_heads·HEAD_D, seq]``, columns ``j·BLOCK_N`` onwards of the
+    head's rows."""
+    it = 0
+    i = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        row0, q_row, kv_bh, n_blocks = _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL, BLOCK_N)
+        kv_row0 = kv_bh * seq_len
+        buf = i % 2
+        mbarrier.wait(q_empty.index(buf), ((i // 2) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(buf), 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row, 0], q_ready.index(buf), q_smem.index(buf * 2))
+        _tma_load(q_desc, [q_row + 64, 0], q_ready.index(buf), q_smem.index(buf * 2 + 1))
+        for j in range(n_blocks):
+            slot = (it + j) % NUM_STAGES
+            free_phase = (((it + j) // NUM_STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(slot), free_phase)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [kv_row0 + j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+            mbarrier.wait(v_empty.index(slot), free_phase)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            if FP8:
+                _tma_load(v_desc, [kv_bh * v_desc.block_type.shape[0], j * BLOCK_N], v_ready.index(slot),
+                          v_smem.index(slot))
+            else:
+                _tma_load(v_desc, [kv_row0 + j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+        it += n_blocks
+        i += 1
 
 
 @gluon.jit
 def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len,
-                             q_heads, group, qk_scale, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr,
+                             q_heads, group, n_tiles, qk_scale, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr,
                              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FP8: gl.constexpr = False):
-    """Grid ``(seq / 128, batch · q_heads)``, ``num_warps=4`` (consumer 0, the default
-    partition) plus the workers: consumer 1 (4 warps) and the loader (1 warp). Q and O blocks
-    of 64 rows, K blocks of ``BLOCK_N`` rows, V blocks of ``BLOCK_N`` rows (FP8: of Vᵀ,
-    ``HEAD_D`` rows by ``BLOCK_N`` keys). In bf16 each consumer's Q buffer takes its O for the
-    store; in FP8 O (bf16) is twice the size of Q (e4m3) and has buffers of its own."""
-    row0, q_row, kv_bh, n_blocks = _tile_coordinates(seq_len, q_heads, group, CAUSAL, BLOCK_N)
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 64, HEAD_D], q_desc.layout)
+    """A 1-d grid over the ``n_tiles = seq / 128 · batch · q_heads`` query tiles: one program
+    per tile, or fewer (persistent: each takes tiles ``pid, pid + #programs, ...``).
+    ``num_warps=4`` (consumer 0, the default partition) plus the workers: consumer 1 (4 warps)
+    and the loader (1 warp). Q and O blocks of 64 rows, K blocks of ``BLOCK_N`` rows, V blocks
+    of ``BLOCK_N`` rows (FP8: of Vᵀ, ``HEAD_D`` rows by ``BLOCK_N`` keys). Q has two buffers
+    (``[tile parity · 2 + consumer]``), so that a persistent program loads the next tile's Q
+    while it finishes this one. In bf16 each consumer's Q buffer takes its O for the store;
+    in FP8 O (bf16) is twice the size of Q (e4m3) and has buffers of its own."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [4, 64, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     if FP8:
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, HEAD_D, BLOCK_N], v_desc.layout)
@@ -381,33 +419,35 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
         o_smem = q_smem
         p_smem = q_smem  # (unused)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)  # the loader's expect() is the one arrival
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
         mbarrier.init(v_empty.index(i), count=2)
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
     fence_async_shared()
 
     # The argument tuples are written in place: a tuple kept in a variable would turn its
     # constexpr members (the consumer's index among them) into run-time values.
     gl.warp_specialize(
-        [(_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-                      k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, q_row, kv_bh, seq_len, row0,
-                      n_blocks, qk_scale, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8)),
-         (_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-                      k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, q_row, kv_bh, seq_len, row0,
-                      n_blocks, qk_scale, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8)),
-         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
-                    v_empty, q_row, kv_bh, seq_len, n_blocks, BLOCK_N, NUM_STAGES, FP8))],
+        [(_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                      turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group,
+                      n_tiles, qk_scale, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8)),
+         (_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                      turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group,
+                      n_tiles, qk_scale, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8)),
+         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                    v_empty, seq_len, q_heads, group, n_tiles, CAUSAL, BLOCK_N, NUM_STAGES, FP8))],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],
     )
@@ -467,7 +507,7 @@ def _descriptor(t2d: torch.Tensor, rows: int, cols: int | None = None) -> Tensor
 def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                           scale: float | None = None, variant: str = "ws", block_n: int | None = None,
                           num_stages: int | None = None, consumer_regs: int = 240, loader_regs: int = 24,
-                          compile_only: bool = False):
+                          persistent: bool | int | None = None, compile_only: bool = False):
     """``softmax(scale · q kᵀ + mask) v`` with the Gluon kernels (forward only).
 
     - ``q: [batch, q_heads, seq, head_dim]``, ``k, v: [batch, kv_heads, seq, head_dim]``, bf16,
@@ -476,7 +516,10 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     - ``causal``: query i sees keys ``j <= i``; ``scale`` defaults to ``1/sqrt(head_dim)``;
     - ``variant``: one of `VARIANTS`; ``block_n`` (64 or 128) and ``num_stages`` default to
       `default_tiles`; ``consumer_regs`` / ``loader_regs``: registers per thread of the
-      warp-specialized partitions (``setmaxnreg``).
+      warp-specialized partitions (``setmaxnreg``); ``persistent`` (warp-specialized kernels):
+      True for one program per SM taking tiles in turn instead of one per tile, or a number of
+      programs (the tests use a few, so that each takes many tiles); None (the default): as
+      `persistent_by_default` says.
 
     Returns ``(out [batch, q_heads, seq, head_dim] bf16, lse [batch, q_heads, seq] fp32,
     natural log)``; with ``compile_only``, compiles without launching and returns the
@@ -488,13 +531,14 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
         raise ValueError(reason)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return _launch(q, k, v, None, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs,
-                   compile_only)
+                   persistent, compile_only)
 
 
 def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                               scale: float | None = None, variant: str = "ws", prepared: tuple | None = None,
                               block_n: int | None = None, num_stages: int | None = None, consumer_regs: int = 240,
-                              loader_regs: int = 24, compile_only: bool = False):
+                              loader_regs: int = 24, persistent: bool | int | None = None,
+                              compile_only: bool = False):
     """The warp-specialized kernel with e4m3 matmuls: Q in blocks of 64 rows (one consumer's
     rows) and K in blocks of ``block_n`` keys, each with its own scale, V with one scale per
     head, fp32 accumulation (the quantization of `minillm.kernels.ch04_flash_attention_hopper.
@@ -509,7 +553,7 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_n = block_n or default_tiles(q.shape[-1], fp8=True)[0]
     prepared = prepared or prepare_gluon_fp8(q, k, v, block_n)
     return _launch(*prepared, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs,
-                   compile_only, out_shape=q.shape)
+                   persistent, compile_only, out_shape=q.shape)
 
 
 def prepare_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int = 128) -> tuple:
@@ -524,10 +568,28 @@ def prepare_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n
     return q8, k8, v8t, (q_scales, k_scales, v_scales)
 
 
-def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs,
+#: Up to this length, the warp-specialized kernels run persistent by default (no causal mask).
+PERSISTENT_MAX_SEQ = 8192
+
+
+def persistent_by_default(variant: str, causal: bool, seq_len: int) -> bool:
+    """Whether a kernel runs persistent unless told: the warp-specialized ones, without a
+    causal mask, up to `PERSISTENT_MAX_SEQ` keys. Measured on the H100 (`bench/ch04_gluon.py`):
+    a persistent program loads its next tile while it finishes this one, which hides the
+    start of a tile (its Q and first K/V blocks): worth 10-18 % at 1k keys, a few percent at
+    4-8k, and nothing measurable at 16k, where one run even lost 20 %. With a causal mask the
+    tiles differ in length, and a fixed round robin of them leaves SMs idle at the end (a third
+    slower at 16k), which one program per tile, handed out by the hardware as SMs free up,
+    avoids."""
+    return variant != "pipelined" and not causal and seq_len <= PERSISTENT_MAX_SEQ
+
+
+def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs, persistent,
             compile_only, out_shape=None):
     """Make the descriptors and launch (or compile) the kernel of ``variant``. ``scales``:
     None for bf16, else FP8's ``(q_scales, k_scales, v_scales)`` with ``v`` as Vᵀ."""
+    if persistent is None:
+        persistent = persistent_by_default(variant, causal, q.shape[2])
     fp8 = scales is not None
     b, h, s, d = q.shape
     default_n, default_stages = default_tiles(d, fp8)
@@ -540,14 +602,18 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
     k_desc = _descriptor(k.view(-1, d), block_n)
     # FP8: V's tiles are [d, block_n] blocks of Vᵀ, viewed as [b·h_kv·d, s].
     v_desc = _descriptor(v.view(-1, s), d, block_n) if fp8 else _descriptor(v.view(-1, d), block_n)
-    grid = (s // BLOCK_M, b * h)
+    n_tiles = s // BLOCK_M * b * h
+    programs = num_sms(q.device) if persistent is True else int(persistent) or n_tiles
+    grid = (min(n_tiles, programs),)
     if variant == "pipelined":
+        if persistent:
+            raise ValueError("the pipelined kernel has one program per tile: persistent=True needs a 'ws' variant")
         kernel, rows, args = _pipelined_kernel, BLOCK_M, (lse, s, h, h // k.shape[1], qk_scale)
         meta = dict(num_warps=8)
     else:
         q_scales, k_scales, v_scales = scales if fp8 else (lse, lse, lse)  # (bf16: unread)
         kernel, rows = _warp_specialized_kernel, 64
-        args = (lse, q_scales, k_scales, v_scales, s, h, h // k.shape[1], qk_scale)
+        args = (lse, q_scales, k_scales, v_scales, s, h, h // k.shape[1], n_tiles, qk_scale)
         meta = dict(PINGPONG=variant == "ws_pingpong", CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
                     FP8=fp8, num_warps=4)
     descriptors = (_descriptor(q.view(-1, d), rows), k_desc, v_desc, _descriptor(out.view(-1, d), rows))

@@ -52,6 +52,8 @@ def test_refuses_inputs_out_of_scope(shape_q, shape_kv, dtype, match):
 
 def test_refuses_unknown_variant_and_tile():
     q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="persistent"):
+        flash_attention_gluon(q, q, q, variant="pipelined", persistent=True)
     with pytest.raises(ValueError, match="variant"):
         flash_attention_gluon(q, q, q, variant="fastest")
     with pytest.raises(ValueError, match="warp-specialized"):
@@ -196,6 +198,23 @@ def test_matches_reference_on_gpu(variant, head_dim, causal, batch, q_heads, kv_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="Gluon's wgmma/TMA kernels need an sm_90 GPU")
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("programs", [True, 3])
+def test_persistent_matches_reference_on_gpu(variant, head_dim, causal, programs, gen, seed):
+    """A persistent grid: one program per SM, or 3 programs that each take a dozen tiles of
+    different lengths (causal), so the rings, the Q buffers and the ping-pong turns run on
+    across tiles."""
+    q, k, v = make_qkv(2, 4, 2, 640, head_dim, "cuda", gen)
+    out, lse = flash_attention_gluon(q, k, v, causal=causal, variant=variant, persistent=programs)
+    ref_out, ref_lse = attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal)
+    assert_close(out, ref_out, torch.bfloat16, "out", seed)
+    assert_close(lse, ref_lse, torch.bfloat16, "lse", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="Gluon's wgmma/TMA kernels need an sm_90 GPU")
 @pytest.mark.parametrize("block_n, num_stages", [(64, 2), (64, 3), (128, 2)])
 def test_tiles_and_scale_on_gpu(block_n, num_stages, gen, seed):
     q, k, v = make_qkv(1, 2, 2, 384, 128, "cuda", gen)
@@ -210,12 +229,14 @@ def test_tiles_and_scale_on_gpu(block_n, num_stages, gen, seed):
 @pytest.mark.parametrize("variant", VARIANTS[1:])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fp8_within_bound_on_gpu(variant, head_dim, causal, gen, seed):
+@pytest.mark.parametrize("programs", [False, 3])
+def test_fp8_within_bound_on_gpu(variant, head_dim, causal, programs, gen, seed):
     # Scores with a spread of a few units and 256 keys: the output is then not a near-uniform
     # average of V (close to 0), and the bound, relative to it, says something.
     q, k, v = make_qkv(1, 4, 2, 256, head_dim, "cuda", gen, scale=2.0)
     prepared = prepare_gluon_fp8(q, k, v)
-    out, lse = flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant, prepared=prepared)
+    out, lse = flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant, prepared=prepared,
+                                         persistent=programs)
     assert out.dtype == torch.bfloat16 and torch.isfinite(lse).all()
     qn, kn, vn = (to_numpy(t) for t in (q, k, v))
     # A 13-bit model of the FP8 accumulator, not the 14 bits measured on an H800: at 640 keys
