@@ -177,6 +177,14 @@ def test_compiles_for_sm90(sm90_compiled, variant, head_dim, causal):
 # ----------------------------------------------------------------------------------------
 # GPU: against the float64 reference
 # ----------------------------------------------------------------------------------------
+def check_against_reference(q, k, v, causal, seed, scale=None, **kwargs):
+    """`flash_attention_gluon` (with ``kwargs``) against the float64 reference: out and lse."""
+    out, lse = flash_attention_gluon(q, k, v, causal=causal, scale=scale, **kwargs)
+    ref_out, ref_lse = attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal, scale=scale)
+    assert_close(out, ref_out, torch.bfloat16, "out", seed)
+    assert_close(lse, ref_lse, torch.bfloat16, "lse", seed)
+
+
 def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -190,27 +198,27 @@ def _hopper():
 def test_matches_reference_on_gpu(variant, head_dim, causal, batch, q_heads, kv_heads, seq, gen, seed):
     q, k, v = make_qkv(batch, q_heads, kv_heads, seq, head_dim, "cuda", gen)
     assert gluon_applies(q, k, v)
-    out, lse = flash_attention_gluon(q, k, v, causal=causal, variant=variant)
-    ref_out, ref_lse = attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal)
-    assert_close(out, ref_out, torch.bfloat16, "out", seed)
-    assert_close(lse, ref_lse, torch.bfloat16, "lse", seed)
+    check_against_reference(q, k, v, causal, seed, variant=variant)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="Gluon's wgmma/TMA kernels need an sm_90 GPU")
-@pytest.mark.parametrize("variant", VARIANTS[1:])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
+def on_hopper_warp_specialized(test):
+    """A GPU test (sm_90) over the warp-specialized variants, both head dims, causal or not."""
+    for mark in (pytest.mark.parametrize("causal", [False, True]), pytest.mark.parametrize("head_dim", [64, 128]),
+                 pytest.mark.parametrize("variant", VARIANTS[1:]),
+                 pytest.mark.skipif(not _hopper(), reason="Gluon's wgmma/TMA kernels need an sm_90 GPU"),
+                 pytest.mark.gpu):
+        test = mark(test)
+    return test
+
+
+@on_hopper_warp_specialized
 @pytest.mark.parametrize("programs", [True, 3])
 def test_persistent_matches_reference_on_gpu(variant, head_dim, causal, programs, gen, seed):
     """A persistent grid: one program per SM, or 3 programs that each take a dozen tiles of
     different lengths (causal), so the rings, the Q buffers and the ping-pong turns run on
     across tiles."""
     q, k, v = make_qkv(2, 4, 2, 640, head_dim, "cuda", gen)
-    out, lse = flash_attention_gluon(q, k, v, causal=causal, variant=variant, persistent=programs)
-    ref_out, ref_lse = attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal)
-    assert_close(out, ref_out, torch.bfloat16, "out", seed)
-    assert_close(lse, ref_lse, torch.bfloat16, "lse", seed)
+    check_against_reference(q, k, v, causal, seed, variant=variant, persistent=programs)
 
 
 @pytest.mark.gpu
@@ -218,17 +226,10 @@ def test_persistent_matches_reference_on_gpu(variant, head_dim, causal, programs
 @pytest.mark.parametrize("block_n, num_stages", [(64, 2), (64, 3), (128, 2)])
 def test_tiles_and_scale_on_gpu(block_n, num_stages, gen, seed):
     q, k, v = make_qkv(1, 2, 2, 384, 128, "cuda", gen)
-    out, lse = flash_attention_gluon(q, k, v, causal=True, scale=0.3, block_n=block_n, num_stages=num_stages)
-    ref_out, ref_lse = attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True, scale=0.3)
-    assert_close(out, ref_out, torch.bfloat16, "out", seed)
-    assert_close(lse, ref_lse, torch.bfloat16, "lse", seed)
+    check_against_reference(q, k, v, True, seed, scale=0.3, block_n=block_n, num_stages=num_stages)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="Gluon's wgmma/TMA kernels need an sm_90 GPU")
-@pytest.mark.parametrize("variant", VARIANTS[1:])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
+@on_hopper_warp_specialized
 @pytest.mark.parametrize("programs", [False, 3])
 def test_fp8_within_bound_on_gpu(variant, head_dim, causal, programs, gen, seed):
     # Scores with a spread of a few units and 256 keys: the output is then not a near-uniform
