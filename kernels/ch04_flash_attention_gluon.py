@@ -57,19 +57,21 @@ import triton
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
-)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from minillm.kernels.base import LOG2E, num_sms
 
-# Gluon's names for a TMA copy and a barrier across a partition's warps (3.6 / 3.7 and later).
-if hasattr(tma, "async_load"):
-    _tma_load, _tma_store, _warps_barrier = tma.async_load, tma.async_store, gl.barrier
-else:
-    _tma_load, _tma_store = tma.async_copy_global_to_shared, tma.async_copy_shared_to_global
-    _warps_barrier = gl.thread_barrier
+try:
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a Gluon without these names: the module imports, its kernels do not compile
+    fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
+
+# Gluon's names for a TMA copy and a barrier across a partition's warps (Triton 3.9's, else 3.6's).
+_tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
+_tma_store = getattr(tma, "async_store", None) or getattr(tma, "async_copy_shared_to_global", None)
+_warps_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier", None)
 
 #: Query rows per program (two warpgroups of 64).
 BLOCK_M = 128
