@@ -46,7 +46,7 @@ from minillm.kernels.ch04_flash_attention_gluon import (
 from minillm.kernels.ch04_flash_attention_hopper import flash_attention_hopper
 
 from bench.ch04_hopper import (
-    CAUSAL, HEAD_DIMS, HIDDEN, REP_MS, SEQ_LENS, TOKENS, WARMUP_MS, _sdpa, _timed, each_point,
+    HEAD_DIMS, HIDDEN, REP_MS, SEQ_LENS, TOKENS, WARMUP_MS, _sdpa, _timed, each_point,
 )
 from bench.common import Results, attempt, cuda_device, dtype_name, rel_err, sweep_start
 
@@ -120,7 +120,8 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
         add(DEFAULT_VARIANT, ours[DEFAULT_VARIANT], name, p_ms, status or None)
     for name in kernels:
         if name != default_kernel:
-            add(name, ours[name], DEFAULT_VARIANT, ours[DEFAULT_VARIANT], f"ablation against the default ({default_kernel})")
+            add(name, ours[name], DEFAULT_VARIANT, ours[DEFAULT_VARIANT],
+                f"ablation against the default ({default_kernel})")
     prepared = prepare_gluon_fp8(q, k, v)
     fp8 = {}
     for variant in VARIANTS[1:]:

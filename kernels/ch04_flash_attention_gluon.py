@@ -156,13 +156,16 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
     ``q_smem: [ROWS, HEAD_D]`` (loaded); ``k_smem, v_smem: [NUM_STAGES, BLOCK_N, HEAD_D]``
     rings, which have already passed ``it0`` blocks (of earlier tiles of a persistent
     program): block j sits in slot ``(it0 + j) % NUM_STAGES``, and its ``*_ready`` barrier
-    completes phase ``((it0 + j) // NUM_STAGES) & 1`` when the copy has landed. ``WS``: a consumer frees a slot
-    by arriving on ``*_empty`` (the loader warp refills it); else these warps refill it
-    themselves. ``PINGPONG``: wait for ``turn[CONSUMER]`` before starting the matmuls, pass
-    the turn on right after (``turn0``: turns taken in earlier tiles). ``FP8``: Q, K and V are e4m3, V's ring holds tiles of Vᵀ
-    (``[HEAD_D, BLOCK_N]``: an 8-bit ``wgmma`` reads its second operand along the keys),
-    block j's scores are scaled by ``qk_scale · k_scales[j]`` (K's scale per block; Q's is in
-    ``qk_scale`` already) and P is rounded to e4m3 into ``p_smem`` (``[ROWS, BLOCK_N]``) for P·V.
+    completes phase ``((it0 + j) // NUM_STAGES) & 1`` when the copy has landed.
+
+    - ``WS``: a consumer frees a slot by arriving on ``*_empty`` (the loader warp refills it);
+      else these warps refill it themselves.
+    - ``PINGPONG``: wait for ``turn[CONSUMER]`` before starting the matmuls, pass the turn on
+      right after (``turn0``: turns taken in earlier tiles).
+    - ``FP8``: Q, K and V are e4m3, V's ring holds tiles of Vᵀ (``[HEAD_D, BLOCK_N]``: an
+      8-bit ``wgmma`` reads its second operand along the keys), block j's scores are scaled
+      by ``qk_scale · k_scales[j]`` (K's scale per block; Q's is in ``qk_scale`` already) and
+      P is rounded to e4m3 into ``p_smem`` (``[ROWS, BLOCK_N]``) for P·V.
 
     Iteration j:  start S_j = Q K_jᵀ;  acc *= alpha_{j-1};  start acc += P_{j-1} V_{j-1};
     wait for S_j only (P V keeps running);  softmax(S_j) on the CUDA cores;  wait for P V.
@@ -309,7 +312,8 @@ def _pipelined_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seq_len, q_heads,
     mbarrier.wait(q_ready, 0)
 
     acc, m_i, l_i = _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_ready, v_ready, k_ready,
-                                 k_desc, v_desc, kv_row0, n_blocks, (row0 + 1) // BLOCK_N, row0, qk_scale, lse_ptr, q_smem, 0, 0,
+                                 k_desc, v_desc, kv_row0, n_blocks, (row0 + 1) // BLOCK_N, row0, qk_scale,
+                                 lse_ptr, q_smem, 0, 0,  # (no K scales, no P buffer, one tile, no turns)
                                  0, False, False, CAUSAL, 128, BLOCK_N, HEAD_D, NUM_STAGES, 8)
     _warps_barrier()  # both warpgroups are done with Q before its buffer takes O
     _store_rows(acc, m_i, l_i, q_smem, o_desc, lse_ptr, q_row, 128, HEAD_D, 8)
@@ -485,7 +489,8 @@ def _reason(q, k, v) -> str | None:
     if not (q.dtype == k.dtype == v.dtype == torch.bfloat16):
         return f"q, k, v must be bf16, got {q.dtype}, {k.dtype}, {v.dtype}"
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
-        return f"q, k, v must be [batch, heads, seq, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        return (f"q, k, v must be [batch, heads, seq, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}, "
+                f"{tuple(v.shape)}")
     b, h, s, d = q.shape
     if k.shape[0] != b or k.shape[2:] != (s, d) or h % k.shape[1]:
         return f"k, v must be [batch, kv_heads, seq, head_dim] with q_heads % kv_heads == 0, got {tuple(k.shape)}"
