@@ -40,7 +40,7 @@ import torch
 
 from minillm.costs import nominal_attention_flops
 from minillm.kernels.ch04_flash_attention_gluon import (
-    VARIANTS, flash_attention_gluon, flash_attention_gluon_fp8, gluon_applies, persistent_by_default,
+    GLUON_VERSIONS, VARIANTS, flash_attention_gluon, flash_attention_gluon_fp8, gluon_applies, persistent_by_default,
     prepare_gluon_fp8,
 )
 from minillm.kernels.ch04_flash_attention_hopper import flash_attention_hopper
@@ -61,8 +61,13 @@ def budget_s() -> float:
 
 
 def run(results: Results, device) -> None:
-    """Every point of the sweep on ``device`` (an sm_90 GPU), until the budget is spent."""
+    """Every point of the sweep on ``device`` (an sm_90 GPU), until the budget is spent; on
+    another GPU, or with a Triton whose Gluon API the module does not know, nothing."""
     device = cuda_device(device, "the Chapter 4 Gluon benchmark")
+    probe = torch.empty(1, 1, 128, 64, device=device, dtype=torch.bfloat16)
+    if not gluon_applies(probe, probe, probe):
+        print(f"  [{BENCHMARK}] needs an sm_90 GPU and Triton {GLUON_VERSIONS}: nothing measured", flush=True)
+        return
     sweep(results, device)
 
 
@@ -80,8 +85,6 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
     batch, heads = max(1, tokens // n), hidden // head_dim
     q, k, v = (torch.randn((batch, heads, n, head_dim), device=device, dtype=torch.bfloat16, generator=gen)
                for _ in range(3))
-    if not gluon_applies(q, k, v):
-        raise RuntimeError("the Gluon kernels need an sm_90 GPU and a Triton whose Gluon API the module knows")
     flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal)
     tflops = lambda ms: flops / (ms * 1e-3) / 1e12 if ms else None  # noqa: E731
     base = {"batch": batch, "heads": heads, "seq_len": n, "head_dim": head_dim, "causal": causal,
