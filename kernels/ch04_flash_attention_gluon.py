@@ -244,10 +244,9 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
 
 
 @gluon.jit
-def _store_rows(acc, m_i, l_i, o_smem, o_desc, lse_ptr, o_row, ROWS: gl.constexpr, HEAD_D: gl.constexpr,
-                NUM_WARPS: gl.constexpr, out_scale=1.0):
-    """FA2's epilogue: ``O = acc / l`` in bf16 through ``o_smem`` (the rows' Q buffer, no longer
-    read) and one TMA store at row ``o_row`` of the 2-D ``[batch·heads·seq, HEAD_D]`` output;
+def _store_rows(acc, m_i, l_i, o_smem, o_desc, lse_ptr, o_row, ROWS: gl.constexpr, out_scale=1.0):
+    """FA2's epilogue: ``O = acc / l`` in bf16 through ``o_smem`` (in bf16 the rows' Q buffer, no
+    longer read) and one TMA store at row ``o_row`` of the 2-D ``[batch·heads·seq, HEAD_D]`` output;
     ``lse = (m + log2 l)·ln 2`` (natural log) to ``lse_ptr[o_row:o_row + ROWS]``. ``out_scale``
     multiplies O (FP8: V's scale)."""
     o_layout: gl.constexpr = acc.type.layout
@@ -316,7 +315,7 @@ def _pipelined_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seq_len, q_heads,
                                  lse_ptr, q_smem, 0, 0,  # (no K scales, no P buffer, one tile, no turns)
                                  0, False, False, CAUSAL, 128, BLOCK_N, HEAD_D, NUM_STAGES, 8)
     _warps_barrier()  # both warpgroups are done with Q before its buffer takes O
-    _store_rows(acc, m_i, l_i, q_smem, o_desc, lse_ptr, q_row, 128, HEAD_D, 8)
+    _store_rows(acc, m_i, l_i, q_smem, o_desc, lse_ptr, q_row, 128)
 
 
 # ----------------------------------------------------------------------------------------
@@ -356,7 +355,7 @@ def _consumer(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready,
                                      rows_scale, k_scales + kv_bh * (seq_len // BLOCK_N), p_smem.index(CONSUMER),
                                      it0, turn0, CONSUMER, True, PINGPONG, CAUSAL, 64, BLOCK_N, HEAD_D, NUM_STAGES,
                                      4, FP8)
-        _store_rows(acc, m_i, l_i, my_o, o_desc, lse_ptr, o_row, 64, HEAD_D, 4, out_scale)
+        _store_rows(acc, m_i, l_i, my_o, o_desc, lse_ptr, o_row, 64, out_scale)
         mbarrier.arrive(q_empty.index(buf))
         it0 += n_blocks
         turn0 += n_blocks - 1
@@ -465,9 +464,10 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
 def default_tiles(head_dim: int, fp8: bool = False) -> tuple[int, int]:
     """``(block_n, num_stages)``, from a sweep on the H100 (``bench/results/raw/
     nvidia-h100.gluon_tile_sweep.log``). Shared memory per program: Q (128·d·e bytes, e = 2 in
-    bf16, 1 in e4m3) plus, per stage, a K and a V tile (2·block_n·d·e bytes), plus in FP8 the
-    bf16 output and e4m3 P buffers: at d = 128 in bf16 two stages take 160 KiB of the 227 KiB
-    an SM offers, three would take 224 KiB and leave nothing for the output. A power-of-two
+    bf16, 1 in e4m3; two tiles of it in the warp-specialized kernel) plus, per stage, a K and a
+    V tile (2·block_n·d·e bytes), plus in FP8 the bf16 output and e4m3 P buffers: at d = 128 in
+    bf16 the warp-specialized kernel takes 192 KiB of the 227 KiB an SM offers with two
+    stages, and a third would not fit. A power-of-two
     stage count keeps the ring's slot and phase arithmetic to shifts and masks (three stages
     ran up to 11 % slower than two or four at d = 64)."""
     if fp8:

@@ -106,7 +106,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
-from minillm.kernels.base import dot_precision, interpreting, is_recording, launch, num_sms, record_call, tl, triton, unrecorded
+from minillm.kernels.base import (
+    dot_precision, interpreting, is_recording, launch, num_sms, record_call, tl, triton, unrecorded,
+)
 
 __all__ = ["gemv", "flat_gemm", "linear", "linear_into", "blas_linear", "store_result", "choose_kernel", "find_inflection_points", "DispatchTable", "DEFAULT_TABLE", "TileConfig",
            "pick_config", "rows_bucket", "split_k_for", "GEMV_TILES", "FLAT_GEMM_TILES", "DEFAULT_THRESHOLDS", "KERNELS"]

@@ -62,7 +62,9 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.kernels.base import graph_ms_per_call, l2_copies, head_dim_offsets, interpreting, launch, tl, triton, unrecorded
+from minillm.kernels.base import (
+    graph_ms_per_call, l2_copies, head_dim_offsets, interpreting, launch, tl, triton, unrecorded,
+)
 from minillm.kernels.ch08_flat_gemm import store_result
 
 __all__ = ["add_rmsnorm", "exponential_race", "race_uniforms", "rope_write_kv", "silu_mul", "add_rmsnorm_gemv",

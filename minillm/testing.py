@@ -326,26 +326,39 @@ def compiled_kernel_variants() -> dict[str, int]:
     return counts
 
 
+def fp8_quantized_inputs(prepared: tuple, q_len: int, kv_len: int, block_m: int,
+                         block_n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The float64 ``(q, k, v)`` an FP8 attention kernel multiplies, dequantized from what its
+    quantizer prepared: ``prepared = (q8, k8, v8ᵀ, (q_scales, k_scales, v_scales))`` as
+    `prepare_fp8` and `prepare_gluon_fp8` return them (Q in blocks of ``block_m`` rows, K in
+    blocks of ``block_n``, Vᵀ in blocks of keys or one per head), cut to ``q_len`` / ``kv_len``.
+    A reference fed these quantizes them again to the same values: it then checks the kernel's
+    arithmetic, not whether two quantizers round the same ties the same way."""
+    from minillm.reference.ch04_fp8 import dequantize_blocks
+
+    q8, k8, v8t, (q_scales, k_scales, v_scales) = prepared
+    v8 = np.swapaxes(to_numpy(v8t), -1, -2)
+    return (dequantize_blocks(to_numpy(q8), to_numpy(q_scales), block_m)[:, :, :q_len],
+            dequantize_blocks(to_numpy(k8), to_numpy(k_scales), block_n)[:, :, :kv_len],
+            dequantize_blocks(v8, to_numpy(v_scales), v8.shape[2] // v_scales.shape[-1])[:, :, :kv_len])
+
+
 def assert_within_fp8_bound(out: torch.Tensor, q, k, v, block_m: int, block_n: int, causal: bool,
-                            v_block: int | None, rotation=None, what: str = "", seed: int | None = None,
-                            accumulator_bits: int | None = None) -> None:
+                            v_block: int | None, what: str = "", seed: int | None = None) -> None:
     """Assert an FP8 attention kernel's ``out`` is within the error that FP8 allows of exact
     attention of the block-quantized inputs (`minillm.reference.ch04_fp8`), elementwise:
     rounding P to e4m3, on a GPU the tensor cores' ~14-bit FP8 accumulation, and the rounding
-    of ``out`` to its dtype (``accumulator_bits``: the bits the model of the tensor cores'
-    FP8 accumulator keeps, default `minillm.reference.ch04_fp8.FP8_ACCUMULATOR_BITS`). ``q, k,
-    v``: float64 NumPy arrays of what the kernel quantized
-    (``rotation`` applied by the reference if given); ``block_m``/``block_n``/``v_block``:
-    the rows per scale of Q, K and V (``v_block`` None: ``block_n``). Also checks that the
-    bound is not vacuous (well below the output's own size)."""
+    of ``out`` to its dtype. ``q, k, v``: float64 NumPy arrays of what the kernel quantized
+    (`fp8_quantized_inputs`); ``block_m``/``block_n``/``v_block``: the rows per scale of Q, K
+    and V (``v_block`` None: ``block_n``). Also checks that the bound is not vacuous (well
+    below the output's own size)."""
     from minillm.reference import ch04_fp8 as ref8
 
-    kw = dict(causal=causal, rotation=rotation, v_block=v_block)
+    kw = dict(causal=causal, v_block=v_block)
     want = ref8.fp8_attention(q, k, v, block_m, block_n, **kw)
     bound = ref8.p_rounding_bound(q, k, v, block_m, block_n, **kw)
     if out.is_cuda:  # exact products and sums under the interpreter
-        bits = ref8.FP8_ACCUMULATOR_BITS if accumulator_bits is None else accumulator_bits
-        bound = bound + ref8.fp8_accumulation_bound(q, k, v, block_m, block_n, bits=bits, **kw)
+        bound = bound + ref8.fp8_accumulation_bound(q, k, v, block_m, block_n, **kw)
     out_rounding = {torch.float32: 1e-6, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[out.dtype]
     err = np.abs(to_numpy(out) - want)
     allowed = bound + out_rounding * np.abs(want) + 1e-5

@@ -40,7 +40,8 @@ from minillm.reference import attention
 from minillm.reference import ch04_fp8 as ref8
 from minillm.reference.ch04_flash_attention import fa2_backward
 from minillm.testing import (
-    assert_close, assert_within_fp8_bound, poisoned, random_tensor, skip_fp32_on_gpu, to_numpy, tolerance,
+    assert_close, assert_within_fp8_bound, fp8_quantized_inputs, poisoned, random_tensor, skip_fp32_on_gpu, to_numpy,
+    tolerance,
 )
 
 SWITCHES = ("tma", "warp_specialize", "persistent", "overlap")
@@ -237,16 +238,14 @@ def test_rotation_is_orthogonal_and_preserves_attention(gen):
 
 
 def check_fp8(q, k, v, causal, config, rotate, seed):
-    """|kernel − exact attention of the quantized inputs| <= the P-rounding bound, elementwise."""
-    out = flash_attention_fp8(q, k, v, causal=causal, config=config, rotate=rotate)
-    rot = random_rotation(q.shape[-1], 0).double().numpy() if rotate else None
-    qn, kn, vn = (to_numpy(t) for t in (q, k, v))
-    if rotate:  # the kernel rotates in fp32 on q's device: quantize exactly what it quantized
-        rot32 = random_rotation(q.shape[-1], 0, q.device)
-        qn, kn = (to_numpy(t.float() @ rot32) for t in (q, k))
-        rot = None
-    v_block = None if config.v_scale == "block" else vn.shape[2]  # one scale for the whole head
-    assert_within_fp8_bound(out, qn, kn, vn, config.block_m, config.block_n, causal, v_block, rot,
+    """|kernel − exact attention of the quantized inputs| <= the P-rounding bound, elementwise.
+    The inputs are those the kernel's own quantizer made (rotated first with ``rotate``), so the
+    reference computes with exactly the values the kernel multiplies."""
+    prepared = prepare_fp8(q, k, v, config, rotate=rotate)
+    out = flash_attention_fp8(q, k, v, causal=causal, config=config, prepared=prepared)
+    qd, kd, vd = fp8_quantized_inputs(prepared, q.shape[2], k.shape[2], config.block_m, config.block_n)
+    v_block = None if config.v_scale == "block" else vd.shape[2]  # one scale for the whole head
+    assert_within_fp8_bound(out, qd, kd, vd, config.block_m, config.block_n, causal, v_block,
                             f"{config.describe()}, V scale per {config.v_scale}, rotate {rotate}", seed)
 
 
