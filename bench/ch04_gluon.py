@@ -29,7 +29,20 @@ on inputs quantized beforehand, `prepare_gluon_fp8`, whose time is not included)
 time_ms against peers ``ws`` and ``ws_pingpong`` (the bf16 Gluon kernels: ratio > 1 is FP8's
 gain), ``triton_hopper`` and ``sdpa_cudnn``; rel_err against SDPA cuDNN's bf16 output.
 
-The sweep stops starting points after ``MINILLM_CH04_GLUON_BUDGET_S`` seconds (default 150).
+The backward (``params["pass"] = "bwd"``; forward rows carry no ``pass``), at the same points:
+`flash_attention_gluon_backward` on the Gluon forward's ``out`` and ``lse``, kernel ``bwd_tma``
+(dQ added by TMA bulk reductions, the default) against SDPA cuDNN's and FlashAttention-2's
+backward (autograd through one saved forward) and the Triton Hopper backward
+(`flash_attention_hopper_backward`, its default config, on the same ``out``/``lse``):
+``TFLOPs`` (`minillm.costs.nominal_attention_flops` with ``backward=True``) and ``time_ms``;
+kernel ``bwd_atomic`` (dQ by element-wise atomics) against ``bwd_tma`` (the ablation); and
+``rel_err``, the largest of ‖dX − dX_cuDNN‖ / ‖dX_cuDNN‖ over dQ, dK and dV, for both kernels
+and the Triton Hopper backward.
+
+The forward sweep stops starting points after ``MINILLM_CH04_GLUON_BUDGET_S`` seconds (default
+150), the backward after ``MINILLM_CH04_GLUON_BWD_BUDGET_S`` (default 150).
+``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward``) picks the parts to run; a re-run of
+one part keeps the other's earlier rows in the results file.
 """
 from __future__ import annotations
 
@@ -40,24 +53,45 @@ import torch
 
 from minillm.costs import nominal_attention_flops
 from minillm.kernels.ch04_flash_attention_gluon import (
-    GLUON_VERSIONS, VARIANTS, flash_attention_gluon, flash_attention_gluon_fp8, gluon_applies, persistent_by_default,
-    prepare_gluon_fp8,
+    GLUON_VERSIONS, VARIANTS, flash_attention_gluon, flash_attention_gluon_backward, flash_attention_gluon_fp8,
+    gluon_applies, persistent_by_default, prepare_gluon_fp8,
 )
-from minillm.kernels.ch04_flash_attention_hopper import flash_attention_hopper
+from minillm.kernels.ch04_flash_attention_hopper import flash_attention_hopper, flash_attention_hopper_backward
 
 from bench.ch04_hopper import (
-    HEAD_DIMS, HIDDEN, REP_MS, SEQ_LENS, TOKENS, WARMUP_MS, _sdpa, _timed, each_point,
+    HEAD_DIMS, HIDDEN, REP_MS, SEQ_LENS, TOKENS, WARMUP_MS, autograd_backward, each_point, grads_and_ms, grads_err,
+    sdpa_attention, timed_output,
 )
 from bench.common import Results, attempt, cuda_device, dtype_name, rel_err, sweep_start
 
 BENCHMARK = "ch04_gluon"
 DEFAULT_VARIANT = "ws"
 PEERS = ("sdpa_cudnn", "sdpa_flash", "triton_hopper")
+PARTS = ("forward", "backward")
 
 
 def budget_s() -> float:
     """Seconds after which no new point is started: ``MINILLM_CH04_GLUON_BUDGET_S`` (default 150)."""
     return float(os.environ.get("MINILLM_CH04_GLUON_BUDGET_S", "150"))
+
+
+def bwd_budget_s() -> float:
+    """The backward's budget: ``MINILLM_CH04_GLUON_BWD_BUDGET_S`` (default 150)."""
+    return float(os.environ.get("MINILLM_CH04_GLUON_BWD_BUDGET_S", "150"))
+
+
+def selected_parts() -> tuple[str, ...]:
+    """The parts ``MINILLM_CH04_GLUON_PARTS`` names (default: both), in `PARTS` order."""
+    names = {p.strip() for p in os.environ.get("MINILLM_CH04_GLUON_PARTS", ",".join(PARTS)).split(",")}
+    unknown = names - set(PARTS) - {""}
+    if unknown:
+        raise ValueError(f"MINILLM_CH04_GLUON_PARTS: unknown part(s) {sorted(unknown)}; the parts are {PARTS}")
+    return tuple(p for p in PARTS if p in names)
+
+
+def row_part(row: dict) -> str:
+    """The part that wrote a row of this benchmark."""
+    return "backward" if (row.get("params") or {}).get("pass") == "bwd" else "forward"
 
 
 def run(results: Results, device) -> None:
@@ -68,7 +102,14 @@ def run(results: Results, device) -> None:
     if not gluon_applies(probe, probe, probe):
         print(f"  [{BENCHMARK}] needs an sm_90 GPU and Triton {GLUON_VERSIONS}: nothing measured", flush=True)
         return
-    sweep(results, device)
+    parts = selected_parts()
+    if set(parts) != set(PARTS):
+        results.keep_previous(BENCHMARK, lambda row: row_part(row) not in parts,
+                              why=f"MINILLM_CH04_GLUON_PARTS={','.join(parts)}: the other part's rows")
+    if "forward" in parts:
+        sweep(results, device)
+    if "backward" in parts:
+        backward_sweep(results, device)
 
 
 def sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, tokens: int = TOKENS,
@@ -90,11 +131,11 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
     base = {"batch": batch, "heads": heads, "seq_len": n, "head_dim": head_dim, "causal": causal,
             "dtype": dtype_name(q.dtype)}
 
-    peers = {"sdpa_cudnn": _sdpa("sdpa_cudnn", causal), "sdpa_flash": _sdpa("sdpa_flash", causal),
+    peers = {"sdpa_cudnn": sdpa_attention("sdpa_cudnn", causal), "sdpa_flash": sdpa_attention("sdpa_flash", causal),
              "triton_hopper": lambda q, k, v: flash_attention_hopper(q, k, v, causal=causal)}
     peer_ms, cudnn_out = {}, None
     for name, fn in peers.items():
-        res, status = attempt(lambda: _timed(lambda: fn(q, k, v), timer), allow_errors=True)
+        res, status = attempt(lambda: timed_output(lambda: fn(q, k, v), timer), allow_errors=True)
         peer_ms[name] = (res[0] if res else None, status)
         if name == "sdpa_cudnn" and res:
             cudnn_out = res[1]
@@ -105,7 +146,7 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
                "ws_persistent": dict(variant="ws", persistent=True), "ws_pingpong": dict(variant="ws_pingpong")}
     ours = {}
     for name, kw in kernels.items():
-        ms, (out, _) = _timed(lambda: flash_attention_gluon(q, k, v, causal=causal, **kw), timer)
+        ms, (out, _) = timed_output(lambda: flash_attention_gluon(q, k, v, causal=causal, **kw), timer)
         ours[name] = ms
         if cudnn_out is not None:
             results.add(BENCHMARK, {**base, "kernel": name}, "rel_err", rel_err(out, cudnn_out), "sdpa_cudnn",
@@ -128,8 +169,8 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
     prepared = prepare_gluon_fp8(q, k, v)
     fp8 = {}
     for variant in VARIANTS[1:]:
-        ms, (out, _) = _timed(lambda: flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant,
-                                                                prepared=prepared), timer)
+        ms, (out, _) = timed_output(lambda: flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant,
+                                                                      prepared=prepared), timer)
         fp8[f"fp8_{variant}"] = ms
         fp8_params = {**base, "dtype": "fp8", "kernel": f"fp8_{variant}"}
         note = "e4m3 Q/K/V, scales per 64 rows of Q, per 128 keys of K, per head of V; quantization not included"
@@ -144,3 +185,63 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
     print(f"  [{BENCHMARK}] D={head_dim} causal={causal} N={n}: "
           + ", ".join(f"{v} {tflops(ms):.0f}" for v, ms in {**ours, **fp8}.items()) + "; "
           + ", ".join(f"{p} {tflops(ms) or 0:.0f}" for p, (ms, _) in peer_ms.items()) + " TFLOP/s", flush=True)
+
+
+# ----------------------------------------------------------------------------------------
+# The backward
+# ----------------------------------------------------------------------------------------
+def backward_sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, tokens: int = TOKENS,
+                   hidden: int = HIDDEN, timer: Callable | None = None) -> None:
+    """The backward rows (see the module's docstring) at every point, until `bwd_budget_s`."""
+    timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, bwd_budget_s(), timer, WARMUP_MS, REP_MS)
+    mm = (results.ceilings or {}).get("bf16_matmul_TFLOPs")
+    each_point(BENCHMARK + " backward", head_dims, seq_lens, out_of_time,
+               lambda head_dim, causal, n: _bwd_point(results, device, gen, n, head_dim, causal, mm, timer, tokens,
+                                                      hidden))
+
+
+def _bwd_point(results: Results, device, gen, n: int, head_dim: int, causal: bool, mm, timer, tokens: int,
+               hidden: int) -> None:
+    batch, heads = max(1, tokens // n), hidden // head_dim
+    q, k, v, dout = (torch.randn((batch, heads, n, head_dim), device=device, dtype=torch.bfloat16, generator=gen)
+                     for _ in range(4))
+    flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal, backward=True)
+    tflops = lambda ms: flops / (ms * 1e-3) / 1e12 if ms else None  # noqa: E731
+    base = {"batch": batch, "heads": heads, "seq_len": n, "head_dim": head_dim, "causal": causal,
+            "dtype": dtype_name(q.dtype), "pass": "bwd"}
+    with torch.no_grad():
+        out, lse = flash_attention_gluon(q, k, v, causal=causal)
+
+    kernels = {"bwd_tma": "tma", "bwd_atomic": "atomic"}
+    ours, grads = {}, {}
+    for name, reduce in kernels.items():
+        grads[name], ours[name] = grads_and_ms(
+            lambda reduce=reduce: flash_attention_gluon_backward(dout, q, k, v, out, lse, causal=causal,
+                                                                 dq_reduce=reduce), timer)
+    # Each peer's callable is built inside `attempt`: SDPA's forward itself may refuse.
+    peers = {name: (lambda name=name: autograd_backward(sdpa_attention(name, causal), q, k, v, dout))
+             for name in ("sdpa_cudnn", "sdpa_flash")}
+    peers["triton_hopper"] = lambda: (lambda: flash_attention_hopper_backward(dout, q, k, v, out, lse, causal=causal))
+    peer_ms = {}
+    for name, make in peers.items():
+        res, status = attempt(lambda: grads_and_ms(make(), timer), allow_errors=True)
+        peer_ms[name] = res[1] if res else None
+        if res:
+            grads[name] = res[0]
+        params = {**base, "kernel": "bwd_tma"}
+        results.add(BENCHMARK, params, "time_ms", ours["bwd_tma"], name, peer_ms[name], note=status)
+        results.add(BENCHMARK, params, "TFLOPs", tflops(ours["bwd_tma"]), name, tflops(peer_ms[name]),
+                    fraction_of_ceiling=tflops(ours["bwd_tma"]) / mm if mm else None, note=status)
+    note = "ablation: dQ by element-wise atomics against TMA bulk reductions"
+    results.add(BENCHMARK, {**base, "kernel": "bwd_atomic"}, "time_ms", ours["bwd_atomic"], "bwd_tma",
+                ours["bwd_tma"], note=note)
+    results.add(BENCHMARK, {**base, "kernel": "bwd_atomic"}, "TFLOPs", tflops(ours["bwd_atomic"]), "bwd_tma",
+                tflops(ours["bwd_tma"]), note=note)
+    if "sdpa_cudnn" in grads:
+        for name in ("bwd_tma", "bwd_atomic", "triton_hopper"):
+            if name in grads:
+                results.add(BENCHMARK, {**base, "kernel": name}, "rel_err", grads_err(grads[name], grads["sdpa_cudnn"]),
+                            "sdpa_cudnn", note="max over dQ, dK, dV of ‖ours − cuDNN‖ / ‖cuDNN‖")
+    print(f"  [{BENCHMARK}] backward D={head_dim} causal={causal} N={n}: "
+          + ", ".join(f"{name} {tflops(ms):.0f}" for name, ms in ours.items()) + "; "
+          + ", ".join(f"{name} {tflops(ms) or 0:.0f}" for name, ms in peer_ms.items()) + " TFLOP/s", flush=True)

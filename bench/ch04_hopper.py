@@ -111,7 +111,7 @@ def parts() -> list[str]:
     return [p.strip() for p in os.environ.get("MINILLM_CH04_HOPPER_PARTS", "forward,backward").split(",") if p.strip()]
 
 
-def _sdpa(backend_name: str, causal: bool) -> Callable:
+def sdpa_attention(backend_name: str, causal: bool) -> Callable:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
@@ -124,11 +124,11 @@ def _sdpa(backend_name: str, causal: bool) -> Callable:
 
 
 def _peers(causal: bool) -> dict[str, Callable]:
-    return {"sdpa_flash": _sdpa("sdpa_flash", causal), "sdpa_cudnn": _sdpa("sdpa_cudnn", causal),
+    return {"sdpa_flash": sdpa_attention("sdpa_flash", causal), "sdpa_cudnn": sdpa_attention("sdpa_cudnn", causal),
             "fa2": lambda q, k, v: flash_attention(q, k, v, causal=causal)}
 
 
-def _timed(fn: Callable, timer: Callable) -> tuple[float, Any]:
+def timed_output(fn: Callable, timer: Callable) -> tuple[float, Any]:
     """``(median ms, one untimed output)`` of ``fn()``."""
     with torch.no_grad():
         out = fn()
@@ -194,9 +194,9 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
     config = default_config(head_dim)
     note = f"ours: {config.describe()}"
 
-    ours_ms, ours_out = _timed(lambda: flash_attention_hopper(q, k, v, causal=causal, config=config), timer)
+    ours_ms, ours_out = timed_output(lambda: flash_attention_hopper(q, k, v, causal=causal, config=config), timer)
     for name, fn in _peers(causal).items():
-        res, status = attempt(lambda: _timed(lambda: fn(q, k, v), timer), allow_errors=True)
+        res, status = attempt(lambda: timed_output(lambda: fn(q, k, v), timer), allow_errors=True)
         peer_ms = res[0] if res else None
         row_note = note + (f"; max rel. difference {rel_err(ours_out, res[1]):.1e}" if res else f"; {status}")
         results.add(BENCHMARK, params, "time_ms", ours_ms, name, peer_ms, note=row_note)
@@ -210,8 +210,8 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
     # FP8: the attention kernel alone (inputs quantized beforehand), then the quantization.
     fp8_config = default_config(head_dim, fp8=True)
     prepared = prepare_fp8(q, k, v, fp8_config)
-    fp8_ms, _ = _timed(lambda: flash_attention_fp8(q, k, v, causal=causal, config=fp8_config, prepared=prepared),
-                       timer)
+    fp8_ms, _ = timed_output(
+        lambda: flash_attention_fp8(q, k, v, causal=causal, config=fp8_config, prepared=prepared), timer)
     fp8_params = _params(batch, heads, n, head_dim, causal, "fp8")
     fp8_note = (f"e4m3 Q/K/V; scales per block of Q and K, per {fp8_config.v_scale} of V; {fp8_config.describe()}; "
                 "quantization not included")
@@ -237,8 +237,8 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
     if config.persistent and config.scheduler == "dynamic":  # the tile scheduler: round robin instead
         variants["static_scheduler"] = dataclasses.replace(config, scheduler="static")
     for name, variant in variants.items():
-        res, status = attempt(lambda: _timed(lambda: flash_attention_hopper(q, k, v, causal=causal, config=variant),
-                                             timer), allow_errors=True)
+        res, status = attempt(lambda: timed_output(
+            lambda: flash_attention_hopper(q, k, v, causal=causal, config=variant), timer), allow_errors=True)
         peer_ms = res[0] if res else None
         row_note = f"ours: {config.describe()}; peer: {variant.describe()}" + (f"; {status}" if status else "")
         results.add(BENCHMARK, {**params, "ablation": name}, "TFLOPs", tflops(ours_ms), name, tflops(peer_ms),
@@ -249,7 +249,7 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
     # in place: each block's product is scaled, then added).
     block_config = dataclasses.replace(fp8_config, v_scale="block")
     block_prepared = prepare_fp8(q, k, v, block_config)
-    res, status = attempt(lambda: _timed(lambda: flash_attention_fp8(
+    res, status = attempt(lambda: timed_output(lambda: flash_attention_fp8(
         q, k, v, causal=causal, config=block_config, prepared=block_prepared), timer), allow_errors=True)
     results.add(BENCHMARK, {**fp8_params, "ablation": "v_scale_block"}, "TFLOPs", tflops(fp8_ms), "v_scale_block",
                 tflops(res[0]) if res else None, note=f"ours: {fp8_config.describe()}, V scale per head; peer: V scale "
@@ -259,19 +259,19 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
 # ----------------------------------------------------------------------------------------
 # The backward part
 # ----------------------------------------------------------------------------------------
-def _autograd_backward(attn: Callable, q, k, v, dout) -> Callable:
+def autograd_backward(attn: Callable, q, k, v, dout) -> Callable:
     """A callable that runs the backward of ``attn(q, k, v)`` (one saved forward) for ``dout``."""
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     out = attn(qg, kg, vg)
     return lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)
 
 
-def _grads_and_ms(fn: Callable, timer: Callable) -> tuple[Any, float]:
+def grads_and_ms(fn: Callable, timer: Callable) -> tuple[Any, float]:
     """``(one untimed result of fn(), median ms of fn)``."""
     return fn(), timer(fn)
 
 
-def _grads_err(grads, ref) -> float:
+def grads_err(grads, ref) -> float:
     """The largest relative error of ``(dq, dk, dv)`` against ``ref``'s."""
     return max(rel_err(g, r) for g, r in zip(grads, ref))
 
@@ -311,12 +311,12 @@ def _bwd_point(results: Results, device, gen, n: int, head_dim: int, causal: boo
     ours_grads = ours(config)()
     ours_ms = timer(ours(config))
     # Each peer's backward callable is built inside `attempt`: SDPA's forward itself may refuse.
-    peers = {name: (lambda name=name: _autograd_backward(_sdpa(name, causal), q, k, v, dout))
+    peers = {name: (lambda name=name: autograd_backward(sdpa_attention(name, causal), q, k, v, dout))
              for name in ("sdpa_flash", "sdpa_cudnn")}
     peers["fa2"] = lambda: (lambda: flash_attention_backward(dout, q, k, v, out, lse, causal=causal))
     peer_grads, peer_tflops = {}, {}
     for name, make in peers.items():
-        res, status = attempt(lambda: _grads_and_ms(make(), timer), allow_errors=True)
+        res, status = attempt(lambda: grads_and_ms(make(), timer), allow_errors=True)
         peer_ms = res[1] if res else None
         if res:
             peer_grads[name] = res[0]
@@ -326,8 +326,8 @@ def _bwd_point(results: Results, device, gen, n: int, head_dim: int, causal: boo
         results.add(BENCHMARK, params, "TFLOPs", tflops(ours_ms), name, tflops(peer_ms), note=row_note)
     ref = peer_grads.get("sdpa_cudnn") or peer_grads.get("sdpa_flash")
     if ref is not None:
-        results.add(BENCHMARK, params, "rel_err", _grads_err(ours_grads, ref), "fa2",
-                    _grads_err(peer_grads["fa2"], ref) if "fa2" in peer_grads else None,
+        results.add(BENCHMARK, params, "rel_err", grads_err(ours_grads, ref), "fa2",
+                    grads_err(peer_grads["fa2"], ref) if "fa2" in peer_grads else None,
                     note="max over dQ, dK, dV of ‖ours − ref‖/‖ref‖; ref: "
                          + ("sdpa_cudnn" if "sdpa_cudnn" in peer_grads else "sdpa_flash"))
     print(f"  [{BENCHMARK}] backward D={head_dim} causal={causal} N={n}: hopper {tflops(ours_ms):.0f}, "
@@ -374,7 +374,7 @@ def _errors(results: Results, device, gen, head_dim: int, n: int, hidden: int, d
                 results.add(BENCHMARK, params, "rel_err", plain, "fp8_rotated", rotated,
                             note="vs fp32 attention of the same inputs; rotation: random Hadamard on Q and K")
             bf16 = rel_err(flash_attention_hopper(q, k, v, causal=causal), ref)
-            cudnn_out, status = attempt(lambda: _sdpa("sdpa_cudnn", causal)(q, k, v), allow_errors=True)
+            cudnn_out, status = attempt(lambda: sdpa_attention("sdpa_cudnn", causal)(q, k, v), allow_errors=True)
             cudnn = rel_err(cudnn_out, ref) if cudnn_out is not None else None
             results.add(BENCHMARK, _params(1, heads, n, head_dim, causal, dtype_name(dtype), inputs=inputs),
                         "rel_err", bf16, "sdpa_cudnn", cudnn,
@@ -536,13 +536,13 @@ def _sweep_points(seq_lens, num_tensors: int, backward: bool = False, head_dims=
 def ws_sweep(n: int = 4096) -> None:
     """Warp specialization placed on the tile loop vs the key loop (prints only)."""
     for head_dim, causal, n, (q, k, v), flops, timer in _sweep_points((n,), 3):
-        ref = _sdpa("sdpa_cudnn", causal)(q, k, v)
+        ref = sdpa_attention("sdpa_cudnn", causal)(q, k, v)
         print(f"D={head_dim} causal={causal} N={n}", flush=True)
         for bm, bn, w, s, loop, per_sm, overlap in WS_SWEEP:
             for ws in (False, True):
                 cfg = HopperConfig(bm, bn, w, s, warp_specialize=ws, ws_loop=loop, programs_per_sm=per_sm,
                                    overlap=overlap)
-                res, status = attempt(lambda: _timed(
+                res, status = attempt(lambda: timed_output(
                     lambda: flash_attention_hopper(q, k, v, causal=causal, config=cfg), timer), allow_errors=True)
                 msg = (f"{flops / res[0] / 1e9:6.0f} TFLOP/s  err {rel_err(res[1], ref):.1e}" if res
                        else f"failed: {status[:200]}")
@@ -585,7 +585,7 @@ def candidate_sweep(seq_lens=(4096, 16384)) -> None:
                                                  prepared=prepared)
             else:
                 fn = lambda: flash_attention_hopper(q, k, v, causal=causal, config=cfg)  # noqa: E731
-            res, status = attempt(lambda: _timed(fn, timer), allow_errors=True)
+            res, status = attempt(lambda: timed_output(fn, timer), allow_errors=True)
             msg = f"{flops / res[0] / 1e9:6.0f} TFLOP/s" if res else f"failed: {status[:200]}"
             print(f"   {'fp8 ' if fp8 else ''}{cfg.describe()}{', V/head' if cfg.v_scale == 'head' else ''}"
                   f": {msg}", flush=True)
@@ -606,8 +606,8 @@ def sweep(n: int = 4096, head_dims=HEAD_DIMS, causals=CAUSAL, fp8: bool = True) 
     for head_dim, causal, n, (q, k, v), flops, timer in _sweep_points((n,), 3, head_dims=head_dims,
                                                                       causals=causals):
         tf = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
-        ref = _sdpa("sdpa_cudnn", causal)(q, k, v)
-        base = {name: tf(_timed(lambda: fn(q, k, v), timer)[0]) for name, fn in _peers(causal).items()}
+        ref = sdpa_attention("sdpa_cudnn", causal)(q, k, v)
+        base = {name: tf(timed_output(lambda: fn(q, k, v), timer)[0]) for name, fn in _peers(causal).items()}
         print(f"D={head_dim} causal={causal} N={n}: " + ", ".join(f"{k_} {v_:.0f}" for k_, v_ in base.items()),
               flush=True)
         for bm, bn, w, s in SWEEP_TILES[head_dim]:
@@ -615,7 +615,7 @@ def sweep(n: int = 4096, head_dims=HEAD_DIMS, causals=CAUSAL, fp8: bool = True) 
                 cfg = HopperConfig(bm, bn, w, s, tma=True, warp_specialize=ws, persistent=persistent,
                                    overlap=overlap, programs_per_sm=per_sm)
                 t0 = time.perf_counter()
-                res, status = attempt(lambda: _timed(
+                res, status = attempt(lambda: timed_output(
                     lambda: flash_attention_hopper(q, k, v, causal=causal, config=cfg), timer),
                     allow_errors=True)
                 msg = (f"{tf(res[0]):6.0f} TFLOP/s  err {rel_err(res[1], ref):.1e}" if res
@@ -624,7 +624,7 @@ def sweep(n: int = 4096, head_dims=HEAD_DIMS, causals=CAUSAL, fp8: bool = True) 
             for per_sm, overlap in ((1, False), (2, False), (1, True)) if fp8 else ():
                 cfg = HopperConfig(bm, bn, w, s, programs_per_sm=per_sm, overlap=overlap)
                 prepared = prepare_fp8(q, k, v, cfg)
-                res, status = attempt(lambda: _timed(
+                res, status = attempt(lambda: timed_output(
                     lambda: flash_attention_fp8(q, k, v, causal=causal, config=cfg, prepared=prepared), timer),
                     allow_errors=True)
                 msg = (f"{tf(res[0]):6.0f} TFLOP/s  err {rel_err(res[1], ref):.1e}" if res
@@ -653,7 +653,7 @@ def bwd_sweep(seq_lens=(4096, 16384)) -> None:
     """Time every `BWD_SWEEP` config and each default with one switch flipped (prints only)."""
     for head_dim, causal, n, (q, k, v, dout), flops, timer in _sweep_points(seq_lens, 4, backward=True):
         out, lse = flash_attention_hopper(q, k, v, causal=causal, return_lse=True)
-        cudnn = _autograd_backward(_sdpa("sdpa_cudnn", causal), q, k, v, dout)
+        cudnn = autograd_backward(sdpa_attention("sdpa_cudnn", causal), q, k, v, dout)
         ref = cudnn()
         print(f"D={head_dim} causal={causal} N={n}: cudnn {flops / timer(cudnn) / 1e9:.0f} TFLOP/s", flush=True)
         default = bwd_default_config(head_dim, causal)
@@ -661,8 +661,8 @@ def bwd_sweep(seq_lens=(4096, 16384)) -> None:
         for cfg in dict.fromkeys(configs):
             fn = lambda: flash_attention_hopper_backward(dout, q, k, v, out, lse,  # noqa: E731
                                                          causal=causal, config=cfg)
-            res, status = attempt(lambda: _grads_and_ms(fn, timer), allow_errors=True)
-            msg = (f"{flops / res[1] / 1e9:6.0f} TFLOP/s  err {_grads_err(res[0], ref):.1e}" if res
+            res, status = attempt(lambda: grads_and_ms(fn, timer), allow_errors=True)
+            msg = (f"{flops / res[1] / 1e9:6.0f} TFLOP/s  err {grads_err(res[0], ref):.1e}" if res
                    else f"failed: {status[:200]}")
             print(f"   {cfg.describe():110s} {msg}", flush=True)
         del out, lse, cudnn, ref

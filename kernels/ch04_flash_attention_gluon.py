@@ -36,17 +36,26 @@ V per head, as in `flash_attention_fp8` of the Triton module; P is rounded to e4
 memory for P·V, and V's ring holds tiles of Vᵀ, because an 8-bit ``wgmma`` reads its second
 operand along the reduction axis (the keys).
 
+And `flash_attention_gluon_backward`: FA3's backward with the same division of labour. One
+program per 128 keys of one K/V head keeps dK and dV in the accumulators of two consumer
+warpgroups (64 keys each) while a loader warp streams the blocks of Q and dO past them; the
+scores are computed as Sᵀ = K Qᵀ, so that Pᵀ and dSᵀ already sit in registers as the first
+operands of dV += Pᵀ dO and dK += dSᵀ Q. dQ is not kept anywhere: each step's tile
+``dS K`` is added into an fp32 buffer in global memory by one TMA bulk reduction per warpgroup
+(element-wise atomics, the alternative, cost a third more time).
+
 Scope: bf16, ``q: [batch, q_heads, seq, head_dim]``, ``k, v: [batch, kv_heads, seq,
 head_dim]`` (GQA: ``q_heads % kv_heads == 0``), head_dim 64 or 128, ``seq`` a multiple of 128
 (every tile full: no bounds logic), queries and keys of the same length; causal masks on the
-diagonal. Forward only. `gluon_applies` says whether a call qualifies; `flash_attention_hopper`
-covers everything else.
+diagonal. `gluon_applies` says whether a call qualifies; `flash_attention_hopper` and
+`flash_attention_hopper_backward` cover everything else.
 
 Gluon kernels run on an NVIDIA GPU only: Triton's interpreter does not execute them, so the
 CPU side of the tests checks the wrapper and, with a Triton whose Gluon API this module knows
 (3.6, the version torch 2.11 ships, and 3.9), compiles the kernels for sm_90 without a GPU.
 Gluon is experimental and renames things between releases; the three names that moved
-between 3.6 and 3.9 are bound once below.
+between 3.6 and 3.9 are bound once below, and the TMA reduction, which 3.6 offers only as an
+IR operation, is a small builtin of this module.
 """
 from __future__ import annotations
 
@@ -55,8 +64,10 @@ import math
 import torch
 import triton
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin as gl_builtin
 
 from minillm.kernels.base import LOG2E, num_sms
 
@@ -72,6 +83,15 @@ except ImportError:  # a Gluon without these names: the module imports, its kern
 _tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
 _tma_store = getattr(tma, "async_store", None) or getattr(tma, "async_copy_shared_to_global", None)
 _warps_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier", None)
+
+
+@gl_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """``global[coord:] += src``: one TMA bulk reduction of the shared-memory tile ``src`` into
+    the tensor of ``tensor_desc`` (``cp.reduce.async.bulk.tensor``; completion as a TMA store's,
+    `tma.store_wait`). Triton 3.9 calls it ``tma.async_atomic_add``; 3.6 has only the IR op."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 #: Query rows per program (two warpgroups of 64).
 BLOCK_M = 128
@@ -501,7 +521,7 @@ def _reason(q, k, v) -> str | None:
     return None
 
 
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv, torch.float32: gl.float32}
 
 
 def _descriptor(t2d: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
@@ -629,3 +649,270 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
         return kernel.warmup(*descriptors, *args, grid=grid, **meta)
     kernel[grid](*descriptors, *args, **meta)
     return out, lse
+
+
+# ----------------------------------------------------------------------------------------
+# The backward: FlashAttention-3's dK/dV kernel, with dQ added by atomics
+# ----------------------------------------------------------------------------------------
+#: Keys per backward program: two consumer warpgroups of 64.
+BWD_BLOCK_N = 128
+
+
+@gluon.jit
+def _bwd_coordinates(seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """This program's key tile: program ``pid`` of ``(seq_len / 128) · batch · kv_heads``,
+    heads outermost and within a head the tiles of the first keys (in causal attention the
+    ones most queries see: the longest) first. Returns ``(n0, kv_row, q_bh0, i0, n_iter)``:
+    the tile's first key, its row in the 2-D ``[batch·kv_heads·seq, HEAD_D]`` views, the
+    index of the group's first query head among the batch's, the first query block that sees
+    the tile and the number of query blocks per head from there."""
+    n_kv_tiles = seq_len // 128
+    pid = gl.program_id(0)
+    kv_bh = pid // n_kv_tiles
+    n0 = (pid % n_kv_tiles) * 128
+    kv_heads = q_heads // group
+    q_bh0 = (kv_bh // kv_heads) * q_heads + (kv_bh % kv_heads) * group
+    if CAUSAL:
+        i0 = n0 // BLOCK_M  # earlier queries see none of these keys
+    else:
+        i0 = 0
+    return n0, kv_bh * seq_len + n0, q_bh0, i0, seq_len // BLOCK_M - i0
+
+
+@gluon.jit
+def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, q_empty,
+                seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """One warp: this program's K and V tiles once, then for every query head of the group
+    and every query block that sees the keys, Q_i and dO_i into the ring (one ready barrier
+    for the pair; a slot is free when both consumers arrived on its empty barrier)."""
+    n0, kv_row, q_bh0, i0, n_iter = _bwd_coordinates(seq_len, q_heads, group, CAUSAL, BLOCK_M)
+    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
+    _tma_load(k_desc, [kv_row, 0], kv_ready, k_smem)
+    _tma_load(v_desc, [kv_row, 0], kv_ready, v_smem)
+    for t in range(group * n_iter):
+        q_row = (q_bh0 + t // n_iter) * seq_len + (i0 + t % n_iter) * BLOCK_M
+        slot = t % NUM_STAGES
+        mbarrier.wait(q_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(slot), 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row, 0], q_ready.index(slot), q_smem.index(slot))
+        _tma_load(do_desc, [q_row, 0], q_ready.index(slot), do_smem.index(slot))
+
+
+@gluon.jit
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
+                  dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group, qk_scale, scale,
+                  CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, DQ_TMA: gl.constexpr):
+    """One consumer warpgroup: keys ``[n0 + 64·CONSUMER, +64)`` of the program's tile. For each
+    query block (``BLOCK_M`` rows, its Q_i and dO_i in the ring), with ``P = exp(scale·S − L)``
+    rebuilt from the forward's logsumexp and ``D = rowsum(dO ∘ O)`` (the preprocess)::
+
+        Sᵀ = K Q_iᵀ,  dPᵀ = V dO_iᵀ       [64, BLOCK_M], started together
+        Pᵀ = exp2(Sᵀ·qk_scale − L·log2 e)  (while dPᵀ runs)
+        dSᵀ = Pᵀ ∘ (dPᵀ − D)
+        dV += Pᵀ dO_i,  dK += dSᵀ Q_i     (Pᵀ and dSᵀ from registers)
+        dQ_i[:, half] += dS K[:, half]   (dSᵀ of both warpgroups, through shared memory)
+
+    The keys-by-queries orientation keeps dK and dV (this warpgroup's rows) in the accumulators
+    for the whole loop. dQ's tile needs all 128 keys of dS, so both warpgroups store their dSᵀ
+    rows to ``ds_smem`` (two buffers, alternating) and meet at ``ds_ready``; each then takes
+    half of dQ's columns, ``[BLOCK_M, HEAD_D/2]``, and adds it to the fp32 dQ buffer, into
+    which every program whose keys these queries see adds too:
+
+    - ``DQ_TMA``: the tile goes to ``dq_smem`` and one TMA bulk reduction (``dq_desc``) adds
+      it in L2, while the warpgroup moves on; the next tile waits until that one is read;
+    - else: element-wise atomics from registers (``dq_ptr``), 32 per thread per tile."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_D // 2, 16])
+    # Pᵀ and dSᵀ as the register operand: as in the forward, no data moves (k_width=2).
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    HALF_D: gl.constexpr = HEAD_D // 2
+
+    n0, kv_row, q_bh0, i0, n_iter = _bwd_coordinates(seq_len, q_heads, group, CAUSAL, BLOCK_M)
+    my_k = k_smem.slice(CONSUMER * 64, 64)
+    my_v = v_smem.slice(CONSUMER * 64, 64)
+    k_half = k_smem.slice(CONSUMER * HALF_D, HALF_D, dim=1)  # [128 keys, HEAD_D/2]
+    rows = n0 + CONSUMER * 64 + gl.arange(0, 64, gl.SliceLayout(1, s_layout))
+    cols0 = gl.arange(0, BLOCK_M, gl.SliceLayout(0, s_layout))
+    dq_offsets = (gl.arange(0, BLOCK_M, gl.SliceLayout(1, dq_layout))[:, None] * HEAD_D
+                  + gl.arange(0, HALF_D, gl.SliceLayout(0, dq_layout))[None, :])
+    s_zero = gl.zeros([64, BLOCK_M], gl.float32, s_layout)
+    dq_zero = gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout)
+    dk = gl.zeros([64, HEAD_D], gl.float32, kv_layout)
+    dv = gl.zeros([64, HEAD_D], gl.float32, kv_layout)
+    my_dq = dq_smem.index(CONSUMER)
+
+    mbarrier.wait(kv_ready, 0)
+    for t in range(group * n_iter):
+        i = i0 + t % n_iter
+        q_row = (q_bh0 + t // n_iter) * seq_len + i * BLOCK_M
+        slot = t % NUM_STAGES
+        lse2 = gl.load(lse_ptr + q_row + cols0) * 1.4426950408889634  # natural log -> base 2
+        delta = gl.load(delta_ptr + q_row + cols0)
+        mbarrier.wait(q_ready.index(slot), (t // NUM_STAGES) & 1)
+        q_tile = q_smem.index(slot)
+        do_tile = do_smem.index(slot)
+        st_tok = warpgroup_mma(my_k, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpt_tok = warpgroup_mma(my_v, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=[st_tok])
+        pt = gl.exp2(st * qk_scale - lse2[None, :])
+        if CAUSAL:
+            if i * BLOCK_M < n0 + 128:  # the block reaches below the diagonal
+                pt = gl.where((i * BLOCK_M + cols0)[None, :] >= rows[:, None], pt, 0.0)
+        dpt = warpgroup_mma_wait(0, deps=[dpt_tok])
+        dst = (pt * (dpt - delta[None, :])).to(gl.bfloat16)
+        pt_op = gl.convert_layout(pt.to(gl.bfloat16), a_layout)
+        dv_tok = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+        ds_op = gl.convert_layout(dst, a_layout)
+        dk_tok = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+        # Both warpgroups' dSᵀ rows in place before either reads all 128 keys of it.
+        ds_buf = ds_smem.index(t % 2)
+        ds_buf.slice(CONSUMER * 64, 64).store(dst)
+        fence_async_shared()
+        _warps_barrier()
+        mbarrier.arrive(ds_ready.index(t % 2))
+        mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+        dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_half, dq_zero, use_acc=False, is_async=True)
+        dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok, pt_op, ds_op])
+        mbarrier.arrive(q_empty.index(slot))
+        if DQ_TMA:
+            # The previous reduction has read my_dq (wait), on every warp (barrier), before it is rewritten.
+            tma.store_wait(0)
+            _warps_barrier()
+            my_dq.store(dq)
+            fence_async_shared()
+            _warps_barrier()
+            _tma_reduce_add(dq_desc, [q_row, CONSUMER * HALF_D], my_dq)
+        else:
+            gl.atomic_add(dq_ptr + (q_row.to(gl.int64) * HEAD_D + CONSUMER * HALF_D) + dq_offsets, dq, sem="relaxed")
+    tma.store_wait(0)
+
+    # Epilogue: this warpgroup's 64 rows of dK (times the softmax scale: S = scale · Q Kᵀ) and dV.
+    out_offsets = (gl.arange(0, 64, gl.SliceLayout(1, kv_layout))[:, None] * HEAD_D
+                   + gl.arange(0, HEAD_D, gl.SliceLayout(0, kv_layout))[None, :])
+    base = (kv_row + CONSUMER * 64).to(gl.int64) * HEAD_D
+    gl.store(dk_ptr + base + out_offsets, (dk * scale).to(gl.bfloat16))
+    gl.store(dv_ptr + base + out_offsets, dv.to(gl.bfloat16))
+
+
+@gluon.jit
+def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads,
+                group, qk_scale, scale, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                DQ_TMA: gl.constexpr):
+    """Grid ``(seq / 128 · batch · kv_heads,)``: one program per 128-key tile of one K/V head,
+    ``num_warps=4`` (consumer 0) plus consumer 1 (4 warps) and the loader (1 warp). Descriptors
+    over the 2-D views ``[rows, HEAD_D]``: Q and dO in ``BLOCK_M``-row blocks, K and V in
+    128-row blocks, dQ (``dq_desc``, fp32) in ``[BLOCK_M, HEAD_D/2]`` blocks. ``dq_ptr``: that
+    fp32 buffer, zeroed, shaped like Q; ``dk_ptr``, ``dv_ptr``: bf16, shaped like K (GQA: each
+    program sums its group's query heads, so no reduction follows)."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [128, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [128, HEAD_D], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl.bfloat16)
+    ds_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 128, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_D // 2], dq_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)
+    fence_async_shared()
+
+    gl.warp_specialize(
+        [(_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
+                          dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group, qk_scale,
+                          scale, 0, CAUSAL, HEAD_D, BLOCK_M, NUM_STAGES, DQ_TMA)),
+         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
+                          dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group, qk_scale,
+                          scale, 1, CAUSAL, HEAD_D, BLOCK_M, NUM_STAGES, DQ_TMA)),
+         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready,
+                        q_empty, seq_len, q_heads, group, CAUSAL, BLOCK_M, NUM_STAGES))],
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
+    )
+
+
+def default_bwd_tiles(head_dim: int) -> tuple[int, int]:
+    """``(block_m, num_stages)`` of the backward: query rows per step and ring slots. 64 rows
+    (FlashAttention-3's at both head dims): the scores tile ``[64 keys, block_m]`` and dPᵀ
+    beside dK and dV keep a consumer within its 240 registers; two slots (a third measured
+    the same at head dim 64, and at 128 leaves no shared memory to spare)."""
+    return (64, 2)
+
+
+def bwd_shared_bytes(head_dim: int, block_m: int, num_stages: int) -> int:
+    """Shared memory of the backward kernel: the ring of Q and dO blocks, the K and V tiles,
+    two dSᵀ buffers and each consumer's fp32 dQ tile (barriers aside)."""
+    return 2 * (2 * num_stages * block_m * head_dim + 2 * BWD_BLOCK_N * head_dim + 2 * BWD_BLOCK_N * block_m) \
+        + 4 * block_m * head_dim
+
+
+def flash_attention_gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
+                                   scale: float | None = None, block_m: int | None = None,
+                                   num_stages: int | None = None, consumer_regs: int = 240, loader_regs: int = 24,
+                                   dq_reduce: str = "tma", compile_only: bool = False):
+    """Gradients ``(dq, dk, dv)`` of `flash_attention_gluon`'s attention, in its scope.
+
+    ``q, k, v``, ``causal`` and ``scale`` as given to the forward; ``out: [batch, q_heads,
+    seq, head_dim]`` bf16 and ``lse: [batch, q_heads, seq]`` fp32 (natural log) as the
+    forward (this one, or any FlashAttention forward) returned them; ``dout`` shaped like
+    ``out``. ``block_m`` (64 or 128) query rows per step and ``num_stages`` ring slots default
+    to `default_bwd_tiles` (ValueError if they need more than an SM's 227 KiB of shared
+    memory, `bwd_shared_bytes`); ``dq_reduce``: ``"tma"`` (one bulk reduction per dQ tile) or
+    ``"atomic"`` (element-wise atomics). Returns bf16 ``dq`` shaped like q, ``dk, dv`` like k,
+    v (under GQA the sums over each group's query heads); with ``compile_only``, compiles the
+    dK/dV kernel without launching anything and returns it.
+
+    Three launches: the preprocess (``D = rowsum(dO ∘ O)`` and a zeroed fp32 dQ buffer), the
+    warp-specialized dK/dV kernel, which adds dQ into the buffer, and dQ's conversion to bf16,
+    with `minillm.kernels.ch04_flash_attention_hopper`'s helpers for the first and last."""
+    from minillm.kernels.ch04_flash_attention_hopper import launch_bwd_preprocess, scale_convert
+
+    reason = _reason(q, k, v)
+    if reason:
+        raise ValueError(reason)
+    if dout.shape != q.shape or out.shape != q.shape or tuple(lse.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)} must be q's shape {tuple(q.shape)} "
+                         f"and lse {tuple(lse.shape)} must be {tuple(q.shape[:3])}")
+    default_m, default_stages = default_bwd_tiles(q.shape[-1])
+    block_m, num_stages = block_m or default_m, num_stages or default_stages
+    if block_m not in (64, 128):
+        raise ValueError(f"block_m must be 64 or 128, got {block_m}")
+    if bwd_shared_bytes(q.shape[-1], block_m, num_stages) > 227 * 1024:
+        raise ValueError(f"block_m={block_m} with {num_stages} stages needs "
+                         f"{bwd_shared_bytes(q.shape[-1], block_m, num_stages)} bytes of shared memory, over 227 KiB")
+    if dq_reduce not in ("tma", "atomic"):
+        raise ValueError(f"dq_reduce must be 'tma' or 'atomic', got {dq_reduce!r}")
+    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout.to(torch.bfloat16)))
+    lse = lse.float().contiguous()
+    b, h, s, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    delta = torch.empty((b, h, s), device=q.device, dtype=torch.float32)
+    dq_acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    descriptors = (_descriptor(q.view(-1, d), block_m), _descriptor(dout.view(-1, d), block_m),
+                   _descriptor(k.view(-1, d), BWD_BLOCK_N), _descriptor(v.view(-1, d), BWD_BLOCK_N),
+                   _descriptor(dq_acc.view(-1, d), block_m, d // 2))
+    grid = (s // BWD_BLOCK_N * b * k.shape[1],)
+    args = (lse, delta, dq_acc, dk, dv, s, h, h // k.shape[1], scale * LOG2E, scale)
+    meta = dict(CAUSAL=bool(causal), HEAD_D=d, BLOCK_M=block_m, NUM_STAGES=num_stages, CONSUMER_REGS=consumer_regs,
+                LOADER_REGS=loader_regs, num_warps=4, DQ_TMA=dq_reduce == "tma")
+    if compile_only:
+        return _bwd_kernel.warmup(*descriptors, *args, grid=grid, **meta)
+    launch_bwd_preprocess(out, dout, delta, dq_acc, True, d)
+    _bwd_kernel[grid](*descriptors, *args, **meta)
+    dq = torch.empty_like(q)
+    scale_convert(dq_acc, dq, scale)
+    return dq, dk, dv

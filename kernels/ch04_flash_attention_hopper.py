@@ -61,8 +61,9 @@ the chapter.
 
 The backward (`flash_attention_hopper_backward`, the last section of this module) applies
 the same ideas to FA2's dK/dV and dQ kernels, with its own switches (`HopperBwdConfig`);
-`attention_backward` takes it on sm_90 only and FA2's backward elsewhere. There is no
-autograd wrapper: the training path (`flash_attention`) stays FA2's.
+`attention_backward` takes it on sm_90 where the Gluon backward
+(`minillm.kernels.ch04_flash_attention_gluon`) does not apply, and FA2's backward off sm_90.
+There is no autograd wrapper: the training path (`flash_attention`) stays FA2's.
 """
 from __future__ import annotations
 
@@ -1119,7 +1120,10 @@ def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _launch_bwd_preprocess(out, dout, delta, dq_acc, zero_dq: bool, head_dim: int) -> None:
+def launch_bwd_preprocess(out, dout, delta, dq_acc, zero_dq: bool, head_dim: int) -> None:
+    """The backward's preprocess: ``delta[b, h, i] = rowsum(dout ∘ out)`` (fp32 ``[batch,
+    q_heads, q_len]``) and, with ``zero_dq``, zeros in the fp32 dQ buffer ``dq_acc`` (shaped
+    like ``out``) that the dK/dV kernel adds dQ into with atomics."""
     batch, q_heads, q_len = out.shape[:3]
     block = 64
     acc = dq_acc if dq_acc is not None else delta  # unused without zero_dq
@@ -1128,6 +1132,13 @@ def _launch_bwd_preprocess(out, dout, delta, dq_acc, zero_dq: bool, head_dim: in
         out, dout, delta, acc, *_strides3(out), *_strides3(dout), *_strides3(delta), *acc_strides, q_heads, q_len,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), ZERO_DQ=zero_dq, BLOCK_M=block, num_warps=4,
     )
+
+
+def scale_convert(x: torch.Tensor, y: torch.Tensor, scale: float) -> None:
+    """``y = scale · x`` in y's dtype, for contiguous tensors of the same size (the fp32 dQ
+    buffer into ``dq``)."""
+    n = x.numel()
+    _scale_convert_kernel[(triton.cdiv(n, 4096),)](x, y, n, scale, BLOCK=4096, num_warps=8)
 
 
 def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale: float, config: HopperBwdConfig) -> None:
@@ -1141,7 +1152,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale: float,
     if atomic:
         dq_acc = (torch.empty if config.fuse_preprocess else torch.zeros)(q.shape, device=q.device,
                                                                           dtype=torch.float32)
-    _launch_bwd_preprocess(out, dout, delta, dq_acc, atomic and config.fuse_preprocess, head_dim)
+    launch_bwd_preprocess(out, dout, delta, dq_acc, atomic and config.fuse_preprocess, head_dim)
     tma = config.tma and tma_ok(q, k, v, dout) and (dq_acc is None or tma_ok(dq_acc))
     desc_q, desc_k, desc_v, desc_do, desc_dq = _bwd_descriptors(q, k, v, dout, dq_acc, config, bd, tma)
     dq_target = dq_acc if atomic else dq
@@ -1157,8 +1168,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale: float,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if atomic:
-        n = dq.numel()
-        _scale_convert_kernel[(triton.cdiv(n, 4096),)](dq_acc, dq, n, scale, BLOCK=4096, num_warps=8)
+        scale_convert(dq_acc, dq, scale)
         return
     if tma:  # the dQ kernel's tiles differ from the dK/dV kernel's
         desc_q, desc_do = _descriptor(q, config.dq_block_m, bd), _descriptor(dout, config.dq_block_m, bd)
@@ -1203,8 +1213,14 @@ def flash_attention_hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torc
 
 
 def attention_backward(dout, q, k, v, out, lse, causal: bool = False, scale: float | None = None):
-    """The backward for `flash_attention_hopper`'s outputs on any device: the Hopper kernels
-    where `hopper_backward_applies` (sm_90, or the interpreter), FA2's elsewhere."""
+    """The backward for `flash_attention_hopper`'s outputs on any device: the Gluon kernel
+    (`flash_attention_gluon_backward`, the fastest on Hopper) where its scope covers the call
+    (`gluon_applies`: sm_90, bf16, equal lengths in multiples of 128, head dim 64 or 128), the
+    Hopper kernels where `hopper_backward_applies` (sm_90, or the interpreter), FA2's elsewhere."""
+    from minillm.kernels.ch04_flash_attention_gluon import flash_attention_gluon_backward, gluon_applies
+
+    if gluon_applies(q, k, v):
+        return flash_attention_gluon_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
     if hopper_backward_applies(q.device):
         return flash_attention_hopper_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
     from minillm.kernels.ch04_flash_attention import flash_attention_backward

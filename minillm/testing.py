@@ -121,6 +121,17 @@ def assert_close(actual: torch.Tensor, expected: np.ndarray, dtype: torch.dtype,
     )
 
 
+def assert_grad_close(got: torch.Tensor, want, dtype: torch.dtype, name: str, seed: int | None = None) -> None:
+    """Gradients are sums of many rounded products: compare ``got`` with ``want`` (an array
+    or a tensor) with an absolute tolerance scaled by the gradient's largest element (at
+    least 1), and the dtype's rtol (fp16: twice both, since dS is rounded before its matmuls)."""
+    want = to_numpy(want) if isinstance(want, torch.Tensor) else np.asarray(want)
+    atol, rtol = tolerance(dtype)
+    scale = max(1.0, float(np.abs(want).max())) if want.size else 1.0
+    factor = 2.0 if dtype == torch.float16 else 1.0
+    assert_close(got, want, dtype, name, seed, atol=factor * atol * scale, rtol=factor * rtol)
+
+
 def skip_fp32_on_gpu(dtype: torch.dtype, device) -> None:
     """Skip the calling test for fp32 on a GPU. fp32 runs exact IEEE dots, which on a GPU
     compile to long FMA sequences (slow to compile, no tensor cores, of no interest there):

@@ -1,26 +1,33 @@
-"""Chapter 4's Gluon forward (`flash_attention_gluon`) against the float64 reference.
+"""Chapter 4's Gluon kernels (`flash_attention_gluon`, `flash_attention_gluon_backward`)
+against the float64 references.
 
 - GPU (sm_90, `make gpu`): every variant (pipelined, warp-specialized, ping-pong), head dims
   64 and 128, causal and not, MHA and GQA, lengths 128 to 1152, fresh seeds; out and lse
   against `minillm.reference.attention`, with the bf16 tolerance. The FP8 kernel within the
   error FP8 allows of exact attention of its quantized inputs
-  (`minillm.testing.assert_within_fp8_bound`).
+  (`minillm.testing.assert_within_fp8_bound`). The backward's dQ, dK and dV against the
+  float64 NumPy backward (`fa2_backward`), with dQ added by TMA reductions and by atomics,
+  and `attention_backward` choosing it where it applies.
 - CPU: the wrapper refuses what the kernels do not cover (with the reason), and `gluon_applies`
   says no off a Hopper GPU. Gluon kernels do not run under Triton's interpreter; instead,
   with a Triton whose Gluon API the module knows, every kernel is compiled for sm_90 on the CPU
   (a stand-in driver that names the target) and its PTX is checked for what the chapter claims:
   asynchronous wgmma, register reallocation (``setmaxnreg``) in the warp-specialized kernels
-  only, and no spills to local memory.
+  only, no spills to local memory, and in the backward dQ's bulk reduction (or atomics).
 """
 import pytest
 import torch
 import triton
 
 from minillm.kernels.ch04_flash_attention_gluon import (
-    GLUON_VERSIONS, VARIANTS, flash_attention_gluon, flash_attention_gluon_fp8, gluon_applies, prepare_gluon_fp8,
+    GLUON_VERSIONS, VARIANTS, bwd_shared_bytes, flash_attention_gluon, flash_attention_gluon_backward,
+    flash_attention_gluon_fp8, gluon_applies, prepare_gluon_fp8,
 )
 from minillm.reference import attention
-from minillm.testing import assert_close, assert_within_fp8_bound, fp8_quantized_inputs, random_tensor, to_numpy
+from minillm.reference.ch04_flash_attention import fa2_backward
+from minillm.testing import (
+    assert_close, assert_grad_close, assert_within_fp8_bound, fp8_quantized_inputs, random_tensor, to_numpy,
+)
 
 TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
 
@@ -60,6 +67,26 @@ def test_refuses_unknown_variant_and_tile():
         flash_attention_gluon_fp8(q, q, q, variant="pipelined")
     with pytest.raises(ValueError, match="block_n"):
         flash_attention_gluon(q, q, q, block_n=32)
+
+
+def test_backward_refuses_what_it_does_not_cover():
+    q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 256)
+    with pytest.raises(ValueError, match="lse"):
+        flash_attention_gluon_backward(q, q, q, q, q, lse[:, :, :128])
+    with pytest.raises(ValueError, match="must be q's shape"):
+        flash_attention_gluon_backward(q[:, :1], q, q, q, q, lse)
+    with pytest.raises(ValueError, match="block_m"):
+        flash_attention_gluon_backward(q, q, q, q, q, lse, block_m=32)
+    with pytest.raises(ValueError, match="shared memory"):  # 128 x 128 tiles at head dim 128: 320 KiB
+        flash_attention_gluon_backward(q, q, q, q, q, lse, block_m=128)
+    with pytest.raises(ValueError, match="dq_reduce"):
+        flash_attention_gluon_backward(q, q, q, q, q, lse, dq_reduce="sum")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        short = torch.zeros(1, 2, 200, 64, dtype=torch.bfloat16)
+        flash_attention_gluon_backward(short, short, short, short, short, lse[:, :, :200])
+    # The shared-memory arithmetic matches what the compiler allocates (see the sm_90 facts).
+    assert bwd_shared_bytes(128, 64, 2) == 192 * 1024 and bwd_shared_bytes(64, 64, 3) == 128 * 1024
 
 
 def test_does_not_apply_off_the_gpu():
@@ -116,7 +143,9 @@ class CompileOnlySm90(DriverBase):
 
 
 driver.set_active(CompileOnlySm90())
-from minillm.kernels.ch04_flash_attention_gluon import VARIANTS, flash_attention_gluon, flash_attention_gluon_fp8
+from minillm.kernels.ch04_flash_attention_gluon import (
+    VARIANTS, flash_attention_gluon, flash_attention_gluon_backward, flash_attention_gluon_fp8,
+)
 
 def facts_of(compiled, mma):
     ptx = compiled.asm["ptx"]
@@ -136,6 +165,17 @@ for variant in VARIANTS:
             if variant != "pipelined":
                 compiled = flash_attention_gluon_fp8(q, k, k, causal=causal, variant=variant, compile_only=True)
                 facts[f"fp8 {variant} {head_dim} {causal}"] = facts_of(compiled, "e4m3.e4m3")
+for reduce in ("tma", "atomic"):
+    for head_dim in (64, 128):
+        for causal in (False, True):
+            q = torch.zeros(1, 4, 256, head_dim, dtype=torch.bfloat16)
+            k = torch.zeros(1, 2, 256, head_dim, dtype=torch.bfloat16)
+            compiled = flash_attention_gluon_backward(q, q, k, k, q, torch.zeros(1, 4, 256), causal=causal,
+                                                      dq_reduce=reduce, compile_only=True)
+            ptx = compiled.asm["ptx"]
+            facts[f"bwd {reduce} {head_dim} {causal}"] = dict(
+                facts_of(compiled, "wgmma.mma_async"), bulk_reduce="cp.reduce.async.bulk.tensor" in ptx,
+                atomics=".add.v2.f32" in ptx)
 json.dump(facts, sys.stdout)
 """
 
@@ -172,6 +212,23 @@ def test_compiles_for_sm90(sm90_compiled, variant, head_dim, causal):
     assert facts["setmaxnreg"] == (variant != "pipelined")  # registers moved to the consumers
     assert not facts["local"]  # nothing spilled
     assert facts["shared"] <= 227 * 1024
+
+
+@pytest.mark.skipif(TRITON_VERSION not in GLUON_VERSIONS,
+                    reason=f"the module's Gluon API is that of Triton {GLUON_VERSIONS}, not {triton.__version__}")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compiles with a stand-in driver: CPU-only machines")
+@pytest.mark.parametrize("reduce", ["tma", "atomic"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_compiles_for_sm90(sm90_compiled, reduce, head_dim, causal):
+    """The five matmuls as asynchronous wgmma, registers moved to the consumers, no spills,
+    and dQ added the way asked: one bulk tensor reduction, or vector atomics."""
+    facts = sm90_compiled[f"bwd {reduce} {head_dim} {causal}"]
+    assert facts["wgmma"] > 0 and facts["setmaxnreg"] and facts["wait_1"]  # Sᵀ retired while dPᵀ runs
+    assert not facts["local"]
+    assert facts["shared"] <= 227 * 1024
+    assert facts["bulk_reduce"] == (reduce == "tma")
+    assert facts["atomics"] == (reduce == "atomic")
 
 
 # ----------------------------------------------------------------------------------------
@@ -241,3 +298,66 @@ def test_fp8_within_bound_on_gpu(variant, head_dim, causal, programs, gen, seed)
     assert out.dtype == torch.bfloat16 and torch.isfinite(lse).all()
     qd, kd, vd = fp8_quantized_inputs(prepared, 256, 256, 64, 128)
     assert_within_fp8_bound(out, qd, kd, vd, 64, 128, causal, vd.shape[2], f"gluon fp8 {variant}", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="Gluon's wgmma/TMA kernels need an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch, q_heads, kv_heads, seq", [(2, 3, 3, 128), (1, 4, 1, 640), (2, 8, 2, 1152)])
+@pytest.mark.parametrize("dq_reduce", ["tma", "atomic"])
+def test_backward_matches_reference_on_gpu(head_dim, causal, batch, q_heads, kv_heads, seq, dq_reduce, gen, seed):
+    """dQ, dK, dV from the Gluon forward's out and lse, against the float64 NumPy backward: MHA,
+    MQA (4:1) and GQA, lengths of 1, 5 and 9 key tiles (causal: tiles that straddle the
+    diagonal and query blocks no key of a tile reaches)."""
+    q, k, v = make_qkv(batch, q_heads, kv_heads, seq, head_dim, "cuda", gen)
+    check_backward(q, k, v, causal, seed, gen, dq_reduce=dq_reduce)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="Gluon's wgmma/TMA kernels need an sm_90 GPU")
+@pytest.mark.parametrize("head_dim, block_m, num_stages", [(64, 64, 3), (64, 128, 2), (128, 64, 3)])
+def test_backward_tiles_and_scale_on_gpu(head_dim, block_m, num_stages, gen, seed):
+    q, k, v = make_qkv(1, 4, 2, 384, head_dim, "cuda", gen)
+    check_backward(q, k, v, True, seed, gen, scale=0.3, block_m=block_m, num_stages=num_stages)
+
+
+def check_backward(q, k, v, causal, seed, gen, scale=None, **kwargs):
+    """`flash_attention_gluon_backward` (with ``kwargs``) from the Gluon forward's out and lse,
+    against `fa2_backward` in float64 from the reference's out and lse."""
+    dout = random_tensor(q.shape, torch.bfloat16, q.device, gen)
+    out, lse = flash_attention_gluon(q, k, v, causal=causal, scale=scale)
+    dq, dk, dv = flash_attention_gluon_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, **kwargs)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    qn, kn, vn = (to_numpy(t) for t in (q, k, v))
+    ref_out, ref_lse = attention(qn, kn, vn, causal=causal, scale=scale)
+    rdq, rdk, rdv = fa2_backward(qn, kn, vn, ref_out, ref_lse, to_numpy(dout), causal=causal, scale=scale)
+    for name, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        assert_grad_close(got, want, torch.bfloat16, f"{name} ({kwargs})", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="Gluon's wgmma/TMA kernels need an sm_90 GPU")
+def test_attention_backward_takes_the_gluon_kernel_on_hopper(gen, seed, monkeypatch):
+    """`attention_backward` hands a call in the Gluon backward's scope to it (and its gradients
+    are right), and one outside it (fp16) to the Triton Hopper kernels."""
+    import minillm.kernels.ch04_flash_attention_gluon as glu
+    from minillm.kernels.ch04_flash_attention_hopper import attention_backward, flash_attention_hopper
+
+    calls = []
+    real = glu.flash_attention_gluon_backward
+    monkeypatch.setattr(glu, "flash_attention_gluon_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = make_qkv(1, 4, 2, 256, 64, "cuda", gen)
+    dout = random_tensor(q.shape, torch.bfloat16, q.device, gen)
+    out, lse = flash_attention_gluon(q, k, v, causal=True)
+    got = attention_backward(dout, q, k, v, out, lse, causal=True)
+    assert calls == [1]
+    qn, kn, vn = (to_numpy(t) for t in (q, k, v))
+    ref_out, ref_lse = attention(qn, kn, vn, causal=True)
+    want = fa2_backward(qn, kn, vn, ref_out, ref_lse, to_numpy(dout), causal=True)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert_grad_close(g, w, torch.bfloat16, name, seed)
+    half = [t.half() for t in (q, k, v, dout)]
+    out16, lse16 = flash_attention_hopper(*half[:3], causal=True, return_lse=True)
+    attention_backward(half[3], *half[:3], out16, lse16, causal=True)
+    assert calls == [1]

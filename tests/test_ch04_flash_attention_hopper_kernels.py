@@ -40,8 +40,8 @@ from minillm.reference import attention
 from minillm.reference import ch04_fp8 as ref8
 from minillm.reference.ch04_flash_attention import fa2_backward
 from minillm.testing import (
-    assert_close, assert_within_fp8_bound, fp8_quantized_inputs, poisoned, random_tensor, skip_fp32_on_gpu, to_numpy,
-    tolerance,
+    assert_close, assert_grad_close, assert_within_fp8_bound, fp8_quantized_inputs, poisoned, random_tensor,
+    skip_fp32_on_gpu, to_numpy,
 )
 
 SWITCHES = ("tma", "warp_specialize", "persistent", "overlap")
@@ -361,16 +361,6 @@ def test_benchmark_backward_dry_run(device):
 # ----------------------------------------------------------------------------------------
 # The backward
 # ----------------------------------------------------------------------------------------
-def assert_grad_close(got, want, dtype, name, seed):
-    """Gradients are sums of many rounded products: an absolute tolerance scaled by the
-    gradient's largest element (at least 1), and the dtype's rtol (fp16: twice, dS is
-    rounded before its matmuls)."""
-    atol, rtol = tolerance(dtype)
-    scale = max(1.0, float(np.abs(want).max())) if want.size else 1.0
-    factor = 2.0 if dtype == torch.float16 else 1.0
-    assert_close(got, want, dtype, name, seed, atol=factor * atol * scale, rtol=factor * rtol)
-
-
 def check_backward(q, k, v, causal, dtype, seed, config=None, gen=None):
     """Forward with the Hopper kernel, backward with ``config``; both against float64 NumPy
     (`attention` for out/lse, `fa2_backward` for the gradients, from the same out/lse)."""

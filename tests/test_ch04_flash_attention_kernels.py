@@ -41,7 +41,9 @@ from minillm.kernels.ch04_flash_attention import (
     flash_attention_varlen_backward, launch_backward,
 )
 from minillm.reference import attention, attention_mask
-from minillm.testing import assert_close, poisoned, random_tensor, skip_fp32_on_gpu, to_numpy, tolerance
+from minillm.testing import (
+    assert_close, assert_grad_close, poisoned, random_tensor, skip_fp32_on_gpu, to_numpy,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -107,15 +109,6 @@ def reference_grads(q, k, v, dout, causal=False, scale=None, window=None):
     out, _ = torch_attention(q64, k64, v64, causal, scale, window)
     out.backward(dout.to(torch.float64))
     return out.detach(), q64.grad, k64.grad, v64.grad
-
-
-def assert_grad_close(got, want, dtype, name, seed):
-    """Gradients are sums of many rounded products: compare with an absolute tolerance
-    scaled by the gradient's largest element (at least 1), and the dtype's rtol."""
-    atol, rtol = tolerance(dtype)
-    scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
-    factor = 2.0 if dtype == torch.float16 else 1.0  # fp16: dS is rounded before its matmul
-    assert_close(got, to_numpy(want), dtype, name, seed, atol=factor * atol * scale, rtol=factor * rtol)
 
 
 def exact_dtype(device):
