@@ -31,13 +31,15 @@ gain), ``triton_hopper`` and ``sdpa_cudnn``; rel_err against SDPA cuDNN's bf16 o
 
 The backward (``params["pass"] = "bwd"``; forward rows carry no ``pass``), at the same points:
 `flash_attention_gluon_backward` on the Gluon forward's ``out`` and ``lse``, kernel ``bwd_tma``
-(dQ added by TMA bulk reductions, the default) against SDPA cuDNN's and FlashAttention-2's
+(dQ added by TMA bulk reductions) against SDPA cuDNN's and FlashAttention-2's
 backward (autograd through one saved forward) and the Triton Hopper backward
 (`flash_attention_hopper_backward`, its default config, on the same ``out``/``lse``):
 ``TFLOPs`` (`minillm.costs.nominal_attention_flops` with ``backward=True``) and ``time_ms``;
-kernel ``bwd_atomic`` (dQ by element-wise atomics) against ``bwd_tma`` (the ablation); and
-``rel_err``, the largest of ‖dX − dX_cuDNN‖ / ‖dX_cuDNN‖ over dQ, dK and dV, for both kernels
-and the Triton Hopper backward.
+the same for kernels ``bwd_atomic`` (dQ by element-wise atomics) and ``bwd_tma_prefetch`` (the
+rows of L and D loaded a step ahead; the module's default at head dim 64,
+`default_prefetch_stats`), which also have rows against ``bwd_tma`` (the ablations);
+and ``rel_err``, the largest of ‖dX − dX_cuDNN‖ / ‖dX_cuDNN‖ over dQ, dK and dV, for every
+Gluon kernel and the Triton Hopper backward.
 
 The forward sweep stops starting points after ``MINILLM_CH04_GLUON_BUDGET_S`` seconds (default
 150), the backward after ``MINILLM_CH04_GLUON_BWD_BUDGET_S`` (default 150).
@@ -68,6 +70,13 @@ BENCHMARK = "ch04_gluon"
 DEFAULT_VARIANT = "ws"
 PEERS = ("sdpa_cudnn", "sdpa_flash", "triton_hopper")
 PARTS = ("forward", "backward")
+#: The backward's kernels, each setting spelled out (the module's default is ``bwd_tma`` at head
+#: dim 128 and ``bwd_tma_prefetch`` at 64, `default_prefetch_stats`); the ablations are against
+#: ``bwd_tma``.
+BWD_KERNELS = {"bwd_tma": dict(dq_reduce="tma", prefetch_stats=False),
+               "bwd_tma_prefetch": dict(dq_reduce="tma", prefetch_stats=True),
+               "bwd_atomic": dict(dq_reduce="atomic", prefetch_stats=False)}
+BWD_BASE = "bwd_tma"
 
 
 def budget_s() -> float:
@@ -212,12 +221,14 @@ def _bwd_point(results: Results, device, gen, n: int, head_dim: int, causal: boo
     with torch.no_grad():
         out, lse = flash_attention_gluon(q, k, v, causal=causal)
 
-    kernels = {"bwd_tma": "tma", "bwd_atomic": "atomic"}
     ours, grads = {}, {}
-    for name, reduce in kernels.items():
-        grads[name], ours[name] = grads_and_ms(
-            lambda reduce=reduce: flash_attention_gluon_backward(dout, q, k, v, out, lse, causal=causal,
-                                                                 dq_reduce=reduce), timer)
+    for name, kw in BWD_KERNELS.items():  # an ablation that fails is recorded as missing; bwd_tma raises
+        res, _ = attempt(lambda kw=kw: grads_and_ms(
+            lambda: flash_attention_gluon_backward(dout, q, k, v, out, lse, causal=causal, **kw), timer),
+            allow_errors=name != BWD_BASE)
+        ours[name] = res[1] if res else None
+        if res:
+            grads[name] = res[0]
     # Each peer's callable is built inside `attempt`: SDPA's forward itself may refuse.
     peers = {name: (lambda name=name: autograd_backward(sdpa_attention(name, causal), q, k, v, dout))
              for name in ("sdpa_cudnn", "sdpa_flash")}
@@ -228,20 +239,22 @@ def _bwd_point(results: Results, device, gen, n: int, head_dim: int, causal: boo
         peer_ms[name] = res[1] if res else None
         if res:
             grads[name] = res[0]
-        params = {**base, "kernel": "bwd_tma"}
-        results.add(BENCHMARK, params, "time_ms", ours["bwd_tma"], name, peer_ms[name], note=status)
-        results.add(BENCHMARK, params, "TFLOPs", tflops(ours["bwd_tma"]), name, tflops(peer_ms[name]),
-                    fraction_of_ceiling=tflops(ours["bwd_tma"]) / mm if mm else None, note=status)
-    note = "ablation: dQ by element-wise atomics against TMA bulk reductions"
-    results.add(BENCHMARK, {**base, "kernel": "bwd_atomic"}, "time_ms", ours["bwd_atomic"], "bwd_tma",
-                ours["bwd_tma"], note=note)
-    results.add(BENCHMARK, {**base, "kernel": "bwd_atomic"}, "TFLOPs", tflops(ours["bwd_atomic"]), "bwd_tma",
-                tflops(ours["bwd_tma"]), note=note)
+        for kernel, ms in ours.items():
+            params = {**base, "kernel": kernel}
+            results.add(BENCHMARK, params, "time_ms", ms, name, peer_ms[name], note=status)
+            results.add(BENCHMARK, params, "TFLOPs", tflops(ms), name, tflops(peer_ms[name]),
+                        fraction_of_ceiling=tflops(ms) / mm if mm else None, note=status)
+    for kernel, ms in ours.items():
+        if kernel != BWD_BASE:
+            note = f"ablation against {BWD_BASE}"
+            results.add(BENCHMARK, {**base, "kernel": kernel}, "time_ms", ms, BWD_BASE, ours[BWD_BASE], note=note)
+            results.add(BENCHMARK, {**base, "kernel": kernel}, "TFLOPs", tflops(ms), BWD_BASE, tflops(ours[BWD_BASE]),
+                        note=note)
     if "sdpa_cudnn" in grads:
-        for name in ("bwd_tma", "bwd_atomic", "triton_hopper"):
+        for name in (*BWD_KERNELS, "triton_hopper"):
             if name in grads:
                 results.add(BENCHMARK, {**base, "kernel": name}, "rel_err", grads_err(grads[name], grads["sdpa_cudnn"]),
                             "sdpa_cudnn", note="max over dQ, dK, dV of ‖ours − cuDNN‖ / ‖cuDNN‖")
     print(f"  [{BENCHMARK}] backward D={head_dim} causal={causal} N={n}: "
-          + ", ".join(f"{name} {tflops(ms):.0f}" for name, ms in ours.items()) + "; "
+          + ", ".join(f"{name} {tflops(ms) or 0:.0f}" for name, ms in ours.items()) + "; "
           + ", ".join(f"{name} {tflops(ms) or 0:.0f}" for name, ms in peer_ms.items()) + " TFLOP/s", flush=True)

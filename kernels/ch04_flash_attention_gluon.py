@@ -702,7 +702,7 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem
 def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
                   dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group, qk_scale, scale,
                   CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, DQ_TMA: gl.constexpr):
+                  NUM_STAGES: gl.constexpr, DQ_TMA: gl.constexpr, PREFETCH_STATS: gl.constexpr):
     """One consumer warpgroup: keys ``[n0 + 64·CONSUMER, +64)`` of the program's tile. For each
     query block (``BLOCK_M`` rows, its Q_i and dO_i in the ring), with ``P = exp(scale·S − L)``
     rebuilt from the forward's logsumexp and ``D = rowsum(dO ∘ O)`` (the preprocess)::
@@ -721,7 +721,10 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q
 
     - ``DQ_TMA``: the tile goes to ``dq_smem`` and one TMA bulk reduction (``dq_desc``) adds
       it in L2, while the warpgroup moves on; the next tile waits until that one is read;
-    - else: element-wise atomics from registers (``dq_ptr``), 32 per thread per tile."""
+    - else: element-wise atomics from registers (``dq_ptr``), 32 per thread per tile.
+
+    ``PREFETCH_STATS``: each step loads the next step's rows of L and D from global memory, so
+    that their latency is spent during this step rather than before the exponentials."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -746,13 +749,25 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q
     dv = gl.zeros([64, HEAD_D], gl.float32, kv_layout)
     my_dq = dq_smem.index(CONSUMER)
 
+    n_steps = group * n_iter
+    if PREFETCH_STATS:
+        lse_next = gl.load(lse_ptr + q_bh0 * seq_len + i0 * BLOCK_M + cols0)
+        delta_next = gl.load(delta_ptr + q_bh0 * seq_len + i0 * BLOCK_M + cols0)
     mbarrier.wait(kv_ready, 0)
-    for t in range(group * n_iter):
+    for t in range(n_steps):
         i = i0 + t % n_iter
         q_row = (q_bh0 + t // n_iter) * seq_len + i * BLOCK_M
         slot = t % NUM_STAGES
-        lse2 = gl.load(lse_ptr + q_row + cols0) * 1.4426950408889634  # natural log -> base 2
-        delta = gl.load(delta_ptr + q_row + cols0)
+        if PREFETCH_STATS:
+            lse2 = lse_next * 1.4426950408889634  # natural log -> base 2
+            delta = delta_next
+            t_next = (t + 1) % n_steps  # the last step reloads the first rows: harmless
+            row_next = (q_bh0 + t_next // n_iter) * seq_len + (i0 + t_next % n_iter) * BLOCK_M
+            lse_next = gl.load(lse_ptr + row_next + cols0)
+            delta_next = gl.load(delta_ptr + row_next + cols0)
+        else:
+            lse2 = gl.load(lse_ptr + q_row + cols0) * 1.4426950408889634
+            delta = gl.load(delta_ptr + q_row + cols0)
         mbarrier.wait(q_ready.index(slot), (t // NUM_STAGES) & 1)
         q_tile = q_smem.index(slot)
         do_tile = do_smem.index(slot)
@@ -803,7 +818,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q
 def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads,
                 group, qk_scale, scale, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                 NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                DQ_TMA: gl.constexpr):
+                DQ_TMA: gl.constexpr, PREFETCH_STATS: gl.constexpr):
     """Grid ``(seq / 128 · batch · kv_heads,)``: one program per 128-key tile of one K/V head,
     ``num_warps=4`` (consumer 0) plus consumer 1 (4 warps) and the loader (1 warp). Descriptors
     over the 2-D views ``[rows, HEAD_D]``: Q and dO in ``BLOCK_M``-row blocks, K and V in
@@ -832,10 +847,10 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, dq
     gl.warp_specialize(
         [(_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
                           dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group, qk_scale,
-                          scale, 0, CAUSAL, HEAD_D, BLOCK_M, NUM_STAGES, DQ_TMA)),
+                          scale, 0, CAUSAL, HEAD_D, BLOCK_M, NUM_STAGES, DQ_TMA, PREFETCH_STATS)),
          (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
                           dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group, qk_scale,
-                          scale, 1, CAUSAL, HEAD_D, BLOCK_M, NUM_STAGES, DQ_TMA)),
+                          scale, 1, CAUSAL, HEAD_D, BLOCK_M, NUM_STAGES, DQ_TMA, PREFETCH_STATS)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready,
                         q_empty, seq_len, q_heads, group, CAUSAL, BLOCK_M, NUM_STAGES))],
         [4, 1],
@@ -851,6 +866,14 @@ def default_bwd_tiles(head_dim: int) -> tuple[int, int]:
     return (64, 2)
 
 
+def default_prefetch_stats(head_dim: int) -> bool:
+    """Whether the backward loads each step's rows of L and D a step ahead by default: at head
+    dim 64, where a step's matmuls are short and the loads' latency showed (1.07-1.17x faster
+    on an H200); not at 128, where the two extra row vectors held across the loop made the
+    kernel 0.5-0.6x as fast."""
+    return head_dim == 64
+
+
 def bwd_shared_bytes(head_dim: int, block_m: int, num_stages: int) -> int:
     """Shared memory of the backward kernel: the ring of Q and dO blocks, the K and V tiles,
     two dSᵀ buffers and each consumer's fp32 dQ tile (barriers aside)."""
@@ -862,7 +885,8 @@ def flash_attention_gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
                                    out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
                                    scale: float | None = None, block_m: int | None = None,
                                    num_stages: int | None = None, consumer_regs: int = 240, loader_regs: int = 24,
-                                   dq_reduce: str = "tma", compile_only: bool = False):
+                                   dq_reduce: str = "tma", prefetch_stats: bool | None = None,
+                                   compile_only: bool = False):
     """Gradients ``(dq, dk, dv)`` of `flash_attention_gluon`'s attention, in its scope.
 
     ``q, k, v``, ``causal`` and ``scale`` as given to the forward; ``out: [batch, q_heads,
@@ -871,9 +895,10 @@ def flash_attention_gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
     ``out``. ``block_m`` (64 or 128) query rows per step and ``num_stages`` ring slots default
     to `default_bwd_tiles` (ValueError if they need more than an SM's 227 KiB of shared
     memory, `bwd_shared_bytes`); ``dq_reduce``: ``"tma"`` (one bulk reduction per dQ tile) or
-    ``"atomic"`` (element-wise atomics). Returns bf16 ``dq`` shaped like q, ``dk, dv`` like k,
-    v (under GQA the sums over each group's query heads); with ``compile_only``, compiles the
-    dK/dV kernel without launching anything and returns it.
+    ``"atomic"`` (element-wise atomics); ``prefetch_stats``: load each step's rows of the
+    logsumexp and of D one step ahead (default: `default_prefetch_stats`). Returns bf16 ``dq``
+    shaped like q, ``dk, dv`` like k, v (under GQA the sums over each group's query heads);
+    with ``compile_only``, compiles the dK/dV kernel without launching anything and returns it.
 
     Three launches: the preprocess (``D = rowsum(dO ∘ O)`` and a zeroed fp32 dQ buffer), the
     warp-specialized dK/dV kernel, which adds dQ into the buffer, and dQ's conversion to bf16,
@@ -908,7 +933,8 @@ def flash_attention_gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
     grid = (s // BWD_BLOCK_N * b * k.shape[1],)
     args = (lse, delta, dq_acc, dk, dv, s, h, h // k.shape[1], scale * LOG2E, scale)
     meta = dict(CAUSAL=bool(causal), HEAD_D=d, BLOCK_M=block_m, NUM_STAGES=num_stages, CONSUMER_REGS=consumer_regs,
-                LOADER_REGS=loader_regs, num_warps=4, DQ_TMA=dq_reduce == "tma")
+                LOADER_REGS=loader_regs, num_warps=4, DQ_TMA=dq_reduce == "tma",
+                PREFETCH_STATS=bool(default_prefetch_stats(d) if prefetch_stats is None else prefetch_stats))
     if compile_only:
         return _bwd_kernel.warmup(*descriptors, *args, grid=grid, **meta)
     launch_bwd_preprocess(out, dout, delta, dq_acc, True, d)
