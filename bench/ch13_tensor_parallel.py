@@ -8,10 +8,11 @@ tied embeddings, vocabulary 4096 from the bundled tokenizer), bf16. Under TP=2 e
 
 **Engines.** Both degrees run the same code: `minillm.distributed.load_parallel_model` with
 one rank (this process alone) or two (this process is rank 0 on ``cuda:0``, a spawned process
-rank 1 on ``cuda:1``, NCCL), under `LLMEngine`; rank 0 samples. Each degree runs twice: with
-Chapter 10's fused decode path on every rank (``fused: on``, the engine's GPU default: its
-row-parallel GEMVs all-reduce their partial sums, and rank 0 draws the tokens inside its graphs)
-and with the plain layers (``fused: off``; rank 0 samples the gathered logits on the host).
+rank 1 on ``cuda:1``, NCCL), under `LLMEngine`; rank 0 samples. Each degree runs twice
+(``MINILLM_CH13_FUSED`` chooses, below): with Chapter 10's fused decode path on every rank
+(``fused: on``, the engine's GPU default: its row-parallel GEMVs all-reduce their partial sums,
+and rank 0 draws the tokens inside its graphs) and with the plain layers (``fused: off``; rank 0
+samples the gathered logits on the host).
 CUDA graphs for every step (``cuda_graphs="all"``; each rank captures its own graphs, its
 all-reduces inside them); ``mode`` in the rows says whether the graphs were captured
 (``cuda_graphs``) or the engine fell back to ``eager``.
@@ -39,12 +40,30 @@ captured before the clock starts):
 
 Rows carry ``params``: kind, tp, fused, mode, model, dtype and the workload's shape; TP=2 rows
 name TP=1 with the same ``fused`` as their peer (ratio > 1: TP=2 is better).
+
+**Settings.** ``MINILLM_CH13_FUSED`` (default ``"on off"``, words separated by spaces or
+commas) chooses the fused settings to run, in that order: ``MINILLM_CH13_FUSED=on`` measures
+the fused path alone, in about half the time. ``MINILLM_CH13_REQUESTS`` (default 64) sets the
+offline workload's number of requests.
+
+**A run cut short keeps what it measured.** `bench.run` saves the results when the run ends or
+is interrupted by a signal it can catch; a run killed outright (``SIGKILL``, e.g. by a time
+limit while a rank is blocked in a collective or the ranks are shutting down) saves nothing.
+So as soon as each (fused, TP) configuration is measured, before its engine is shut down, the
+benchmark adds its rows and prints them to stdout as one line,
+``  [ch13_tensor_parallel] rows: `` followed by JSON (``{"tp", "fused", "rows"}``, the rows as
+`Results.add` made them; the TP=2 line also carries that fused setting's scaling rows), and the
+log of a killed run still holds every configuration that finished (`rows_from_log` reads them
+back). The results file itself is not written here: `Results.save` needs the folder that
+`bench.run` was given (``--out``), which a benchmark does not receive.
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import os
+import re
 import time
 
 import torch
@@ -57,7 +76,7 @@ NEEDS_CEILINGS = False
 PRESET = "llama-3.2-1b"
 DTYPE = "bfloat16"
 WORLDS = (1, 2)
-FUSED = ("on", "off")
+FUSED_CHOICES = ("on", "off")
 DECODE_PROMPT, DECODE_TOKENS = 128, 256
 NUM_REQUESTS = int(os.environ.get("MINILLM_CH13_REQUESTS", 64))
 CONCURRENCY = 32
@@ -65,6 +84,25 @@ PROMPT_LEN = (32, 512)
 OUTPUT_LEN = (32, 256)
 ALLREDUCE_TOKENS = (1, CONCURRENCY, 2048)
 PEER = "tp1"
+ROWS_PREFIX = f"  [{BENCHMARK}] rows: "
+
+
+def fused_settings(value: str | None = None) -> tuple[str, ...]:
+    """The fused settings to run: ``value`` (default ``$MINILLM_CH13_FUSED``, else ``"on off"``),
+    words separated by spaces or commas, each ``on`` or ``off``; duplicates dropped, order kept."""
+    if value is None:
+        value = os.environ.get("MINILLM_CH13_FUSED", " ".join(FUSED_CHOICES))
+    chosen = tuple(dict.fromkeys(w.lower() for w in re.split(r"[\s,]+", value) if w))
+    bad = [w for w in chosen if w not in FUSED_CHOICES]
+    if bad or not chosen:
+        raise ValueError(f"MINILLM_CH13_FUSED={value!r}: expected words among {FUSED_CHOICES}")
+    return chosen
+
+
+def rows_from_log(text: str) -> list[dict]:
+    """The rows printed by a run (see the module docstring), from its log, in order."""
+    return [r for line in text.splitlines() if line.startswith(ROWS_PREFIX)
+            for r in json.loads(line[len(ROWS_PREFIX):])["rows"]]
 
 
 def engine_config(fused: str = "on"):
@@ -82,6 +120,7 @@ def run(results: Results, device) -> None:
         print(f"  [{BENCHMARK}] needs 2 GPUs, this machine has {torch.cuda.device_count()}: nothing measured",
               flush=True)
         return
+    settings = fused_settings()   # a bad MINILLM_CH13_FUSED fails here, before the model is built
     t0 = time.perf_counter()
     path = bench.build_random_llama(PRESET, dtype=DTYPE, device="cuda")
     from minillm.model.config import ModelConfig
@@ -98,15 +137,27 @@ def run(results: Results, device) -> None:
           f"build); {spec.describe()}", flush=True)
 
     measured: dict[tuple[str, int], dict] = {}
-    for fused in FUSED:
+
+    def record(fused: str, world: int, m: dict) -> None:
+        measured[(fused, world)] = m
+        first = len(results.rows)
+        _add_rows(results, base, world, fused, measured)
+        if world == WORLDS[-1]:
+            _add_scaling(results, base, fused, measured)
+        # one line per configuration, so that a run killed later still has these rows in its log
+        print(ROWS_PREFIX + json.dumps({"tp": world, "fused": fused, "rows": results.rows[first:]}, default=str),
+              flush=True)
+
+    for fused in settings:
         for world in WORLDS:
-            measured[(fused, world)] = _measure(path, world, fused, mconfig, warmup, decode_req, workload)
-            _add_rows(results, base, world, fused, measured)
-        _add_scaling(results, base, fused, measured)
+            _measure(path, world, fused, mconfig, warmup, decode_req, workload,
+                     lambda m, fused=fused, world=world: record(fused, world, m))
 
 
-def _measure(path, world: int, fused: str, mconfig, warmup, decode_req, workload) -> dict:
-    """One engine's numbers (see the module docstring); the engine is shut down after."""
+def _measure(path, world: int, fused: str, mconfig, warmup, decode_req, workload, on_measured) -> dict:
+    """One engine's numbers (see the module docstring), handed to ``on_measured`` before the
+    engine is shut down: shutting two NCCL ranks down can outlast a run's time limit (a run
+    on two H200 was killed there, after its last measurement)."""
     from minillm.experiments import ch09_engine_benchmark as bench
 
     t1 = time.perf_counter()
@@ -143,6 +194,7 @@ def _measure(path, world: int, fused: str, mconfig, warmup, decode_req, workload
                         if key in m)
               + (f"; a step's command reaches the ranks in {m['plan_delay_us']:.0f} us" if world > 1 else ""),
               flush=True)
+        on_measured(m)
         return m
     finally:
         if hasattr(engine.model, "shutdown"):
