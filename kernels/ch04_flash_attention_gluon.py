@@ -42,7 +42,8 @@ warpgroups (64 keys each) while a loader warp streams the blocks of Q and dO pas
 scores are computed as Sᵀ = K Qᵀ, so that Pᵀ and dSᵀ already sit in registers as the first
 operands of dV += Pᵀ dO and dK += dSᵀ Q. dQ is not kept anywhere: each step's tile
 ``dS K`` is added into an fp32 buffer in global memory by one TMA bulk reduction per warpgroup
-(element-wise atomics, the alternative, cost a third more time).
+(element-wise atomics, the alternative, took 11-35 % more time on an H200). At head dim 64 each
+step's rows of the logsumexp and of D are loaded a step ahead (`default_prefetch_stats`).
 
 Scope: bf16, ``q: [batch, q_heads, seq, head_dim]``, ``k, v: [batch, kv_heads, seq,
 head_dim]`` (GQA: ``q_heads % kv_heads == 0``), head_dim 64 or 128, ``seq`` a multiple of 128
