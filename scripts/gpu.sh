@@ -14,6 +14,8 @@
 #   OUT             folder for logs and copies of the results (optional)
 #   TEST_TIMEOUT    seconds for the GPU tests (default 300)
 #   TEST_PATHS      what pytest collects (default "tests"; e.g. "tests/test_ch07_flash_decoding_kernels.py")
+#   TEST_MARKS      pytest's -m expression (default "not slow"; "gpu" runs only the GPU-marked tests,
+#                   e.g. Chapter 13's two-GPU comparisons without its CPU (gloo) tests first)
 #   TEST_JOBS       pytest processes run side by side (default 1). The GPU tests spend most
 #                   of their time compiling kernels on the CPU, so on a many-core host 4
 #                   processes (test files dealt round-robin) finish several times sooner
@@ -72,13 +74,14 @@ fi
 echo
 TEST_PATHS=${TEST_PATHS:-tests}
 TEST_JOBS=${TEST_JOBS:-1}
-echo "== GPU tests: $PY -m pytest -m 'not slow' $TEST_PATHS -q, $TEST_JOBS process(es) (timeout ${TEST_TIMEOUT}s)"
+TEST_MARKS=${TEST_MARKS:-not slow}
+echo "== GPU tests: $PY -m pytest -m '$TEST_MARKS' $TEST_PATHS -q, $TEST_JOBS process(es) (timeout ${TEST_TIMEOUT}s)"
 if [ "${SKIP_TESTS:-0}" = 1 ]; then
     echo "(skipped: SKIP_TESTS=1)"
     test_rc=0
 elif [ "$TEST_JOBS" -le 1 ]; then
     # shellcheck disable=SC2086  # TEST_PATHS is a list of paths
-    timeout -k 10 "$TEST_TIMEOUT" "$PY" -m pytest -m "not slow" $TEST_PATHS -q -p no:cacheprovider 2>&1 \
+    timeout -k 10 "$TEST_TIMEOUT" "$PY" -m pytest -m "$TEST_MARKS" $TEST_PATHS -q -p no:cacheprovider 2>&1 \
         | tee "$LOG/pytest_gpu.log"
     test_rc=${PIPESTATUS[0]}
 else
@@ -90,7 +93,7 @@ else
         group=()
         for ((i = j; i < ${#files[@]}; i += TEST_JOBS)); do group+=("${files[i]}"); done
         [ ${#group[@]} -gt 0 ] || continue
-        timeout -k 10 "$TEST_TIMEOUT" "$PY" -m pytest -m "not slow" "${group[@]}" -q -p no:cacheprovider \
+        timeout -k 10 "$TEST_TIMEOUT" "$PY" -m pytest -m "$TEST_MARKS" "${group[@]}" -q -p no:cacheprovider \
             > "$LOG/pytest_gpu.$j.log" 2>&1 &
         pids+=($!)
     done
