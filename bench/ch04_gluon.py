@@ -243,7 +243,7 @@ def _bwd_point(results: Results, device, gen, n: int, head_dim: int, causal: boo
             params = {**base, "kernel": kernel}
             results.add(BENCHMARK, params, "time_ms", ms, name, peer_ms[name], note=status)
             results.add(BENCHMARK, params, "TFLOPs", tflops(ms), name, tflops(peer_ms[name]),
-                        fraction_of_ceiling=tflops(ms) / mm if mm else None, note=status)
+                        fraction_of_ceiling=tflops(ms) / mm if mm and ms else None, note=status)
     for kernel, ms in ours.items():
         if kernel != BWD_BASE:
             note = f"ablation against {BWD_BASE}"
