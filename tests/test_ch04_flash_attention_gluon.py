@@ -345,12 +345,13 @@ def test_backward_tiles_and_scale_on_gpu(head_dim, block_m, num_stages, gen, see
     check_backward(q, k, v, True, seed, gen, scale=0.3, block_m=block_m, num_stages=num_stages)
 
 
-def check_backward(q, k, v, causal, seed, gen, scale=None, **kwargs):
-    """`flash_attention_gluon_backward` (with ``kwargs``) from the Gluon forward's out and lse,
-    against `fa2_backward` in float64 from the reference's out and lse."""
+def check_backward(q, k, v, causal, seed, gen, scale=None, backward=None, **kwargs):
+    """``backward`` (default `flash_attention_gluon_backward`, with ``kwargs``) from the Gluon
+    forward's out and lse, against `fa2_backward` in float64 from the reference's out and lse."""
     dout = random_tensor(q.shape, torch.bfloat16, q.device, gen)
     out, lse = flash_attention_gluon(q, k, v, causal=causal, scale=scale)
-    dq, dk, dv = flash_attention_gluon_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, **kwargs)
+    backward = backward or flash_attention_gluon_backward
+    dq, dk, dv = backward(dout, q, k, v, out, lse, causal=causal, scale=scale, **kwargs)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     qn, kn, vn = (to_numpy(t) for t in (q, k, v))
     ref_out, ref_lse = attention(qn, kn, vn, causal=causal, scale=scale)
@@ -371,16 +372,9 @@ def test_attention_backward_takes_the_gluon_kernel_on_hopper(gen, seed, monkeypa
     real = glu.flash_attention_gluon_backward
     monkeypatch.setattr(glu, "flash_attention_gluon_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v = make_qkv(1, 4, 2, 256, 64, "cuda", gen)
-    dout = random_tensor(q.shape, torch.bfloat16, q.device, gen)
-    out, lse = flash_attention_gluon(q, k, v, causal=True)
-    got = attention_backward(dout, q, k, v, out, lse, causal=True)
+    check_backward(q, k, v, True, seed, gen, backward=attention_backward)
     assert calls == [1]
-    qn, kn, vn = (to_numpy(t) for t in (q, k, v))
-    ref_out, ref_lse = attention(qn, kn, vn, causal=True)
-    want = fa2_backward(qn, kn, vn, ref_out, ref_lse, to_numpy(dout), causal=True)
-    for name, g, w in zip(("dq", "dk", "dv"), got, want):
-        assert_grad_close(g, w, torch.bfloat16, name, seed)
-    half = [t.half() for t in (q, k, v, dout)]
+    half = [t.half() for t in (q, k, v, random_tensor(q.shape, torch.bfloat16, q.device, gen))]
     out16, lse16 = flash_attention_hopper(*half[:3], causal=True, return_lse=True)
     attention_backward(half[3], *half[:3], out16, lse16, causal=True)
     assert calls == [1]

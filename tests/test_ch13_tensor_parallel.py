@@ -417,3 +417,20 @@ def test_gpu_tensor_parallel_matches_one_gpu(tmp_path, world, family, kv_heads):
         pytest.skip(f"needs {world} GPUs")
     path = _checkpoint(tmp_path / family, family, kv_heads, torch.bfloat16)
     print("\n" + compare_with_one_device(path, world, "cuda", "bfloat16"))
+
+
+def test_benchmark_settings_and_rows_from_a_log():
+    """The benchmark's fused settings from ``MINILLM_CH13_FUSED``'s words, and the rows a run
+    prints per configuration read back from its log (other lines ignored)."""
+    from bench.ch13_tensor_parallel import ROWS_PREFIX, fused_settings, rows_from_log
+
+    assert fused_settings("on off") == ("on", "off")
+    assert fused_settings("OFF,on, off") == ("off", "on")
+    for bad in ("", "fast", "on maybe"):
+        with pytest.raises(ValueError):
+            fused_settings(bad)
+    rows = [{"metric": "decode_ms_per_token", "ours": 1.0}, {"metric": "output_tokens_per_s", "ours": 9.5}]
+    log = "\n".join(["bench.run: ch13_tensor_parallel ...", "  [ch13_tensor_parallel] TP=1 fused=on (...)",
+                     ROWS_PREFIX + json.dumps({"tp": 1, "fused": "on", "rows": rows[:1]}),
+                     ROWS_PREFIX + json.dumps({"tp": 2, "fused": "on", "rows": rows[1:]})])
+    assert rows_from_log(log) == rows
