@@ -5,9 +5,12 @@ The forward points of ``bench/ch04_hopper.py`` (bf16, 16k tokens per point: batc
 each timed with `triton.testing.do_bench` (median, L2 flushed) for:
 
 - the Gluon kernels of `minillm.kernels.ch04_flash_attention_gluon`: ``pipelined`` (one kind
-  of warp), ``ws`` (a loader warp and two consumer warpgroups; the module's default) with one
-  program per tile (``ws_grid``) and persistent (``ws_persistent``), and ``ws_pingpong`` (the
-  consumers take turns at the tensor cores);
+  of warp), ``ws`` (a loader warp and two consumer warpgroups; the module's default,
+  `default_schedule`), the same kernel with each way of sharing out the tiles of `SCHEDULES`
+  (``ws_grid``: one program per tile; ``ws_persistent``: one per SM, taking every P-th tile;
+  ``ws_claimed``: claiming tiles from an atomic counter; under a causal mask ``ws_pairs`` and
+  ``ws_claimed_pairs``: the same two with units of two tiles of equal total length), and
+  ``ws_pingpong`` (the consumers take turns at the tensor cores);
 - the peers, in the same process on the same inputs: SDPA pinned to cuDNN and to
   FlashAttention-2 (``sdpa_cudnn``, ``sdpa_flash``) and the Triton Hopper kernel of
   `minillm.kernels.ch04_flash_attention_hopper` with its default config (``triton_hopper``).
@@ -15,11 +18,9 @@ each timed with `triton.testing.do_bench` (median, L2 flushed) for:
 Rows (``params``: batch, heads, seq_len, head_dim, causal, dtype, kernel):
 
 ==============  ===========================================================================
-``TFLOPs``      kernel ``ws`` (the default, `persistent_by_default`): one row per
-                peer (sdpa_cudnn, sdpa_flash, triton_hopper), ratio > 1: ours faster; kernels
-                ``pipelined``, ``ws_grid`` (one program per tile), ``ws_persistent`` (one per
-                SM) and ``ws_pingpong``: peer ``ws`` (the ablation);
-                fraction of the bf16 matmul rate measured in the run
+``TFLOPs``      kernel ``ws`` (the default): one row per peer (sdpa_cudnn, sdpa_flash,
+                triton_hopper), ratio > 1: ours faster; every other kernel: peer ``ws``
+                (the ablations); fraction of the bf16 matmul rate measured in the run
 ``time_ms``     the same pairs in milliseconds
 ``rel_err``     ‖ours − SDPA cuDNN‖ / ‖SDPA cuDNN‖ for each Gluon kernel
 ==============  ===========================================================================
@@ -35,13 +36,18 @@ The backward (``params["pass"] = "bwd"``; forward rows carry no ``pass``), at th
 backward (autograd through one saved forward) and the Triton Hopper backward
 (`flash_attention_hopper_backward`, its default config, on the same ``out``/``lse``):
 ``TFLOPs`` (`minillm.costs.nominal_attention_flops` with ``backward=True``) and ``time_ms``;
-the same for kernels ``bwd_atomic`` (dQ by element-wise atomics) and ``bwd_tma_prefetch`` (the
+the same for kernels ``bwd_atomic`` (dQ by element-wise atomics), ``bwd_tma_prefetch`` (the
 rows of L and D loaded a step ahead; the module's default at head dim 64,
-`default_prefetch_stats`), which also have rows against ``bwd_tma`` (the ablations);
+`default_prefetch_stats`) and, under a causal mask, ``bwd_tma_head_after_head`` (the key tiles
+head after head instead of in groups of heads, `default_bwd_head_group`), which also have rows
+against ``bwd_tma`` (the ablations);
 and ``rel_err``, the largest of ‖dX − dX_cuDNN‖ / ‖dX_cuDNN‖ over dQ, dK and dV, for every
 Gluon kernel and the Triton Hopper backward.
 
-The forward sweep stops starting points after ``MINILLM_CH04_GLUON_BUDGET_S`` seconds (default
+Every time is the median of ``MINILLM_CH04_GLUON_ROUNDS`` (default 3) `do_bench` medians in a
+row: at 1-2k keys a causal kernel's time moved by as much as 23 % from one call of ``do_bench``
+to the next on an H200 (which SM gets which tile differs from run to run), and one call
+alone would let a single slow round decide a row. The forward sweep stops starting points after ``MINILLM_CH04_GLUON_BUDGET_S`` seconds (default
 150), the backward after ``MINILLM_CH04_GLUON_BWD_BUDGET_S`` (default 150).
 ``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward``) picks the parts to run; a re-run of
 one part keeps the other's earlier rows in the results file.
@@ -49,6 +55,7 @@ one part keeps the other's earlier rows in the results file.
 from __future__ import annotations
 
 import os
+import statistics
 from typing import Callable
 
 import torch
@@ -56,7 +63,7 @@ import torch
 from minillm.costs import nominal_attention_flops
 from minillm.kernels.ch04_flash_attention_gluon import (
     GLUON_VERSIONS, VARIANTS, flash_attention_gluon, flash_attention_gluon_backward, flash_attention_gluon_fp8,
-    gluon_applies, persistent_by_default, prepare_gluon_fp8,
+    default_schedule, gluon_applies, prepare_gluon_fp8,
 )
 from minillm.kernels.ch04_flash_attention_hopper import flash_attention_hopper, flash_attention_hopper_backward
 
@@ -75,8 +82,31 @@ PARTS = ("forward", "backward")
 #: ``bwd_tma``.
 BWD_KERNELS = {"bwd_tma": dict(dq_reduce="tma", prefetch_stats=False),
                "bwd_tma_prefetch": dict(dq_reduce="tma", prefetch_stats=True),
-               "bwd_atomic": dict(dq_reduce="atomic", prefetch_stats=False)}
+               "bwd_atomic": dict(dq_reduce="atomic", prefetch_stats=False),
+               "bwd_tma_head_after_head": dict(dq_reduce="tma", prefetch_stats=False, head_group=1)}
+#: Kernels that differ from ``bwd_tma`` only under a causal mask (the key tiles' order).
+BWD_CAUSAL_ONLY = ("bwd_tma_head_after_head",)
 BWD_BASE = "bwd_tma"
+#: Ways of sharing out the forward's tiles, each spelled out (`flash_attention_gluon`'s
+#: ``persistent``, ``paired``, ``dynamic``, ``head_group``); the paired ones run under a causal
+#: mask only.
+SCHEDULES = {
+    "ws_grid": dict(persistent=False, paired=False, dynamic=False, head_group=1),  # one program per tile
+    "ws_persistent": dict(persistent=True, paired=False, dynamic=False, head_group=1),  # every P-th tile
+    "ws_claimed": dict(persistent=True, paired=False, dynamic=True, head_group=8),  # tiles from a counter
+    "ws_pairs": dict(persistent=True, paired=True, dynamic=False, head_group=8),  # every P-th pair
+    "ws_claimed_pairs": dict(persistent=True, paired=True, dynamic=True, head_group=8),
+}
+
+
+def timing_rounds() -> int:
+    """``do_bench`` calls per time (their median): ``MINILLM_CH04_GLUON_ROUNDS`` (default 3)."""
+    return max(1, int(os.environ.get("MINILLM_CH04_GLUON_ROUNDS", "3")))
+
+
+def median_of_rounds(timer: Callable, rounds: int) -> Callable:
+    """A timer that returns the median of ``rounds`` calls of ``timer``."""
+    return lambda fn: statistics.median(timer(fn) for _ in range(rounds))
 
 
 def budget_s() -> float:
@@ -124,6 +154,7 @@ def run(results: Results, device) -> None:
 def sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, tokens: int = TOKENS,
           hidden: int = HIDDEN, timer: Callable | None = None) -> None:
     timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, budget_s(), timer, WARMUP_MS, REP_MS)
+    timer = median_of_rounds(timer, timing_rounds())
     mm = (results.ceilings or {}).get("bf16_matmul_TFLOPs")
     each_point(BENCHMARK, head_dims, seq_lens, out_of_time,
                lambda head_dim, causal, n: _point(results, device, gen, n, head_dim, causal, mm, timer, tokens,
@@ -149,10 +180,11 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
         if name == "sdpa_cudnn" and res:
             cudnn_out = res[1]
 
-    # The kernels: the three steps, and the warp-specialized one both ways of persistence
-    # ("ws" is the module's default, whichever of the two `persistent_by_default` picks).
-    kernels = {"pipelined": dict(variant="pipelined"), "ws_grid": dict(variant="ws", persistent=False),
-               "ws_persistent": dict(variant="ws", persistent=True), "ws_pingpong": dict(variant="ws_pingpong")}
+    # The kernels: the three steps, and the warp-specialized one with each way of sharing out
+    # the tiles (`SCHEDULES`; "ws" is the module's default, `default_schedule`).
+    kernels = {"ws": dict(variant="ws"), "pipelined": dict(variant="pipelined"),
+               "ws_pingpong": dict(variant="ws_pingpong")}
+    kernels.update({name: dict(variant="ws", **kw) for name, kw in SCHEDULES.items() if causal or not kw["paired"]})
     ours = {}
     for name, kw in kernels.items():
         ms, (out, _) = timed_output(lambda: flash_attention_gluon(q, k, v, causal=causal, **kw), timer)
@@ -160,8 +192,6 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
         if cudnn_out is not None:
             results.add(BENCHMARK, {**base, "kernel": name}, "rel_err", rel_err(out, cudnn_out), "sdpa_cudnn",
                         note="‖ours − cuDNN‖ / ‖cuDNN‖")
-    default_kernel = "ws_persistent" if persistent_by_default("ws", causal, n) else "ws_grid"
-    ours[DEFAULT_VARIANT] = ours[default_kernel]
 
     def add(kernel, ms, peer, p_ms, note):
         params = {**base, "kernel": kernel}
@@ -172,9 +202,9 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
     for name, (p_ms, status) in peer_ms.items():
         add(DEFAULT_VARIANT, ours[DEFAULT_VARIANT], name, p_ms, status or None)
     for name in kernels:
-        if name != default_kernel:
+        if name != DEFAULT_VARIANT:
             add(name, ours[name], DEFAULT_VARIANT, ours[DEFAULT_VARIANT],
-                f"ablation against the default ({default_kernel})")
+                f"ablation against the default ({default_schedule(causal, n)})")
     prepared = prepare_gluon_fp8(q, k, v)
     fp8 = {}
     for variant in VARIANTS[1:]:
@@ -203,6 +233,7 @@ def backward_sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_L
                    hidden: int = HIDDEN, timer: Callable | None = None) -> None:
     """The backward rows (see the module's docstring) at every point, until `bwd_budget_s`."""
     timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, bwd_budget_s(), timer, WARMUP_MS, REP_MS)
+    timer = median_of_rounds(timer, timing_rounds())
     mm = (results.ceilings or {}).get("bf16_matmul_TFLOPs")
     each_point(BENCHMARK + " backward", head_dims, seq_lens, out_of_time,
                lambda head_dim, causal, n: _bwd_point(results, device, gen, n, head_dim, causal, mm, timer, tokens,
@@ -223,6 +254,8 @@ def _bwd_point(results: Results, device, gen, n: int, head_dim: int, causal: boo
 
     ours, grads = {}, {}
     for name, kw in BWD_KERNELS.items():  # an ablation that fails is recorded as missing; bwd_tma raises
+        if name in BWD_CAUSAL_ONLY and not causal:
+            continue
         res, _ = attempt(lambda kw=kw: grads_and_ms(
             lambda: flash_attention_gluon_backward(dout, q, k, v, out, lse, causal=causal, **kw), timer),
             allow_errors=name != BWD_BASE)
@@ -251,7 +284,7 @@ def _bwd_point(results: Results, device, gen, n: int, head_dim: int, causal: boo
             results.add(BENCHMARK, {**base, "kernel": kernel}, "TFLOPs", tflops(ms), BWD_BASE, tflops(ours[BWD_BASE]),
                         note=note)
     if "sdpa_cudnn" in grads:
-        for name in (*BWD_KERNELS, "triton_hopper"):
+        for name in (*ours, "triton_hopper"):
             if name in grads:
                 results.add(BENCHMARK, {**base, "kernel": name}, "rel_err", grads_err(grads[name], grads["sdpa_cudnn"]),
                             "sdpa_cudnn", note="max over dQ, dK, dV of ‖ours − cuDNN‖ / ‖cuDNN‖")

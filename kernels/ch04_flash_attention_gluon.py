@@ -28,7 +28,9 @@ forward with it, in steps that the chapter measures one against the other:
 Both warp-specialized kernels can also run **persistent** (``persistent=True``): one program
 per SM, taking tiles in turn, with the rings running on from one tile to the next and Q in two
 buffers, so that the loader fetches the next tile while the consumers finish this one
-(`persistent_by_default` says when that is the default).
+(`default_schedule` says when that is the default), and share out their tiles in one of
+several orders: with a causal mask, pairs of tiles of equal total length claimed from an
+atomic counter.
 
 And `flash_attention_gluon_fp8`: the warp-specialized kernel with e4m3 matmuls (Hopper's FP8
 tensor cores run at twice the bf16 rate): Q with one scale per 64 rows, K per ``block_n`` keys,
@@ -282,9 +284,26 @@ def _store_rows(acc, m_i, l_i, o_smem, o_desc, lse_ptr, o_row, ROWS: gl.constexp
 
 
 @gluon.jit
+def _schedule(index, units_per_head, n_heads, head_group):
+    """The ``index``-th unit of work in the order programs take them (a forward's query tile or
+    pair of tiles, a backward's key tile), as ``(head, rank)``: rank 0 is a head's longest
+    unit under a causal mask. The heads are taken ``head_group`` at a time, and within a group
+    the units go rank by rank: first every head's rank-0 unit, then every head's rank-1 unit,
+    and so on. With ``head_group = 1`` that is head after head (programs running together share
+    one head's K/V in L2); with all heads in one group it is *longest first* over the whole
+    grid, so that the last units handed out are the shortest and no SM is left with a long one
+    at the end; groups of a few heads get most of both."""
+    per_group = head_group * units_per_head
+    first_head = (index // per_group) * head_group
+    r = index - (index // per_group) * per_group
+    heads_here = gl.minimum(head_group, n_heads - first_head)  # the last group may be smaller
+    return first_head + r % heads_here, r // heads_here
+
+
+@gluon.jit
 def _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Query tile ``tile`` of ``(seq_len / 128) · batch · q_heads``: heads outermost (programs
-    running together share K/V in L2) and within a head the longest causal rows first; and
+    """Query tile ``tile = head · (seq_len / 128) + rank`` (``head`` among the batch's
+    ``batch · q_heads``; rank 0: the head's last rows, the longest under a causal mask), and
     where its rows sit in the 2-D views: ``(row0, q_row, kv_bh, n_blocks)`` (``kv_bh``: the
     index of its K/V head among all of the batch's, whose rows start at ``kv_bh · seq_len``)."""
     n_m = seq_len // 128
@@ -343,20 +362,29 @@ def _pipelined_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seq_len, q_heads,
 # Kernel 2: a loader warp and two consumer warpgroups (optionally in ping-pong)
 # ----------------------------------------------------------------------------------------
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-              k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group, n_tiles,
+def _read_tile(tile_ids, buf, NUM_WARPS: gl.constexpr):
+    """The tile index the loader left in ``tile_ids[buf]`` (every thread reads it)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    return gl.max(tile_ids.index(buf).load(layout), axis=0)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group, n_tiles,
               qk_scale, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
               HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, FP8: gl.constexpr):
-    """One consumer warpgroup: rows ``[64·CONSUMER, 64·CONSUMER + 64)`` of each of this
-    program's tiles (``pid, pid + #programs, ...``: one tile unless the grid is persistent).
-    Q comes in two buffers, the tiles alternating between them; a buffer is given back
-    (``q_empty``) once this consumer's output, staged in it in bf16, has been stored.
-    ``FP8``: the scales are fp32 arrays ``q_scales [batch·q_heads·seq/64]``, ``k_scales
-    [batch·kv_heads·seq/BLOCK_N]`` and ``v_scales [batch·kv_heads]``, in row order."""
+    """One consumer warpgroup: rows ``[64·CONSUMER, 64·CONSUMER + 64)`` of each tile the loader
+    hands this program, until it hands over ``n_tiles`` (no more work). Q comes in two buffers,
+    the tiles alternating between them, each with its tile's index in ``tile_ids``; a buffer
+    is given back (``q_empty``) once this consumer's output, staged in it in bf16, has been
+    stored. ``FP8``: the scales are fp32 arrays ``q_scales [batch·q_heads·seq/64]``,
+    ``k_scales [batch·kv_heads·seq/BLOCK_N]`` and ``v_scales [batch·kv_heads]``, in row order."""
     it0 = 0  # K/V blocks this program's ring has passed
     turn0 = 0  # ping-pong turns taken
     i = 0  # tiles done
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+    mbarrier.wait(q_ready.index(0), 0)
+    tile = _read_tile(tile_ids, 0, 4)
+    while tile < n_tiles:
         row0, q_row, kv_bh, n_blocks = _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL, BLOCK_N)
         buf = i % 2
         my_q = q_smem.index(buf * 2 + CONSUMER)
@@ -370,7 +398,6 @@ def _consumer(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready,
             rows_scale = qk_scale
             out_scale = 1.0
             my_o = my_q
-        mbarrier.wait(q_ready.index(buf), (i // 2) & 1)
         acc, m_i, l_i = _attend_rows(my_q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
                                      k_desc, v_desc, kv_bh * seq_len, n_blocks, (my_row0 + 1) // BLOCK_N, my_row0,
                                      rows_scale, k_scales + kv_bh * (seq_len // BLOCK_N), p_smem.index(CONSUMER),
@@ -381,53 +408,103 @@ def _consumer(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready,
         it0 += n_blocks
         turn0 += n_blocks - 1
         i += 1
+        mbarrier.wait(q_ready.index(i % 2), (i // 2) & 1)
+        tile = _read_tile(tile_ids, i % 2, 4)
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-            seq_len, q_heads, group, n_tiles, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-            NUM_STAGES: gl.constexpr, FP8: gl.constexpr):
-    """One warp, for each of this program's tiles: the two 64-row halves of Q into the tile's
-    Q buffer, then K_j and V_j into the rings, which run on from one tile to the next (so a
-    persistent program loads the next tile while the consumers finish this one). A slot or a
-    Q buffer is reused once both consumers arrived on its empty barrier (count 2); on the first
+def _load_tile(tile, i, it, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q_empty, k_ready,
+               v_ready, k_empty, v_empty, seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+               NUM_STAGES: gl.constexpr, FP8: gl.constexpr):
+    """Hand tile ``tile`` (``head · seq/128 + rank``) to the consumers as this program's
+    ``i``-th: its index into ``tile_ids``, the two 64-row halves of Q into Q buffer ``i % 2``,
+    then K_j and V_j into the rings, whose slots have passed ``it`` blocks. A slot or a Q
+    buffer is reused once both consumers arrived on its empty barrier (count 2); on the first
     pass the wait is for parity 1, which a fresh barrier reports as complete. ``FP8``: V's
     tiles come from Vᵀ, ``[batch·kv_heads·HEAD_D, seq]``, columns ``j·BLOCK_N`` onwards of the
-    head's rows."""
-    it = 0
-    i = 0
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        row0, q_row, kv_bh, n_blocks = _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL, BLOCK_N)
-        kv_row0 = kv_bh * seq_len
-        buf = i % 2
-        mbarrier.wait(q_empty.index(buf), ((i // 2) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(buf), 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_row, 0], q_ready.index(buf), q_smem.index(buf * 2))
-        _tma_load(q_desc, [q_row + 64, 0], q_ready.index(buf), q_smem.index(buf * 2 + 1))
-        for j in range(n_blocks):
-            slot = (it + j) % NUM_STAGES
-            free_phase = (((it + j) // NUM_STAGES) & 1) ^ 1
-            mbarrier.wait(k_empty.index(slot), free_phase)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [kv_row0 + j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
-            mbarrier.wait(v_empty.index(slot), free_phase)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            if FP8:
-                _tma_load(v_desc, [kv_bh * v_desc.block_type.shape[0], j * BLOCK_N], v_ready.index(slot),
-                          v_smem.index(slot))
-            else:
-                _tma_load(v_desc, [kv_row0 + j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
-        it += n_blocks
-        i += 1
+    head's rows. Returns ``(i + 1, it + the tile's blocks)``."""
+    id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    row0, q_row, kv_bh, n_blocks = _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL, BLOCK_N)
+    kv_row0 = kv_bh * seq_len
+    buf = i % 2
+    mbarrier.wait(q_empty.index(buf), ((i // 2) & 1) ^ 1)
+    tile_ids.index(buf).store(gl.full([1], tile, gl.int32, id_layout))
+    mbarrier.expect(q_ready.index(buf), 2 * q_desc.block_type.nbytes)  # (an arrival: it releases the store)
+    _tma_load(q_desc, [q_row, 0], q_ready.index(buf), q_smem.index(buf * 2))
+    _tma_load(q_desc, [q_row + 64, 0], q_ready.index(buf), q_smem.index(buf * 2 + 1))
+    for j in range(n_blocks):
+        slot = (it + j) % NUM_STAGES
+        free_phase = (((it + j) // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), free_phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [kv_row0 + j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), free_phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        if FP8:
+            _tma_load(v_desc, [kv_bh * v_desc.block_type.shape[0], j * BLOCK_N], v_ready.index(slot),
+                      v_smem.index(slot))
+        else:
+            _tma_load(v_desc, [kv_row0 + j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+    return i + 1, it + n_blocks
 
 
 @gluon.jit
-def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len,
-                             q_heads, group, n_tiles, qk_scale, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr,
-                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FP8: gl.constexpr = False):
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty,
+            v_empty, tile_counter, seq_len, q_heads, group, n_tiles, head_group, CAUSAL: gl.constexpr,
+            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, FP8: gl.constexpr, PAIRED: gl.constexpr,
+            DYNAMIC: gl.constexpr):
+    """One warp: it picks this program's *units* of work and loads their tiles (`_load_tile`).
+    A unit is one query tile, or with ``PAIRED`` (causal) two tiles of one head, ranks r and
+    ``seq/128 − 1 − r``, whose key blocks add up to the same number for every r: equal units,
+    so that a fixed round robin of them keeps every SM equally busy. The units are in
+    `_schedule`'s order (``head_group``); the program's first is ``pid``, the next ``pid + P``
+    in a grid of P programs, or with ``DYNAMIC`` unit ``P + c``, ``c`` being what an atomic
+    increment of the global ``tile_counter`` (zeroed before the launch) returns: the next
+    unit no program has claimed. The rings and the Q buffers run on from one tile to the next,
+    so a persistent program loads its next tile while the consumers finish this one. When the
+    units run out, it hands over ``n_tiles`` (no more work)."""
+    n_m = seq_len // 128
+    n_bh = n_tiles // n_m
+    if PAIRED:
+        per_head = (n_m + 1) // 2  # (odd n_m: the middle tile is a unit of its own)
+    else:
+        per_head = n_m
+    it = 0
+    i = 0
+    unit = gl.program_id(0)
+    while unit < n_bh * per_head:
+        # Claim the next unit now: the atomic's round trip overlaps this unit's copies.
+        if DYNAMIC:
+            next_unit = gl.num_programs(0) + gl.atomic_add(tile_counter, 1)
+        else:
+            next_unit = unit + gl.num_programs(0)
+        head, rank = _schedule(unit, per_head, n_bh, head_group)
+        i, it = _load_tile(head * n_m + rank, i, it, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids,
+                           q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, seq_len, q_heads, group, CAUSAL,
+                           BLOCK_N, NUM_STAGES, FP8)
+        if PAIRED:
+            if n_m - 1 - rank != rank:
+                i, it = _load_tile(head * n_m + n_m - 1 - rank, i, it, q_desc, k_desc, v_desc, q_smem, k_smem,
+                                   v_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, seq_len,
+                                   q_heads, group, CAUSAL, BLOCK_N, NUM_STAGES, FP8)
+        unit = next_unit
+    # No more tiles: say so through the next buffer.
+    buf = i % 2
+    mbarrier.wait(q_empty.index(buf), ((i // 2) & 1) ^ 1)
+    tile_ids.index(buf).store(gl.full([1], n_tiles, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+    mbarrier.arrive(q_ready.index(buf))
+
+
+@gluon.jit
+def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, tile_counter,
+                             seq_len, q_heads, group, n_tiles, head_group, qk_scale, CAUSAL: gl.constexpr,
+                             HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                             PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                             FP8: gl.constexpr = False, PAIRED: gl.constexpr = False,
+                             DYNAMIC: gl.constexpr = False):
     """A 1-d grid over the ``n_tiles = seq / 128 · batch · q_heads`` query tiles: one program
-    per tile, or fewer (persistent: each takes tiles ``pid, pid + #programs, ...``).
+    per tile, or fewer (persistent: each takes tiles in turn, `_loader` says which;
+    ``tile_counter``: one int32, zero, for ``DYNAMIC``).
     ``num_warps=4`` (consumer 0, the default partition) plus the workers: consumer 1 (4 warps)
     and the loader (1 warp). Q and O blocks of 64 rows, K blocks of ``BLOCK_N`` rows, V blocks
     of ``BLOCK_N`` rows (FP8: of Vᵀ, ``HEAD_D`` rows by ``BLOCK_N`` keys). Q has two buffers
@@ -452,6 +529,7 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # one per Q buffer
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
@@ -466,14 +544,17 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
     # The argument tuples are written in place: a tuple kept in a variable would turn its
     # constexpr members (the consumer's index among them) into run-time values.
     gl.warp_specialize(
-        [(_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                      turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group,
-                      n_tiles, qk_scale, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8)),
-         (_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                      turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group,
-                      n_tiles, qk_scale, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8)),
-         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                    v_empty, seq_len, q_heads, group, n_tiles, CAUSAL, BLOCK_N, NUM_STAGES, FP8))],
+        [(_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
+                      k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len,
+                      q_heads, group, n_tiles, qk_scale, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
+                      NUM_STAGES, FP8)),
+         (_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
+                      k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len,
+                      q_heads, group, n_tiles, qk_scale, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
+                      NUM_STAGES, FP8)),
+         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
+                    k_empty, v_empty, tile_counter, seq_len, q_heads, group, n_tiles, head_group, CAUSAL, BLOCK_N,
+                    NUM_STAGES, FP8, PAIRED, DYNAMIC))],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],
     )
@@ -535,7 +616,8 @@ def _descriptor(t2d: torch.Tensor, rows: int, cols: int | None = None) -> Tensor
 def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                           scale: float | None = None, variant: str = "ws", block_n: int | None = None,
                           num_stages: int | None = None, consumer_regs: int = 240, loader_regs: int = 24,
-                          persistent: bool | int | None = None, compile_only: bool = False):
+                          persistent: bool | int | None = None, head_group: int | None = None,
+                          paired: bool | None = None, dynamic: bool | None = None, compile_only: bool = False):
     """``softmax(scale · q kᵀ + mask) v`` with the Gluon kernels (forward only).
 
     - ``q: [batch, q_heads, seq, head_dim]``, ``k, v: [batch, kv_heads, seq, head_dim]``, bf16,
@@ -546,8 +628,13 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
       `default_tiles`; ``consumer_regs`` / ``loader_regs``: registers per thread of the
       warp-specialized partitions (``setmaxnreg``); ``persistent`` (warp-specialized kernels):
       True for one program per SM taking tiles in turn instead of one per tile, or a number of
-      programs (the tests use a few, so that each takes many tiles); None (the default): as
-      `persistent_by_default` says.
+      programs (the tests use a few, so that each takes many tiles). How the warp-specialized
+      kernels share out the tiles (`_loader`): ``paired`` (causal only): units of two tiles
+      whose lengths add up to the same, else one tile each; ``head_group``: the order of the
+      units, heads taken that many at a time and within a group longest first (`_schedule`;
+      1: head after head); ``dynamic`` (persistent grids): each program claims its next unit
+      from an atomic counter instead of taking every P-th. Each of the four left at None
+      takes `default_schedule`'s value.
 
     Returns ``(out [batch, q_heads, seq, head_dim] bf16, lse [batch, q_heads, seq] fp32,
     natural log)``; with ``compile_only``, compiles without launching and returns the
@@ -559,14 +646,15 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
         raise ValueError(reason)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return _launch(q, k, v, None, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs,
-                   persistent, compile_only)
+                   persistent, head_group, paired, dynamic, compile_only)
 
 
 def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                               scale: float | None = None, variant: str = "ws", prepared: tuple | None = None,
                               block_n: int | None = None, num_stages: int | None = None, consumer_regs: int = 240,
                               loader_regs: int = 24, persistent: bool | int | None = None,
-                              compile_only: bool = False):
+                              head_group: int | None = None, paired: bool | None = None,
+                              dynamic: bool | None = None, compile_only: bool = False):
     """The warp-specialized kernel with e4m3 matmuls: Q in blocks of 64 rows (one consumer's
     rows) and K in blocks of ``block_n`` keys, each with its own scale, V with one scale per
     head, fp32 accumulation (the quantization of `minillm.kernels.ch04_flash_attention_hopper.
@@ -581,7 +669,7 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_n = block_n or default_tiles(q.shape[-1], fp8=True)[0]
     prepared = prepared or prepare_gluon_fp8(q, k, v, block_n)
     return _launch(*prepared, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs,
-                   persistent, compile_only, out_shape=q.shape)
+                   persistent, head_group, paired, dynamic, compile_only, out_shape=q.shape)
 
 
 def prepare_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int = 128) -> tuple:
@@ -596,30 +684,48 @@ def prepare_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n
     return q8, k8, v8t, (q_scales, k_scales, v_scales)
 
 
-#: Up to this length, the warp-specialized kernels run persistent by default (no causal mask).
+#: Up to this length, the warp-specialized kernels run persistent by default without a causal mask.
 PERSISTENT_MAX_SEQ = 8192
+#: Heads per group of `_schedule` in the causal defaults (forward and backward).
+CAUSAL_HEAD_GROUP = 8
 
 
-def persistent_by_default(variant: str, causal: bool, seq_len: int) -> bool:
-    """Whether a kernel runs persistent unless told: the warp-specialized ones, without a
-    causal mask, up to `PERSISTENT_MAX_SEQ` keys. Measured on the H100 (`bench/ch04_gluon.py`):
-    a persistent program loads its next tile while it finishes this one, which hides the
-    start of a tile (its Q and first K/V blocks): worth 10-18 % at 1k keys, a few percent at
-    4-8k, and nothing measurable at 16k, where one run even lost 20 %. With a causal mask the
-    tiles differ in length, and a fixed round robin of them leaves SMs idle at the end (a third
-    slower at 16k), which one program per tile, handed out by the hardware as SMs free up,
-    avoids."""
-    return variant != "pipelined" and not causal and seq_len <= PERSISTENT_MAX_SEQ
+def default_schedule(causal: bool, seq_len: int) -> dict:
+    """How the warp-specialized forward shares out its tiles unless told: the keyword
+    arguments ``persistent``, ``paired``, ``dynamic`` and ``head_group`` of
+    `flash_attention_gluon`. Measured with `bench/ch04_gluon.py` on an H100 (no mask) and in
+    three sweeps on an H200 (causal, ``bench/results/raw/nvidia-h200.gluon_schedule_sweep*.log``):
+
+    - without a mask every tile costs the same: persistent up to `PERSISTENT_MAX_SEQ` keys,
+      tiles in turn, head after head. A persistent program loads its next tile while it
+      finishes this one, which hides a tile's start (its Q and first K/V blocks): 10-18 % at
+      1k keys, a few percent at 4-8k, nothing measurable at 16k (where one H100 run lost 20 %).
+    - with a causal mask a tile's cost is its rank: persistent, in pairs of equal total
+      length, claimed from an atomic counter, heads in groups of `CAUSAL_HEAD_GROUP`. One
+      program per tile (the hardware hands out the programs as SMs free up, longest first
+      within a head) measured 0.71-0.84x cuDNN at 1-2k keys and head dim 64; persistent
+      programs taking every P-th tile or pair in a fixed order swung between 0.78x and 1.10x
+      from one point (and one run) to the next, with how the units happened to fall to the
+      SMs; claimed pairs stayed within 0.96-1.07x at every point of their sweep, and within
+      0.98-1.06x in the benchmark's run (``bench/results/nvidia-h200.json``)."""
+    if causal:
+        return dict(persistent=True, paired=True, dynamic=True, head_group=CAUSAL_HEAD_GROUP)
+    return dict(persistent=seq_len <= PERSISTENT_MAX_SEQ, paired=False, dynamic=False, head_group=1)
 
 
 def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs, persistent,
-            compile_only, out_shape=None):
+            head_group, paired, dynamic, compile_only, out_shape=None):
     """Make the descriptors and launch (or compile) the kernel of ``variant``. ``scales``:
     None for bf16, else FP8's ``(q_scales, k_scales, v_scales)`` with ``v`` as Vᵀ."""
-    if persistent is None:
-        persistent = persistent_by_default(variant, causal, q.shape[2])
-    fp8 = scales is not None
     b, h, s, d = q.shape
+    schedule = default_schedule(bool(causal), s)
+    persistent = (variant != "pipelined" and schedule["persistent"]) if persistent is None else persistent
+    paired = bool(causal) and (schedule["paired"] if paired is None else bool(paired))
+    dynamic = bool(persistent) and (schedule["dynamic"] if dynamic is None else bool(dynamic))
+    head_group = schedule["head_group"] if head_group is None else int(head_group)
+    fp8 = scales is not None
+    if head_group < 1:
+        raise ValueError(f"head_group must be a positive number of heads, got {head_group}")
     default_n, default_stages = default_tiles(d, fp8)
     block_n, num_stages = block_n or default_n, num_stages or default_stages
     if block_n not in (64, 128):
@@ -631,19 +737,21 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
     # FP8: V's tiles are [d, block_n] blocks of Vᵀ, viewed as [b·h_kv·d, s].
     v_desc = _descriptor(v.view(-1, s), d, block_n) if fp8 else _descriptor(v.view(-1, d), block_n)
     n_tiles = s // BLOCK_M * b * h
-    programs = num_sms(q.device) if persistent is True else int(persistent) or n_tiles
-    grid = (min(n_tiles, programs),)
     if variant == "pipelined":
         if persistent:
             raise ValueError("the pipelined kernel has one program per tile: persistent=True needs a 'ws' variant")
-        kernel, rows, args = _pipelined_kernel, BLOCK_M, (lse, s, h, h // k.shape[1], qk_scale)
+        kernel, rows, args, grid = _pipelined_kernel, BLOCK_M, (lse, s, h, h // k.shape[1], qk_scale), (n_tiles,)
         meta = dict(num_warps=8)
     else:
         q_scales, k_scales, v_scales = scales if fp8 else (lse, lse, lse)  # (bf16: unread)
         kernel, rows = _warp_specialized_kernel, 64
-        args = (lse, q_scales, k_scales, v_scales, s, h, h // k.shape[1], n_tiles, qk_scale)
+        n_units = b * h * ((s // BLOCK_M + 1) // 2) if paired else n_tiles
+        programs = num_sms(q.device) if persistent is True else int(persistent) or n_units
+        grid = (min(n_units, programs),)
+        tile_counter = torch.zeros(1, device=q.device, dtype=torch.int32) if dynamic else lse  # (else unread)
+        args = (lse, q_scales, k_scales, v_scales, tile_counter, s, h, h // k.shape[1], n_tiles, head_group, qk_scale)
         meta = dict(PINGPONG=variant == "ws_pingpong", CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
-                    FP8=fp8, num_warps=4)
+                    FP8=fp8, PAIRED=paired, DYNAMIC=dynamic, num_warps=4)
     descriptors = (_descriptor(q.view(-1, d), rows), k_desc, v_desc, _descriptor(out.view(-1, d), rows))
     meta.update(CAUSAL=bool(causal), HEAD_D=d, BLOCK_N=block_n, NUM_STAGES=num_stages)
     if compile_only:
@@ -660,17 +768,15 @@ BWD_BLOCK_N = 128
 
 
 @gluon.jit
-def _bwd_coordinates(seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
-    """This program's key tile: program ``pid`` of ``(seq_len / 128) · batch · kv_heads``,
-    heads outermost and within a head the tiles of the first keys (in causal attention the
-    ones most queries see: the longest) first. Returns ``(n0, kv_row, q_bh0, i0, n_iter)``:
-    the tile's first key, its row in the 2-D ``[batch·kv_heads·seq, HEAD_D]`` views, the
-    index of the group's first query head among the batch's, the first query block that sees
-    the tile and the number of query blocks per head from there."""
-    n_kv_tiles = seq_len // 128
-    pid = gl.program_id(0)
-    kv_bh = pid // n_kv_tiles
-    n0 = (pid % n_kv_tiles) * 128
+def _bwd_coordinates(seq_len, q_heads, group, n_kv_bh, head_group, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """This program's key tile: program ``pid`` of ``(seq_len / 128) · n_kv_bh`` (``n_kv_bh =
+    batch · kv_heads``) in the order of `_schedule`, rank 0 being a head's first keys (in
+    causal attention the ones most queries see: the longest). Returns ``(n0, kv_row, q_bh0, i0,
+    n_iter)``: the tile's first key, its row in the 2-D ``[batch·kv_heads·seq, HEAD_D]`` views,
+    the index of the group's first query head among the batch's, the first query block that
+    sees the tile and the number of query blocks per head from there."""
+    kv_bh, rank = _schedule(gl.program_id(0), seq_len // 128, n_kv_bh, head_group)
+    n0 = rank * 128
     kv_heads = q_heads // group
     q_bh0 = (kv_bh // kv_heads) * q_heads + (kv_bh % kv_heads) * group
     if CAUSAL:
@@ -682,11 +788,12 @@ def _bwd_coordinates(seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_M: gl.
 
 @gluon.jit
 def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, q_empty,
-                seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+                seq_len, q_heads, group, n_kv_bh, head_group, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                NUM_STAGES: gl.constexpr):
     """One warp: this program's K and V tiles once, then for every query head of the group
     and every query block that sees the keys, Q_i and dO_i into the ring (one ready barrier
     for the pair; a slot is free when both consumers arrived on its empty barrier)."""
-    n0, kv_row, q_bh0, i0, n_iter = _bwd_coordinates(seq_len, q_heads, group, CAUSAL, BLOCK_M)
+    n0, kv_row, q_bh0, i0, n_iter = _bwd_coordinates(seq_len, q_heads, group, n_kv_bh, head_group, CAUSAL, BLOCK_M)
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
     _tma_load(k_desc, [kv_row, 0], kv_ready, k_smem)
     _tma_load(v_desc, [kv_row, 0], kv_ready, v_smem)
@@ -701,9 +808,10 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem
 
 @gluon.jit
 def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
-                  dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group, qk_scale, scale,
-                  CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, DQ_TMA: gl.constexpr, PREFETCH_STATS: gl.constexpr):
+                  dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group, n_kv_bh, head_group,
+                  qk_scale, scale, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr,
+                  BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, DQ_TMA: gl.constexpr,
+                  PREFETCH_STATS: gl.constexpr):
     """One consumer warpgroup: keys ``[n0 + 64·CONSUMER, +64)`` of the program's tile. For each
     query block (``BLOCK_M`` rows, its Q_i and dO_i in the ring), with ``P = exp(scale·S − L)``
     rebuilt from the forward's logsumexp and ``D = rowsum(dO ∘ O)`` (the preprocess)::
@@ -736,7 +844,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     HALF_D: gl.constexpr = HEAD_D // 2
 
-    n0, kv_row, q_bh0, i0, n_iter = _bwd_coordinates(seq_len, q_heads, group, CAUSAL, BLOCK_M)
+    n0, kv_row, q_bh0, i0, n_iter = _bwd_coordinates(seq_len, q_heads, group, n_kv_bh, head_group, CAUSAL, BLOCK_M)
     my_k = k_smem.slice(CONSUMER * 64, 64)
     my_v = v_smem.slice(CONSUMER * 64, 64)
     k_half = k_smem.slice(CONSUMER * HALF_D, HALF_D, dim=1)  # [128 keys, HEAD_D/2]
@@ -817,8 +925,8 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q
 
 @gluon.jit
 def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads,
-                group, qk_scale, scale, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                group, n_kv_bh, head_group, qk_scale, scale, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr,
+                BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                 DQ_TMA: gl.constexpr, PREFETCH_STATS: gl.constexpr):
     """Grid ``(seq / 128 · batch · kv_heads,)``: one program per 128-key tile of one K/V head,
     ``num_warps=4`` (consumer 0) plus consumer 1 (4 warps) and the loader (1 warp). Descriptors
@@ -847,13 +955,13 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, dq
 
     gl.warp_specialize(
         [(_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
-                          dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group, qk_scale,
-                          scale, 0, CAUSAL, HEAD_D, BLOCK_M, NUM_STAGES, DQ_TMA, PREFETCH_STATS)),
+                          dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group, n_kv_bh,
+                          head_group, qk_scale, scale, 0, CAUSAL, HEAD_D, BLOCK_M, NUM_STAGES, DQ_TMA, PREFETCH_STATS)),
          (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
-                          dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group, qk_scale,
-                          scale, 1, CAUSAL, HEAD_D, BLOCK_M, NUM_STAGES, DQ_TMA, PREFETCH_STATS)),
+                          dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group, n_kv_bh,
+                          head_group, qk_scale, scale, 1, CAUSAL, HEAD_D, BLOCK_M, NUM_STAGES, DQ_TMA, PREFETCH_STATS)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready,
-                        q_empty, seq_len, q_heads, group, CAUSAL, BLOCK_M, NUM_STAGES))],
+                        q_empty, seq_len, q_heads, group, n_kv_bh, head_group, CAUSAL, BLOCK_M, NUM_STAGES))],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],
     )
@@ -875,6 +983,17 @@ def default_prefetch_stats(head_dim: int) -> bool:
     return head_dim == 64
 
 
+def default_bwd_head_group(causal: bool) -> int:
+    """The backward's tile order (`_schedule`) unless told: under a causal mask, heads in
+    groups of `CAUSAL_HEAD_GROUP` with every head's first (longest) key tiles before the next
+    ones, so that the last programs to start are short; head after head otherwise. In two
+    runs on an H200 (``bench/results/raw/nvidia-h200.gluon_schedule_sweep{2,3}.log``) the
+    groups made the causal backward 1-7 % faster at 14 of the 20 points and changed the rest
+    by under 2 %; all heads in one group was 3-22 % slower (sweep 1): programs running
+    together then share no Q or dO in L2."""
+    return CAUSAL_HEAD_GROUP if causal else 1
+
+
 def bwd_shared_bytes(head_dim: int, block_m: int, num_stages: int) -> int:
     """Shared memory of the backward kernel: the ring of Q and dO blocks, the K and V tiles,
     two dSᵀ buffers and each consumer's fp32 dQ tile (barriers aside)."""
@@ -887,7 +1006,7 @@ def flash_attention_gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
                                    scale: float | None = None, block_m: int | None = None,
                                    num_stages: int | None = None, consumer_regs: int = 240, loader_regs: int = 24,
                                    dq_reduce: str = "tma", prefetch_stats: bool | None = None,
-                                   compile_only: bool = False):
+                                   head_group: int | None = None, compile_only: bool = False):
     """Gradients ``(dq, dk, dv)`` of `flash_attention_gluon`'s attention, in its scope.
 
     ``q, k, v``, ``causal`` and ``scale`` as given to the forward; ``out: [batch, q_heads,
@@ -897,7 +1016,8 @@ def flash_attention_gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
     to `default_bwd_tiles` (ValueError if they need more than an SM's 227 KiB of shared
     memory, `bwd_shared_bytes`); ``dq_reduce``: ``"tma"`` (one bulk reduction per dQ tile) or
     ``"atomic"`` (element-wise atomics); ``prefetch_stats``: load each step's rows of the
-    logsumexp and of D one step ahead (default: `default_prefetch_stats`). Returns bf16 ``dq``
+    logsumexp and of D one step ahead (default: `default_prefetch_stats`); ``head_group``: the
+    order of the key tiles, as the forward's (default: `default_bwd_head_group`). Returns bf16 ``dq``
     shaped like q, ``dk, dv`` like k, v (under GQA the sums over each group's query heads);
     with ``compile_only``, compiles the dK/dV kernel without launching anything and returns it.
 
@@ -921,6 +1041,8 @@ def flash_attention_gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
                          f"{bwd_shared_bytes(q.shape[-1], block_m, num_stages)} bytes of shared memory, over 227 KiB")
     if dq_reduce not in ("tma", "atomic"):
         raise ValueError(f"dq_reduce must be 'tma' or 'atomic', got {dq_reduce!r}")
+    if head_group is not None and head_group < 1:
+        raise ValueError(f"head_group must be a positive number of heads, got {head_group}")
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout.to(torch.bfloat16)))
     lse = lse.float().contiguous()
     b, h, s, d = q.shape
@@ -932,7 +1054,9 @@ def flash_attention_gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
                    _descriptor(k.view(-1, d), BWD_BLOCK_N), _descriptor(v.view(-1, d), BWD_BLOCK_N),
                    _descriptor(dq_acc.view(-1, d), block_m, d // 2))
     grid = (s // BWD_BLOCK_N * b * k.shape[1],)
-    args = (lse, delta, dq_acc, dk, dv, s, h, h // k.shape[1], scale * LOG2E, scale)
+    n_kv_bh = b * k.shape[1]
+    head_group = default_bwd_head_group(causal) if head_group is None else head_group
+    args = (lse, delta, dq_acc, dk, dv, s, h, h // k.shape[1], n_kv_bh, head_group, scale * LOG2E, scale)
     meta = dict(CAUSAL=bool(causal), HEAD_D=d, BLOCK_M=block_m, NUM_STAGES=num_stages, CONSUMER_REGS=consumer_regs,
                 LOADER_REGS=loader_regs, num_warps=4, DQ_TMA=dq_reduce == "tma",
                 PREFETCH_STATS=bool(default_prefetch_stats(d) if prefetch_stats is None else prefetch_stats))

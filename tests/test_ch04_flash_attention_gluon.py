@@ -67,6 +67,8 @@ def test_refuses_unknown_variant_and_tile():
         flash_attention_gluon_fp8(q, q, q, variant="pipelined")
     with pytest.raises(ValueError, match="block_n"):
         flash_attention_gluon(q, q, q, block_n=32)
+    with pytest.raises(ValueError, match="head_group"):
+        flash_attention_gluon(q, q, q, head_group=0)
 
 
 def test_backward_refuses_what_it_does_not_cover():
@@ -82,6 +84,8 @@ def test_backward_refuses_what_it_does_not_cover():
         flash_attention_gluon_backward(q, q, q, q, q, lse, block_m=128)
     with pytest.raises(ValueError, match="dq_reduce"):
         flash_attention_gluon_backward(q, q, q, q, q, lse, dq_reduce="sum")
+    with pytest.raises(ValueError, match="head_group"):
+        flash_attention_gluon_backward(q, q, q, q, q, lse, head_group=0)
     with pytest.raises(ValueError, match="multiple of 128"):
         short = torch.zeros(1, 2, 200, 64, dtype=torch.bfloat16)
         flash_attention_gluon_backward(short, short, short, short, short, lse[:, :, :200])
@@ -177,6 +181,10 @@ for variant in VARIANTS:
             compiled = flash_attention_gluon(q, k, k, causal=causal, variant=variant, compile_only=True)
             facts[f"{variant} {head_dim} {causal}"] = facts_of(compiled, "wgmma.mma_async")
             if variant != "pipelined":
+                compiled = flash_attention_gluon(q, k, k, causal=causal, variant=variant, persistent=True, paired=True,
+                                                 dynamic=True, compile_only=True)
+                facts[f"{variant} dynamic {head_dim} {causal}"] = dict(
+                    facts_of(compiled, "wgmma.mma_async"), claims_tiles="atom.global" in compiled.asm["ptx"])
                 compiled = flash_attention_gluon_fp8(q, k, k, causal=causal, variant=variant, compile_only=True)
                 facts[f"fp8 {variant} {head_dim} {causal}"] = facts_of(compiled, "e4m3.e4m3")
 for reduce in ("tma", "atomic", "tma_prefetch"):
@@ -215,13 +223,16 @@ def sm90_compiled():
 @pytest.mark.skipif(TRITON_VERSION not in GLUON_VERSIONS,
                     reason=f"the module's Gluon API is that of Triton {GLUON_VERSIONS}, not {triton.__version__}")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compiles with a stand-in driver: CPU-only machines")
-@pytest.mark.parametrize("variant", VARIANTS + tuple(f"fp8 {v}" for v in VARIANTS[1:]))
+@pytest.mark.parametrize("variant", VARIANTS + tuple(f"fp8 {v}" for v in VARIANTS[1:])
+                         + tuple(f"{v} dynamic" for v in VARIANTS[1:]))
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_compiles_for_sm90(sm90_compiled, variant, head_dim, causal):
     """Asynchronous wgmma (in FP8: e4m3 ones), register reallocation in the warp-specialized
-    kernels only, no spills, shared memory within an SM's."""
+    kernels only, no spills, shared memory within an SM's; the dynamic tile scheduler claims
+    tiles with a global atomic."""
     facts = sm90_compiled[f"{variant} {head_dim} {causal}"]
+    assert facts.get("claims_tiles", variant.endswith("dynamic")) == variant.endswith("dynamic")
     assert facts["wgmma"] > 0
     assert facts["wait_1"]  # S_j retired while P V stays in flight
     assert facts["setmaxnreg"] == (variant != "pipelined")  # registers moved to the consumers
@@ -300,6 +311,21 @@ def test_persistent_matches_reference_on_gpu(variant, head_dim, causal, programs
     check_against_reference(q, k, v, causal, seed, variant=variant, persistent=programs)
 
 
+@on_hopper_warp_specialized
+@pytest.mark.parametrize("programs, paired, dynamic, head_group",
+                         [(True, True, True, 3), (3, False, True, 1), (3, True, False, 5), (False, False, False, 8),
+                          (False, True, False, 1)])
+def test_tile_orders_match_reference_on_gpu(variant, head_dim, causal, programs, paired, dynamic, head_group, gen,
+                                            seed):
+    """Every tile once, whatever the order: 5 tiles a head (causal pairs: ranks 0 and 4, 1 and
+    3, and 2 alone), heads grouped by 3, 5 or 8 of 8 (the last group smaller but for 8),
+    persistent programs claiming units from the atomic counter (one per SM, or 3 that take a
+    dozen tiles each) or in turn, or one program per unit."""
+    q, k, v = make_qkv(2, 4, 2, 640, head_dim, "cuda", gen)
+    check_against_reference(q, k, v, causal, seed, variant=variant, persistent=programs, paired=paired,
+                            dynamic=dynamic, head_group=head_group)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="Gluon's wgmma/TMA kernels need an sm_90 GPU")
 @pytest.mark.parametrize("block_n, num_stages", [(64, 2), (64, 3), (128, 2)])
@@ -343,6 +369,17 @@ def test_backward_matches_reference_on_gpu(head_dim, causal, batch, q_heads, kv_
 def test_backward_tiles_and_scale_on_gpu(head_dim, block_m, num_stages, gen, seed):
     q, k, v = make_qkv(1, 4, 2, 384, head_dim, "cuda", gen)
     check_backward(q, k, v, True, seed, gen, scale=0.3, block_m=block_m, num_stages=num_stages)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="Gluon's wgmma/TMA kernels need an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_group", [3, 64])
+def test_backward_tile_orders_on_gpu(head_dim, causal, head_group, gen, seed):
+    """The key tiles of 4 K/V heads in groups of 3 (then 1), or all in one group."""
+    q, k, v = make_qkv(2, 8, 2, 1152, head_dim, "cuda", gen)
+    check_backward(q, k, v, causal, seed, gen, head_group=head_group)
 
 
 def check_backward(q, k, v, causal, seed, gen, scale=None, backward=None, **kwargs):
