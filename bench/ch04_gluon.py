@@ -47,8 +47,9 @@ Gluon kernel and the Triton Hopper backward.
 Every time is the median of ``MINILLM_CH04_GLUON_ROUNDS`` (default 3) `do_bench` medians in a
 row: at 1-2k keys a causal kernel's time moved by as much as 23 % from one call of ``do_bench``
 to the next on an H200 (which SM gets which tile differs from run to run), and one call
-alone would let a single slow round decide a row. The forward sweep stops starting points after ``MINILLM_CH04_GLUON_BUDGET_S`` seconds (default
-150), the backward after ``MINILLM_CH04_GLUON_BWD_BUDGET_S`` (default 150).
+alone would let a single slow round decide a row. The forward sweep stops starting points
+after ``MINILLM_CH04_GLUON_BUDGET_S`` seconds (default 150), the backward after
+``MINILLM_CH04_GLUON_BWD_BUDGET_S`` (default 150).
 ``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward``) picks the parts to run; a re-run of
 one part keeps the other's earlier rows in the results file.
 """
