@@ -769,15 +769,16 @@ BWD_BLOCK_N = 128
 
 
 @gluon.jit
-def _bwd_coordinates(seq_len, q_heads, group, n_kv_bh, head_group, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
-    """This program's key tile: program ``pid`` of ``(seq_len / 128) · n_kv_bh`` (``n_kv_bh =
-    batch · kv_heads``) in the order of `_schedule`, rank 0 being a head's first keys (in
-    causal attention the ones most queries see: the longest). Returns ``(n0, kv_row, q_bh0, i0,
-    n_iter)``: the tile's first key, its row in the 2-D ``[batch·kv_heads·seq, HEAD_D]`` views,
-    the index of the group's first query head among the batch's, the first query block that
-    sees the tile and the number of query blocks per head from there."""
-    kv_bh, rank = _schedule(gl.program_id(0), seq_len // 128, n_kv_bh, head_group)
-    n0 = rank * 128
+def _bwd_coordinates(tile, seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Key tile ``tile = kv_bh · (seq_len / 128) + rank`` (``kv_bh`` among the batch's
+    ``batch · kv_heads`` K/V heads; rank 0: a head's first keys, under a causal mask the ones
+    most queries see). Returns ``(n0, kv_row, q_bh0, i0, n_iter)``: the tile's first key, its
+    row in the 2-D ``[batch·kv_heads·seq, HEAD_D]`` views, the index of the group's first query
+    head among the batch's, the first query block that sees the tile and the number of query
+    blocks per head from there."""
+    n_kv_tiles = seq_len // 128
+    kv_bh = tile // n_kv_tiles
+    n0 = (tile % n_kv_tiles) * 128
     kv_heads = q_heads // group
     q_bh0 = (kv_bh // kv_heads) * q_heads + (kv_bh % kv_heads) * group
     if CAUSAL:
@@ -788,32 +789,73 @@ def _bwd_coordinates(seq_len, q_heads, group, n_kv_bh, head_group, CAUSAL: gl.co
 
 
 @gluon.jit
-def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, q_empty,
-                seq_len, q_heads, group, n_kv_bh, head_group, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                NUM_STAGES: gl.constexpr):
-    """One warp: this program's K and V tiles once, then for every query head of the group
-    and every query block that sees the keys, Q_i and dO_i into the ring (one ready barrier
-    for the pair; a slot is free when both consumers arrived on its empty barrier)."""
-    n0, kv_row, q_bh0, i0, n_iter = _bwd_coordinates(seq_len, q_heads, group, n_kv_bh, head_group, CAUSAL, BLOCK_M)
+def _bwd_load_tile(tile, t0, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready,
+                   q_empty, seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                   NUM_STAGES: gl.constexpr):
+    """Key tile ``tile``'s K and V, then for every query head of the group and every query
+    block that sees the keys, Q_i and dO_i into the ring, whose slots have passed ``t0`` steps
+    (one ready barrier for the pair; a slot is free when both consumers arrived on its empty
+    barrier). Returns ``t0`` plus the tile's steps."""
+    n0, kv_row, q_bh0, i0, n_iter = _bwd_coordinates(tile, seq_len, q_heads, group, CAUSAL, BLOCK_M)
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
     _tma_load(k_desc, [kv_row, 0], kv_ready, k_smem)
     _tma_load(v_desc, [kv_row, 0], kv_ready, v_smem)
-    for t in range(group * n_iter):
-        q_row = (q_bh0 + t // n_iter) * seq_len + (i0 + t % n_iter) * BLOCK_M
-        slot = t % NUM_STAGES
-        mbarrier.wait(q_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
+    for s in range(group * n_iter):
+        q_row = (q_bh0 + s // n_iter) * seq_len + (i0 + s % n_iter) * BLOCK_M
+        slot = (t0 + s) % NUM_STAGES
+        mbarrier.wait(q_empty.index(slot), (((t0 + s) // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(q_ready.index(slot), 2 * q_desc.block_type.nbytes)
         _tma_load(q_desc, [q_row, 0], q_ready.index(slot), q_smem.index(slot))
         _tma_load(do_desc, [q_row, 0], q_ready.index(slot), do_smem.index(slot))
+    return t0 + group * n_iter
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
-                  dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group, n_kv_bh, head_group,
-                  qk_scale, scale, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr,
-                  BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, DQ_TMA: gl.constexpr,
-                  PREFETCH_STATS: gl.constexpr):
-    """One consumer warpgroup: keys ``[n0 + 64·CONSUMER, +64)`` of the program's tile. For each
+def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, tile_id, kv_ready, kv_empty, q_ready,
+                q_empty, tile_counter, seq_len, q_heads, group, n_kv_bh, head_group, CAUSAL: gl.constexpr,
+                BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """One warp: the key tiles of this program (`_bwd_load_tile`). The first is ``pid`` in
+    `_schedule`'s order; with ``PERSISTENT``, in a grid of P programs, then ``pid + P``, ... or
+    with ``DYNAMIC`` the next one claimed from the global ``tile_counter``, as the forward's
+    `_loader`: each tile once both consumers are done with the last one's K and V
+    (``kv_empty``), its index handed over in ``tile_id``; when the tiles run out, it hands over
+    the tile count (no more work)."""
+    n_kv_tiles = seq_len // 128
+    if PERSISTENT:
+        id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        t0 = 0  # steps this program's ring has passed: it runs on from one tile to the next
+        i = 0  # key tiles done
+        unit = gl.program_id(0)
+        while unit < n_kv_bh * n_kv_tiles:
+            if DYNAMIC:  # claimed now: the atomic's round trip overlaps this tile's copies
+                next_unit = gl.num_programs(0) + gl.atomic_add(tile_counter, 1)
+            else:
+                next_unit = unit + gl.num_programs(0)
+            kv_bh, rank = _schedule(unit, n_kv_tiles, n_kv_bh, head_group)
+            mbarrier.wait(kv_empty, (i & 1) ^ 1)
+            tile_id.index(0).store(gl.full([1], kv_bh * n_kv_tiles + rank, gl.int32, id_layout))
+            t0 = _bwd_load_tile(kv_bh * n_kv_tiles + rank, t0, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem,
+                                k_smem, v_smem, kv_ready, q_ready, q_empty, seq_len, q_heads, group, CAUSAL, BLOCK_M,
+                                NUM_STAGES)  # (K/V's expect() is an arrival: it releases the store)
+            i += 1
+            unit = next_unit
+        mbarrier.wait(kv_empty, (i & 1) ^ 1)
+        tile_id.index(0).store(gl.full([1], n_kv_bh * n_kv_tiles, gl.int32, id_layout))
+        mbarrier.arrive(kv_ready)
+    else:
+        kv_bh, rank = _schedule(gl.program_id(0), n_kv_tiles, n_kv_bh, head_group)
+        _bwd_load_tile(kv_bh * n_kv_tiles + rank, 0, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                       kv_ready, q_ready, q_empty, seq_len, q_heads, group, CAUSAL, BLOCK_M, NUM_STAGES)
+
+
+@gluon.jit
+def _bwd_tile(tile, t0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_empty, q_ready, q_empty, ds_ready,
+              dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group, qk_scale, scale,
+              CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+              NUM_STAGES: gl.constexpr, DQ_TMA: gl.constexpr, PREFETCH_STATS: gl.constexpr,
+              PERSISTENT: gl.constexpr):
+    """One consumer warpgroup's work on key tile ``tile`` (K and V loaded; the ring has passed
+    ``t0`` steps): keys ``[n0 + 64·CONSUMER, +64)``. For each
     query block (``BLOCK_M`` rows, its Q_i and dO_i in the ring), with ``P = exp(scale·S − L)``
     rebuilt from the forward's logsumexp and ``D = rowsum(dO ∘ O)`` (the preprocess)::
 
@@ -834,7 +876,9 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q
     - else: element-wise atomics from registers (``dq_ptr``), 32 per thread per tile.
 
     ``PREFETCH_STATS``: each step loads the next step's rows of L and D from global memory, so
-    that their latency is spent during this step rather than before the exponentials."""
+    that their latency is spent during this step rather than before the exponentials.
+    ``PERSISTENT``: arrive on ``kv_empty`` once K and V are no longer read, so that the loader
+    brings the next tile's while this one's dK and dV are stored. Returns ``t0`` plus the steps."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -845,34 +889,36 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     HALF_D: gl.constexpr = HEAD_D // 2
 
-    n0, kv_row, q_bh0, i0, n_iter = _bwd_coordinates(seq_len, q_heads, group, n_kv_bh, head_group, CAUSAL, BLOCK_M)
     my_k = k_smem.slice(CONSUMER * 64, 64)
     my_v = v_smem.slice(CONSUMER * 64, 64)
     k_half = k_smem.slice(CONSUMER * HALF_D, HALF_D, dim=1)  # [128 keys, HEAD_D/2]
-    rows = n0 + CONSUMER * 64 + gl.arange(0, 64, gl.SliceLayout(1, s_layout))
     cols0 = gl.arange(0, BLOCK_M, gl.SliceLayout(0, s_layout))
     dq_offsets = (gl.arange(0, BLOCK_M, gl.SliceLayout(1, dq_layout))[:, None] * HEAD_D
                   + gl.arange(0, HALF_D, gl.SliceLayout(0, dq_layout))[None, :])
+    out_offsets = (gl.arange(0, 64, gl.SliceLayout(1, kv_layout))[:, None] * HEAD_D
+                   + gl.arange(0, HEAD_D, gl.SliceLayout(0, kv_layout))[None, :])
     s_zero = gl.zeros([64, BLOCK_M], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout)
-    dk = gl.zeros([64, HEAD_D], gl.float32, kv_layout)
-    dv = gl.zeros([64, HEAD_D], gl.float32, kv_layout)
     my_dq = dq_smem.index(CONSUMER)
 
+    n0, kv_row, q_bh0, i0, n_iter = _bwd_coordinates(tile, seq_len, q_heads, group, CAUSAL, BLOCK_M)
+    rows = n0 + CONSUMER * 64 + gl.arange(0, 64, gl.SliceLayout(1, s_layout))
+    dk = gl.zeros([64, HEAD_D], gl.float32, kv_layout)
+    dv = gl.zeros([64, HEAD_D], gl.float32, kv_layout)
     n_steps = group * n_iter
     if PREFETCH_STATS:
         lse_next = gl.load(lse_ptr + q_bh0 * seq_len + i0 * BLOCK_M + cols0)
         delta_next = gl.load(delta_ptr + q_bh0 * seq_len + i0 * BLOCK_M + cols0)
-    mbarrier.wait(kv_ready, 0)
-    for t in range(n_steps):
-        i = i0 + t % n_iter
-        q_row = (q_bh0 + t // n_iter) * seq_len + i * BLOCK_M
+    for s in range(n_steps):
+        t = t0 + s
+        blk = i0 + s % n_iter
+        q_row = (q_bh0 + s // n_iter) * seq_len + blk * BLOCK_M
         slot = t % NUM_STAGES
         if PREFETCH_STATS:
             lse2 = lse_next * 1.4426950408889634  # natural log -> base 2
             delta = delta_next
-            t_next = (t + 1) % n_steps  # the last step reloads the first rows: harmless
-            row_next = (q_bh0 + t_next // n_iter) * seq_len + (i0 + t_next % n_iter) * BLOCK_M
+            s_next = (s + 1) % n_steps  # the last step reloads the first rows: harmless
+            row_next = (q_bh0 + s_next // n_iter) * seq_len + (i0 + s_next % n_iter) * BLOCK_M
             lse_next = gl.load(lse_ptr + row_next + cols0)
             delta_next = gl.load(delta_ptr + row_next + cols0)
         else:
@@ -886,8 +932,8 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q
         st = warpgroup_mma_wait(1, deps=[st_tok])
         pt = gl.exp2(st * qk_scale - lse2[None, :])
         if CAUSAL:
-            if i * BLOCK_M < n0 + 128:  # the block reaches below the diagonal
-                pt = gl.where((i * BLOCK_M + cols0)[None, :] >= rows[:, None], pt, 0.0)
+            if blk * BLOCK_M < n0 + 128:  # the block reaches below the diagonal
+                pt = gl.where((blk * BLOCK_M + cols0)[None, :] >= rows[:, None], pt, 0.0)
         dpt = warpgroup_mma_wait(0, deps=[dpt_tok])
         dst = (pt * (dpt - delta[None, :])).to(gl.bfloat16)
         pt_op = gl.convert_layout(pt.to(gl.bfloat16), a_layout)
@@ -913,24 +959,61 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q
             _warps_barrier()
             _tma_reduce_add(dq_desc, [q_row, CONSUMER * HALF_D], my_dq)
         else:
-            gl.atomic_add(dq_ptr + (q_row.to(gl.int64) * HEAD_D + CONSUMER * HALF_D) + dq_offsets, dq, sem="relaxed")
-    tma.store_wait(0)
-
-    # Epilogue: this warpgroup's 64 rows of dK (times the softmax scale: S = scale · Q Kᵀ) and dV.
-    out_offsets = (gl.arange(0, 64, gl.SliceLayout(1, kv_layout))[:, None] * HEAD_D
-                   + gl.arange(0, HEAD_D, gl.SliceLayout(0, kv_layout))[None, :])
+            gl.atomic_add(dq_ptr + (q_row.to(gl.int64) * HEAD_D + CONSUMER * HALF_D) + dq_offsets, dq,
+                          sem="relaxed")
+    # Every matmul that read K and V has been waited for: in a persistent grid the loader may
+    # bring the next tile's while this warpgroup stores its 64 rows of dK (times the softmax
+    # scale: S = scale · Q Kᵀ) and dV.
+    if PERSISTENT:
+        mbarrier.arrive(kv_empty)
     base = (kv_row + CONSUMER * 64).to(gl.int64) * HEAD_D
     gl.store(dk_ptr + base + out_offsets, (dk * scale).to(gl.bfloat16))
     gl.store(dv_ptr + base + out_offsets, dv.to(gl.bfloat16))
+    return t0 + n_steps
 
 
 @gluon.jit
-def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads,
-                group, n_kv_bh, head_group, qk_scale, scale, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr,
-                BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                DQ_TMA: gl.constexpr, PREFETCH_STATS: gl.constexpr):
-    """Grid ``(seq / 128 · batch · kv_heads,)``: one program per 128-key tile of one K/V head,
-    ``num_warps=4`` (consumer 0) plus consumer 1 (4 warps) and the loader (1 warp). Descriptors
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, tile_id, kv_ready, kv_empty, q_ready, q_empty,
+                  ds_ready, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group, n_kv_bh,
+                  head_group, qk_scale, scale, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr,
+                  BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, DQ_TMA: gl.constexpr,
+                  PREFETCH_STATS: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One consumer warpgroup (`_bwd_tile`) for the program's key tile, the ``pid``-th in
+    `_schedule`'s order; with ``PERSISTENT``, for each tile the loader hands over in
+    ``tile_id`` (with K and V, ``kv_ready``) until it hands over the tile count."""
+    n_kv_tiles = seq_len // 128
+    if PERSISTENT:
+        t0 = 0  # steps this program's ring has passed (slots, phases and dSᵀ buffers run on)
+        i = 0  # key tiles done
+        mbarrier.wait(kv_ready, 0)
+        tile = _read_tile(tile_id, 0, 4)
+        while tile < n_kv_bh * n_kv_tiles:
+            t0 = _bwd_tile(tile, t0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_empty, q_ready, q_empty,
+                           ds_ready, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group,
+                           qk_scale, scale, CONSUMER, CAUSAL, HEAD_D, BLOCK_M, NUM_STAGES, DQ_TMA, PREFETCH_STATS,
+                           PERSISTENT)
+            i += 1
+            mbarrier.wait(kv_ready, i & 1)
+            tile = _read_tile(tile_id, 0, 4)
+    else:
+        kv_bh, rank = _schedule(gl.program_id(0), n_kv_tiles, n_kv_bh, head_group)
+        mbarrier.wait(kv_ready, 0)
+        _bwd_tile(kv_bh * n_kv_tiles + rank, 0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_empty, q_ready,
+                  q_empty, ds_ready, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group,
+                  qk_scale, scale, CONSUMER, CAUSAL, HEAD_D, BLOCK_M, NUM_STAGES, DQ_TMA, PREFETCH_STATS, PERSISTENT)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, tile_counter,
+                seq_len, q_heads, group, n_kv_bh, head_group, qk_scale, scale, CAUSAL: gl.constexpr,
+                HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                LOADER_REGS: gl.constexpr, DQ_TMA: gl.constexpr, PREFETCH_STATS: gl.constexpr,
+                PERSISTENT: gl.constexpr = False, DYNAMIC: gl.constexpr = False):
+    """A 1-d grid over the ``seq / 128 · batch · kv_heads`` key tiles (128 keys of one K/V
+    head): one program per tile, or with ``PERSISTENT`` fewer that each take tiles in turn
+    (`_bwd_loader` says which; ``tile_counter``: one int32, zero, for ``DYNAMIC``). ``num_warps=4``
+    (consumer 0) plus consumer 1 (4 warps) and the loader (1 warp). Descriptors
     over the 2-D views ``[rows, HEAD_D]``: Q and dO in ``BLOCK_M``-row blocks, K and V in
     128-row blocks, dQ (``dq_desc``, fp32) in ``[BLOCK_M, HEAD_D/2]`` blocks. ``dq_ptr``: that
     fp32 buffer, zeroed, shaped like Q; ``dk_ptr``, ``dv_ptr``: bf16, shaped like K (GQA: each
@@ -943,10 +1026,13 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, dq
     ds_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 128, BLOCK_M], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_D // 2], dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    tile_id = gl.allocate_shared_memory(gl.int32, [1, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
+    mbarrier.init(kv_empty, count=2)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
@@ -955,14 +1041,17 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, dq
     fence_async_shared()
 
     gl.warp_specialize(
-        [(_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
-                          dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group, n_kv_bh,
-                          head_group, qk_scale, scale, 0, CAUSAL, HEAD_D, BLOCK_M, NUM_STAGES, DQ_TMA, PREFETCH_STATS)),
-         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready,
-                          dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group, n_kv_bh,
-                          head_group, qk_scale, scale, 1, CAUSAL, HEAD_D, BLOCK_M, NUM_STAGES, DQ_TMA, PREFETCH_STATS)),
-         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready,
-                        q_empty, seq_len, q_heads, group, n_kv_bh, head_group, CAUSAL, BLOCK_M, NUM_STAGES))],
+        [(_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, tile_id, kv_ready, kv_empty, q_ready,
+                          q_empty, ds_ready, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads,
+                          group, n_kv_bh, head_group, qk_scale, scale, 0, CAUSAL, HEAD_D, BLOCK_M, NUM_STAGES,
+                          DQ_TMA, PREFETCH_STATS, PERSISTENT)),
+         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, tile_id, kv_ready, kv_empty, q_ready,
+                          q_empty, ds_ready, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads,
+                          group, n_kv_bh, head_group, qk_scale, scale, 1, CAUSAL, HEAD_D, BLOCK_M, NUM_STAGES,
+                          DQ_TMA, PREFETCH_STATS, PERSISTENT)),
+         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, tile_id, kv_ready,
+                        kv_empty, q_ready, q_empty, tile_counter, seq_len, q_heads, group, n_kv_bh, head_group, CAUSAL,
+                        BLOCK_M, NUM_STAGES, PERSISTENT, DYNAMIC))],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],
     )
@@ -1007,7 +1096,8 @@ def flash_attention_gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
                                    scale: float | None = None, block_m: int | None = None,
                                    num_stages: int | None = None, consumer_regs: int = 240, loader_regs: int = 24,
                                    dq_reduce: str = "tma", prefetch_stats: bool | None = None,
-                                   head_group: int | None = None, compile_only: bool = False):
+                                   head_group: int | None = None, persistent: bool | int = False,
+                                   dynamic: bool | None = None, compile_only: bool = False):
     """Gradients ``(dq, dk, dv)`` of `flash_attention_gluon`'s attention, in its scope.
 
     ``q, k, v``, ``causal`` and ``scale`` as given to the forward; ``out: [batch, q_heads,
@@ -1018,7 +1108,15 @@ def flash_attention_gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
     memory, `bwd_shared_bytes`); ``dq_reduce``: ``"tma"`` (one bulk reduction per dQ tile) or
     ``"atomic"`` (element-wise atomics); ``prefetch_stats``: load each step's rows of the
     logsumexp and of D one step ahead (default: `default_prefetch_stats`); ``head_group``: the
-    order of the key tiles, as the forward's (default: `default_bwd_head_group`). Returns bf16 ``dq``
+    order of the key tiles, as the forward's (default: `default_bwd_head_group`);
+    ``persistent``: True for one program per SM taking key tiles in turn (the loader brings
+    the next tile's K and V while the consumers store this one's dK and dV), or a number of
+    programs; ``dynamic`` (persistent grids; default True): claim each next tile from an
+    atomic counter, as the forward's `_loader`. Not the default: the loop around the tiles
+    keeps more values live, ptxas spills 150-230 bytes per thread at head dim 128, and on an
+    H200 the persistent backward (claiming its tiles) ran at 0.76-0.83x of one program per tile
+    there; at head dim 64 it gained 10 % at 1k causal keys and lost up to 4 % elsewhere
+    (``bench/results/raw/nvidia-h200.gluon_bwd_persistent.log``). Returns bf16 ``dq``
     shaped like q, ``dk, dv`` like k, v (under GQA the sums over each group's query heads);
     with ``compile_only``, compiles the dK/dV kernel without launching anything and returns it.
 
@@ -1054,12 +1152,17 @@ def flash_attention_gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
     descriptors = (_descriptor(q.view(-1, d), block_m), _descriptor(dout.view(-1, d), block_m),
                    _descriptor(k.view(-1, d), BWD_BLOCK_N), _descriptor(v.view(-1, d), BWD_BLOCK_N),
                    _descriptor(dq_acc.view(-1, d), block_m, d // 2))
-    grid = (s // BWD_BLOCK_N * b * k.shape[1],)
     n_kv_bh = b * k.shape[1]
+    n_tiles = s // BWD_BLOCK_N * n_kv_bh
+    programs = num_sms(q.device) if persistent is True else int(persistent) or n_tiles
+    grid = (min(n_tiles, programs),)
+    dynamic = bool(persistent) and (True if dynamic is None else bool(dynamic))
+    tile_counter = torch.zeros(1, device=q.device, dtype=torch.int32) if dynamic else delta  # (else unread)
     head_group = default_bwd_head_group(causal) if head_group is None else head_group
-    args = (lse, delta, dq_acc, dk, dv, s, h, h // k.shape[1], n_kv_bh, head_group, scale * LOG2E, scale)
+    args = (lse, delta, dq_acc, dk, dv, tile_counter, s, h, h // k.shape[1], n_kv_bh, head_group, scale * LOG2E, scale)
     meta = dict(CAUSAL=bool(causal), HEAD_D=d, BLOCK_M=block_m, NUM_STAGES=num_stages, CONSUMER_REGS=consumer_regs,
-                LOADER_REGS=loader_regs, num_warps=4, DQ_TMA=dq_reduce == "tma",
+                LOADER_REGS=loader_regs, num_warps=4, DQ_TMA=dq_reduce == "tma", PERSISTENT=bool(persistent),
+                DYNAMIC=dynamic,
                 PREFETCH_STATS=bool(default_prefetch_stats(d) if prefetch_stats is None else prefetch_stats))
     if compile_only:
         return _bwd_kernel.warmup(*descriptors, *args, grid=grid, **meta)
