@@ -362,10 +362,30 @@ def _pipelined_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seq_len, q_heads,
 # Kernel 2: a loader warp and two consumer warpgroups (optionally in ping-pong)
 # ----------------------------------------------------------------------------------------
 @gluon.jit
-def _read_tile(tile_ids, buf, NUM_WARPS: gl.constexpr):
-    """The tile index the loader left in ``tile_ids[buf]`` (every thread reads it)."""
+def _write_tile(slot, tile):
+    """The loader (one warp) leaves tile index ``tile`` in ``slot`` (one int32 of shared memory);
+    its next arrival on the ready barrier that guards the slot releases it to the consumers."""
+    slot.store(gl.full([1], tile, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+
+
+@gluon.jit
+def _read_tile(slot, NUM_WARPS: gl.constexpr):
+    """The tile index the loader left in ``slot`` (every thread of ``NUM_WARPS`` reads it)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    return gl.max(tile_ids.index(buf).load(layout), axis=0)
+    return gl.max(slot.load(layout), axis=0)
+
+
+@gluon.jit
+def _next_unit(unit, tile_counter, DYNAMIC: gl.constexpr):
+    """The unit of work a persistent program takes after ``unit``, in a grid of P programs:
+    ``unit + P``, or with ``DYNAMIC`` ``P + c``, ``c`` being what an atomic increment of the
+    global ``tile_counter`` (zeroed before the launch) returns: the next unit no program has
+    claimed."""
+    if DYNAMIC:
+        nxt = gl.num_programs(0) + gl.atomic_add(tile_counter, 1)
+    else:
+        nxt = unit + gl.num_programs(0)
+    return nxt
 
 
 @gluon.jit
@@ -383,7 +403,7 @@ def _consumer(q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty
     turn0 = 0  # ping-pong turns taken
     i = 0  # tiles done
     mbarrier.wait(q_ready.index(0), 0)
-    tile = _read_tile(tile_ids, 0, 4)
+    tile = _read_tile(tile_ids.index(0), 4)
     while tile < n_tiles:
         row0, q_row, kv_bh, n_blocks = _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL, BLOCK_N)
         buf = i % 2
@@ -409,7 +429,7 @@ def _consumer(q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty
         turn0 += n_blocks - 1
         i += 1
         mbarrier.wait(q_ready.index(i % 2), (i // 2) & 1)
-        tile = _read_tile(tile_ids, i % 2, 4)
+        tile = _read_tile(tile_ids.index(i % 2), 4)
 
 
 @gluon.jit
@@ -423,13 +443,12 @@ def _load_tile(tile, i, it, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile
     pass the wait is for parity 1, which a fresh barrier reports as complete. ``FP8``: V's
     tiles come from Vᵀ, ``[batch·kv_heads·HEAD_D, seq]``, columns ``j·BLOCK_N`` onwards of the
     head's rows. Returns ``(i + 1, it + the tile's blocks)``."""
-    id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     row0, q_row, kv_bh, n_blocks = _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL, BLOCK_N)
     kv_row0 = kv_bh * seq_len
     buf = i % 2
     mbarrier.wait(q_empty.index(buf), ((i // 2) & 1) ^ 1)
-    tile_ids.index(buf).store(gl.full([1], tile, gl.int32, id_layout))
-    mbarrier.expect(q_ready.index(buf), 2 * q_desc.block_type.nbytes)  # (an arrival: it releases the store)
+    _write_tile(tile_ids.index(buf), tile)
+    mbarrier.expect(q_ready.index(buf), 2 * q_desc.block_type.nbytes)  # (an arrival: it releases the index)
     _tma_load(q_desc, [q_row, 0], q_ready.index(buf), q_smem.index(buf * 2))
     _tma_load(q_desc, [q_row + 64, 0], q_ready.index(buf), q_smem.index(buf * 2 + 1))
     for j in range(n_blocks):
@@ -473,11 +492,7 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q
     i = 0
     unit = gl.program_id(0)
     while unit < n_bh * per_head:
-        # Claim the next unit now: the atomic's round trip overlaps this unit's copies.
-        if DYNAMIC:
-            next_unit = gl.num_programs(0) + gl.atomic_add(tile_counter, 1)
-        else:
-            next_unit = unit + gl.num_programs(0)
+        next_unit = _next_unit(unit, tile_counter, DYNAMIC)  # claimed now: overlaps this unit's copies
         head, rank = _schedule(unit, per_head, n_bh, head_group)
         i, it = _load_tile(head * n_m + rank, i, it, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids,
                            q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, seq_len, q_heads, group, CAUSAL,
@@ -491,7 +506,7 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q
     # No more tiles: say so through the next buffer.
     buf = i % 2
     mbarrier.wait(q_empty.index(buf), ((i // 2) & 1) ^ 1)
-    tile_ids.index(buf).store(gl.full([1], n_tiles, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+    _write_tile(tile_ids.index(buf), n_tiles)
     mbarrier.arrive(q_ready.index(buf))
 
 
@@ -714,6 +729,16 @@ def default_schedule(causal: bool, seq_len: int) -> dict:
     return dict(persistent=seq_len <= PERSISTENT_MAX_SEQ, paired=False, dynamic=False, head_group=1)
 
 
+def _grid(n_units: int, persistent: bool | int, dynamic: bool, device) -> tuple[tuple[int], torch.Tensor | None]:
+    """``(grid, tile_counter)`` of a warp-specialized kernel over ``n_units`` units of work:
+    one program per unit, or ``persistent`` ones (True: one per SM; a number: that many, at
+    most ``n_units``); with ``dynamic``, the zeroed int32 counter they claim units from (else
+    None)."""
+    programs = num_sms(device) if persistent is True else int(persistent) or n_units
+    counter = torch.zeros(1, device=device, dtype=torch.int32) if dynamic else None
+    return (min(n_units, programs),), counter
+
+
 def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs, persistent,
             head_group, paired, dynamic, compile_only, out_shape=None):
     """Make the descriptors and launch (or compile) the kernel of ``variant``. ``scales``:
@@ -747,9 +772,8 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
         q_scales, k_scales, v_scales = scales if fp8 else (lse, lse, lse)  # (bf16: unread)
         kernel, rows = _warp_specialized_kernel, 64
         n_units = b * h * ((s // BLOCK_M + 1) // 2) if paired else n_tiles
-        programs = num_sms(q.device) if persistent is True else int(persistent) or n_units
-        grid = (min(n_units, programs),)
-        tile_counter = torch.zeros(1, device=q.device, dtype=torch.int32) if dynamic else lse  # (else unread)
+        grid, tile_counter = _grid(n_units, persistent, dynamic, q.device)
+        tile_counter = lse if tile_counter is None else tile_counter  # (unread)
         args = (lse, q_scales, k_scales, v_scales, tile_counter, s, h, h // k.shape[1], n_tiles, head_group, qk_scale)
         meta = dict(PINGPONG=variant == "ws_pingpong", CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
                     FP8=fp8, PAIRED=paired, DYNAMIC=dynamic, num_warps=4)
@@ -822,25 +846,21 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem
     the tile count (no more work)."""
     n_kv_tiles = seq_len // 128
     if PERSISTENT:
-        id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         t0 = 0  # steps this program's ring has passed: it runs on from one tile to the next
         i = 0  # key tiles done
         unit = gl.program_id(0)
         while unit < n_kv_bh * n_kv_tiles:
-            if DYNAMIC:  # claimed now: the atomic's round trip overlaps this tile's copies
-                next_unit = gl.num_programs(0) + gl.atomic_add(tile_counter, 1)
-            else:
-                next_unit = unit + gl.num_programs(0)
+            next_unit = _next_unit(unit, tile_counter, DYNAMIC)  # claimed now: overlaps this tile's copies
             kv_bh, rank = _schedule(unit, n_kv_tiles, n_kv_bh, head_group)
             mbarrier.wait(kv_empty, (i & 1) ^ 1)
-            tile_id.index(0).store(gl.full([1], kv_bh * n_kv_tiles + rank, gl.int32, id_layout))
+            _write_tile(tile_id.index(0), kv_bh * n_kv_tiles + rank)
             t0 = _bwd_load_tile(kv_bh * n_kv_tiles + rank, t0, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem,
                                 k_smem, v_smem, kv_ready, q_ready, q_empty, seq_len, q_heads, group, CAUSAL, BLOCK_M,
-                                NUM_STAGES)  # (K/V's expect() is an arrival: it releases the store)
+                                NUM_STAGES)  # (K/V's expect() is an arrival: it releases the index)
             i += 1
             unit = next_unit
         mbarrier.wait(kv_empty, (i & 1) ^ 1)
-        tile_id.index(0).store(gl.full([1], n_kv_bh * n_kv_tiles, gl.int32, id_layout))
+        _write_tile(tile_id.index(0), n_kv_bh * n_kv_tiles)
         mbarrier.arrive(kv_ready)
     else:
         kv_bh, rank = _schedule(gl.program_id(0), n_kv_tiles, n_kv_bh, head_group)
@@ -986,7 +1006,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, tile_id, kv
         t0 = 0  # steps this program's ring has passed (slots, phases and dSᵀ buffers run on)
         i = 0  # key tiles done
         mbarrier.wait(kv_ready, 0)
-        tile = _read_tile(tile_id, 0, 4)
+        tile = _read_tile(tile_id.index(0), 4)
         while tile < n_kv_bh * n_kv_tiles:
             t0 = _bwd_tile(tile, t0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_empty, q_ready, q_empty,
                            ds_ready, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seq_len, q_heads, group,
@@ -994,7 +1014,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, tile_id, kv
                            PERSISTENT)
             i += 1
             mbarrier.wait(kv_ready, i & 1)
-            tile = _read_tile(tile_id, 0, 4)
+            tile = _read_tile(tile_id.index(0), 4)
     else:
         kv_bh, rank = _schedule(gl.program_id(0), n_kv_tiles, n_kv_bh, head_group)
         mbarrier.wait(kv_ready, 0)
@@ -1154,10 +1174,9 @@ def flash_attention_gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
                    _descriptor(dq_acc.view(-1, d), block_m, d // 2))
     n_kv_bh = b * k.shape[1]
     n_tiles = s // BWD_BLOCK_N * n_kv_bh
-    programs = num_sms(q.device) if persistent is True else int(persistent) or n_tiles
-    grid = (min(n_tiles, programs),)
     dynamic = bool(persistent) and (True if dynamic is None else bool(dynamic))
-    tile_counter = torch.zeros(1, device=q.device, dtype=torch.int32) if dynamic else delta  # (else unread)
+    grid, tile_counter = _grid(n_tiles, persistent, dynamic, q.device)
+    tile_counter = delta if tile_counter is None else tile_counter  # (unread)
     head_group = default_bwd_head_group(causal) if head_group is None else head_group
     args = (lse, delta, dq_acc, dk, dv, tile_counter, s, h, h // k.shape[1], n_kv_bh, head_group, scale * LOG2E, scale)
     meta = dict(CAUSAL=bool(causal), HEAD_D=d, BLOCK_M=block_m, NUM_STAGES=num_stages, CONSUMER_REGS=consumer_regs,
