@@ -160,7 +160,7 @@ def fa2_choice(batch: int, kv_heads: int, context: int, sms: int, block_n: int) 
     return fa2_num_splits(batch * kv_heads, -(-context // block_n), 2 * sms)
 
 
-def _sdpa_peers(q, seed, batch, kv_heads, context, head_dim, dtype, device, timer, use_graphs):
+def sdpa_peers(q, seed, batch, kv_heads, context, head_dim, dtype, device, timer, use_graphs):
     """Time the pinned SDPA backends on a contiguous cache of the point's values (freed on
     return). Returns ``(sdpa, sdpa_out, graph_ms)``: ``sdpa[name] = (ms or None, note)``,
     ``sdpa_out = (name, out)`` of the first backend that ran (or None), and the CUDA-graph
@@ -287,7 +287,7 @@ def _run_decode_point(results: Results, device, batch: int, kv_heads: int, conte
     q = torch.randn(batch, q_heads, head_dim, device=device, dtype=dtype, generator=gen)
     use_graphs = torch.device(device).type == "cuda" and (
         kv_cache_bytes(batch * context, kv_heads, head_dim, dtype.itemsize) <= GRAPH_MAX_CACHE_BYTES)
-    sdpa, sdpa_out, graph_ms = _sdpa_peers(q, seed, batch, kv_heads, context, head_dim, dtype, device, timer,
+    sdpa, sdpa_out, graph_ms = sdpa_peers(q, seed, batch, kv_heads, context, head_dim, dtype, device, timer,
                                            use_graphs)
     free_memory()
 

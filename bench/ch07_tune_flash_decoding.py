@@ -2,7 +2,7 @@
 split count, the asynchronized softmax's variants and the host overhead of one call.
 
 Run on a GPU: ``python -m bench.ch07_tune_flash_decoding [part ...]`` (parts: overhead, config,
-async, splits, fused, hopper, hopper2; default all but the hopper parts). Prints compact
+async, splits, fused, hopper, hopper2, gluon; default all but the sm_90 parts). Prints compact
 tables; times are per call replaying a CUDA graph of 16 calls (`bench.common.graph_time_ms`)
 unless marked eager."""
 from __future__ import annotations
@@ -350,10 +350,51 @@ def hopper2():
         torch.cuda.empty_cache()
 
 
+def gluon():
+    """The Gluon kernel (`minillm.kernels.ch07_flash_decoding_gluon`) against the Triton kernel,
+    CUDA-graph times (the GPU's time): tile and ring variants on the 16-token paged pool, and
+    both kernels on a pool of 128-token blocks (one TMA box per tile instead of 8), which
+    separates the box size from the rest of the kernel."""
+    from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, plan_splits
+
+    print("\n== gluon: graph us (16 calls per graph; 4 copies of caches up to 64 MB) ==")
+    sms = fd.num_sms(DEV)
+    for pt in [(1, 8, 4096), (1, 32, 4096), (8, 8, 4096), (1, 8, 32768), (8, 32, 32768), (32, 8, 32768)]:
+        b, hkv, ctx = pt
+        rows = {}
+        for bs in (16, 128):
+            gen = torch.Generator(device=DEV)
+            gen.manual_seed(0)
+            n_copies = 4 if b * hkv * ctx <= 8 * 32768 else 1
+            copies = []
+            for _ in range(n_copies):
+                k, v, tables = paged_cache(3, b, hkv, ctx, D, bs, DT, DEV, gen)
+                copies.append((torch.randn(b, HQ, D, device=DEV, dtype=DT), k, v, tables,
+                               torch.full((b,), ctx, dtype=torch.int32, device=DEV)))
+            wave = fd.num_splits_heuristic(b, hkv, ctx, sms, 128)
+
+            def glu(bn=128, st=3, splits=None):
+                return [lambda c=c: flash_decode_attention_gluon(*c, block_n=bn, num_stages=st,
+                                                                 num_splits=splits or plan_splits(b, hkv, ctx, sms, bn))
+                        for c in copies]
+            variants = {"triton": [lambda c=c: fd.flash_decode_attention(*c, num_splits=wave) for c in copies],
+                        "gl bn128 st3": glu(), "gl bn128 st2": glu(st=2), "gl bn64 st3": glu(64, 3),
+                        "gl bn64 st4": glu(64, 4), "gl bn64 st6": glu(64, 6), "gl wave S": glu(splits=wave)}
+            if bs == 128:
+                variants = {n: variants[n] for n in ("triton", "gl bn128 st3")}
+            for name, fns in variants.items():
+                rows[f"bs{bs} {name}"] = graph_time_ms(fns, 16, timer) * 1e3
+            del copies
+            torch.cuda.empty_cache()
+        base = rows["bs16 triton"]
+        print(f"  B={b:2} Hkv={hkv:2} L={ctx:6} S plan {plan_splits(b, hkv, ctx, sms)} wave {wave}: "
+              + " | ".join(f"{n} {t:.1f} ({base / t:.3f})" for n, t in rows.items()), flush=True)
+
+
 if __name__ == "__main__":
     parts = sys.argv[1:] or ["overhead", "config", "async", "splits", "fused"]
     t0 = time.time()
     for part in parts:
         {"overhead": overhead, "config": config, "async": async_variants, "splits": splits, "fused": fused,
-         "hopper": hopper, "hopper2": hopper2}[part]()
+         "hopper": hopper, "hopper2": hopper2, "gluon": gluon}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)

@@ -36,6 +36,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("ch06_sharing", "bench.ch06_sharing"),
     ("ch06_copy_on_write", "bench.ch06_copy_on_write"),
     ("ch07_flash_decoding", "bench.ch07_flash_decoding"),
+    ("ch07_gluon", "bench.ch07_gluon"),     # sm_90 (a loader warp and bulk copies in Gluon)
     ("ch08_flat_gemm", "bench.ch08_flat_gemm"),
     ("ch09_engine", "bench.ch09_engine"),
     ("ch10_fused_decode", "bench.ch10_fused_decode"),

@@ -36,7 +36,8 @@ import triton.language as tl  # noqa: E402
 __all__ = ["triton", "tl", "interpreting", "launch", "LOG2E", "LN2", "LOG2E_C", "LN2_C", "CPU_NUM_SMS", "block_d",
            "dot_precision", "scale_and_window", "num_sms", "head_dim_offsets", "online_softmax_update",
            "capture_calls", "graph_ms_per_call", "l2_copies", "recording", "Recording", "record_call",
-           "is_recording", "unrecorded"]
+           "is_recording", "unrecorded", "TensorAddress", "TensorDescriptor", "fence_async_shared", "mbarrier", "tma",
+           "warpgroup_mma", "warpgroup_mma_wait", "gluon_tma_load", "gluon_tma_store", "gluon_warps_barrier"]
 
 
 def interpreting() -> bool:
@@ -321,16 +322,31 @@ def _interpreted(kernel, grid, meta, *args):
     kernel[grid](*args, **meta)
 
 
+class TensorAddress:
+    """What a host tensor descriptor needs of its tensor at launch time: the address and dtype.
+    A descriptor kept for reuse holds this instead of the tensor, so keeping it does not keep
+    the tensor's memory alive."""
+    __slots__ = ("ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
 def _layout(types: tuple) -> tuple:
-    """Three functions of the argument tuple: its tensors, its tensor descriptors and its other
-    arguments (tuples)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    """Three functions of the argument tuple: its tensors, its tensor descriptors (Triton's
+    or Gluon's) and its other arguments (tuples)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor as TritonDescriptor
+
+    descriptor_types = tuple(t for t in (TritonDescriptor, TensorDescriptor) if t is not None)
 
     def getter(positions):
         if len(positions) == 1:
             return lambda args, i=positions[0]: (args[i],)
         return operator.itemgetter(*positions) if positions else (lambda args: ())
-    kind = ["tensor" if issubclass(t, torch.Tensor) else "descriptor" if issubclass(t, TensorDescriptor) else "other"
+    kind = ["tensor" if issubclass(t, torch.Tensor) else "descriptor" if issubclass(t, descriptor_types) else "other"
             for t in types]
     return tuple(getter([i for i, k in enumerate(kind) if k == want]) for want in ("tensor", "other", "descriptor"))
 
@@ -542,3 +558,24 @@ def record_call(fn, *args):
     _RECORDING.add(fn, args)
     with _unwatched():
         return fn(*args)
+
+
+# ----------------------------------------------------------------------------------------
+# Gluon on Hopper: the names the Gluon kernels use, bound once across Triton versions
+# ----------------------------------------------------------------------------------------
+# Gluon (``triton.experimental.gluon``) is experimental and renames things between releases:
+# these are its sm_90 names under Triton 3.9, else 3.6 (torch 2.11's). A Triton without them
+# leaves them None: the Gluon modules still import, their kernels do not compile.
+try:
+    from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+    from triton.experimental.gluon import language as _gl  # noqa: E402
+except ImportError:
+    fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = _gl = None
+
+#: A TMA copy global -> shared, shared -> global, and a barrier across one partition's warps.
+gluon_tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
+gluon_tma_store = getattr(tma, "async_store", None) or getattr(tma, "async_copy_shared_to_global", None)
+gluon_warps_barrier = getattr(_gl, "barrier", None) or getattr(_gl, "thread_barrier", None)

@@ -57,7 +57,7 @@ Gluon kernels run on an NVIDIA GPU only: Triton's interpreter does not execute t
 CPU side of the tests checks the wrapper and, with a Triton whose Gluon API this module knows
 (3.6, the version torch 2.11 ships, and 3.9), compiles the kernels for sm_90 without a GPU.
 Gluon is experimental and renames things between releases; the three names that moved
-between 3.6 and 3.9 are bound once below, and the TMA reduction, which 3.6 offers only as an
+between 3.6 and 3.9 are bound once in `minillm.kernels.base`, and the TMA reduction, which 3.6 offers only as an
 IR operation, is a small builtin of this module.
 """
 from __future__ import annotations
@@ -72,20 +72,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin as gl_builtin
 
-from minillm.kernels.base import LOG2E, num_sms
-
-try:
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # a Gluon without these names: the module imports, its kernels do not compile
-    fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
-
-# Gluon's names for a TMA copy and a barrier across a partition's warps (Triton 3.9's, else 3.6's).
-_tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
-_tma_store = getattr(tma, "async_store", None) or getattr(tma, "async_copy_shared_to_global", None)
-_warps_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier", None)
+from minillm.kernels.base import (
+    LOG2E, TensorDescriptor, fence_async_shared, mbarrier, num_sms, tma, warpgroup_mma, warpgroup_mma_wait,
+    gluon_tma_load as _tma_load, gluon_tma_store as _tma_store, gluon_warps_barrier as _warps_barrier,
+)
 
 
 @gl_builtin

@@ -43,15 +43,15 @@ import numpy as np
 import torch
 from minillm.kernels.base import (
     tl, triton,
-    CPU_NUM_SMS, LN2_C, LOG2E, LOG2E_C, block_d, dot_precision, head_dim_offsets, interpreting, launch, num_sms,
-    online_softmax_update, scale_and_window, unrecorded,
+    CPU_NUM_SMS, LN2_C, LOG2E, LOG2E_C, TensorAddress, block_d, dot_precision, head_dim_offsets, interpreting,
+    launch, num_sms, online_softmax_update, scale_and_window, unrecorded,
 )
 from minillm.kernels.ch05_paged_attention import (  # Chapter 5's tile addressing, reused as it is
     blocks_per_tile, check_paged, decode_block_n, decode_outputs, tile_rows,
 )
 
 __all__ = ["flash_decode_attention", "split_workspace", "tma_applies", "kv_descriptors", "TMA_ON_HOPPER", "KV_EVICT",
-           "split_counters", "FUSED_MERGE",
+           "split_counters", "cached_workspace", "cached_counters", "FUSED_MERGE",
            "num_splits_heuristic", "fa2_num_splits", "partition_splits", "num_sms", "async_window",
            "SPLIT_PROGRAMS_PER_SM", "MIN_TILES_PER_SPLIT", "MAX_SPLITS", "CPU_NUM_SMS", "VLLM_PARTITION",
            "ASYNC_WINDOW_FP16", "ASYNC_WINDOW_WIDE"]
@@ -640,7 +640,7 @@ def split_workspace(batch: int, q_heads: int, num_splits: int, head_dim: int, de
 
 
 #: ``(device, batch, q_heads, S, head_dim) -> (o_part, lse_part)``: the workspaces
-#: `flash_decode_attention` reuses when the caller gives none (`_cached_workspace`).
+#: `flash_decode_attention` reuses when the caller gives none (`cached_workspace`).
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, ...] | torch.Tensor] = {}
 #: Shapes kept in `_WORKSPACES` before it is emptied (an engine's batch size changes from
 #: step to step; each entry is ``batch · q_heads · S · (head_dim + 1) · 4`` bytes, 0.5 MB at
@@ -686,7 +686,7 @@ def _reused(key: tuple, device, make):
     return buf
 
 
-def _cached_workspace(batch: int, q_heads: int, num_splits: int, head_dim: int, device
+def cached_workspace(batch: int, q_heads: int, num_splits: int, head_dim: int, device
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(o_part, lse_part, counters)`` reused across calls of one shape on one device (`_reused`).
 
@@ -698,10 +698,10 @@ def _cached_workspace(batch: int, q_heads: int, num_splits: int, head_dim: int, 
     (``workspace`` of `flash_decode_attention`)."""
     return _reused((device, batch, q_heads, num_splits, head_dim), device,
                    lambda: (*split_workspace(batch, q_heads, num_splits, head_dim, device),
-                            _cached_counters(batch, q_heads, device)))
+                            cached_counters(batch, q_heads, device)))
 
 
-def _cached_counters(batch: int, q_heads: int, device) -> torch.Tensor:
+def cached_counters(batch: int, q_heads: int, device) -> torch.Tensor:
     """`split_counters` reused across calls (`_reused`); one buffer serves every split count."""
     return _reused(("counters", device, batch, q_heads), device, lambda: split_counters(batch, q_heads, device))
 
@@ -751,7 +751,7 @@ def flash_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     - ``workspace``: ``(o_part, lse_part)`` as `split_workspace` makes them for this
       ``num_splits``, optionally with a third member, the int32 arrival counters
       (`split_counters`; else cached ones); without it a cached workspace
-      (`_cached_workspace`) when ``num_splits > 1``. After the call it holds the partials,
+      (`cached_workspace`) when ``num_splits > 1``. After the call it holds the partials,
       which tests compare and the benchmark merges again with `reduce_splits`;
     - ``fused_merge``: merge the splits in stage 1's last program (one launch; True) or in
       the separate stage-2 launch (`reduce_splits`; False); None = `FUSED_MERGE`;
@@ -772,12 +772,12 @@ def flash_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                         phi, block_n, tile_in_block, fallbacks, dims, config, pdl=pdl)
         return out, lse
     if workspace is None:
-        workspace = _cached_workspace(batch, q_heads, num_splits, head_dim, q.device)
+        workspace = cached_workspace(batch, q_heads, num_splits, head_dim, q.device)
     o_part, lse_part = workspace[:2]
     if o_part.dim() != 4 or o_part.shape[2] != num_splits:
         raise ValueError(f"workspace {tuple(o_part.shape)} was made for another number of splits than {num_splits}")
     if FUSED_MERGE if fused_merge is None else fused_merge:
-        counters = workspace[2] if len(workspace) > 2 else _cached_counters(batch, q_heads, q.device)
+        counters = workspace[2] if len(workspace) > 2 else cached_counters(batch, q_heads, q.device)
         split_attention(q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale, phi, block_n,
                         tile_in_block, fallbacks, dims, config, merge_into=(out, lse, counters), pdl=pdl)
     else:
@@ -920,19 +920,6 @@ def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-class _Address:
-    """What a host descriptor needs of its tensor at launch time: the address and dtype. A
-    descriptor kept in `_DESCRIPTORS` holds this instead of the tensor, so keeping it does
-    not keep the pool's memory alive."""
-    __slots__ = ("ptr", "dtype")
-
-    def __init__(self, ptr: int, dtype: torch.dtype):
-        self.ptr, self.dtype = ptr, dtype
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-
 #: ``(address, shape, strides, dtype, box) -> descriptor``: host descriptors reused across
 #: calls (building one runs Python checks; a decode loop asks for the same two every step).
 _DESCRIPTORS: dict[tuple, object] = {}
@@ -960,7 +947,7 @@ def kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int, b
         if desc is None:
             if len(_DESCRIPTORS) >= WORKSPACE_CACHE_SIZE:
                 _DESCRIPTORS.clear()
-            desc = _DESCRIPTORS[key] = TensorDescriptor(_Address(t.data_ptr(), t.dtype), shape, strides, box)
+            desc = _DESCRIPTORS[key] = TensorDescriptor(TensorAddress(t.data_ptr(), t.dtype), shape, strides, box)
         descs.append(desc)
     return tuple(descs)
 

@@ -379,3 +379,89 @@ def assert_within_fp8_bound(out: torch.Tensor, q, k, v, block_m: int, block_n: i
                                     f"{err.size} elements)")
     # A wrong scale or a lost block would move the output by about its own size.
     assert np.linalg.norm(bound) < 0.5 * np.linalg.norm(want)
+
+
+# ----------------------------------------------------------------------------------------
+# Compiling Gluon kernels for sm_90 on a machine without a GPU
+# ----------------------------------------------------------------------------------------
+#: The start of a script that compiles kernels for sm_90 without a GPU (run by
+#: `compile_for_sm90`): Gluon functions must be defined with the interpreter off (under
+#: TRITON_INTERPRET=1 they become interpreted functions, which the compiler cannot call), and
+#: Triton's active driver is replaced by one that names an sm_90 target and launches nothing,
+#: which is enough for ``warmup`` to compile. Defines ``stack_bytes(cubin)``: the bytes of
+#: stack (ptxas's spills) of the machine code. The script goes on to import the kernels,
+#: compile them and print one JSON line last.
+SM90_COMPILE_PRELUDE = r"""
+import json, os, subprocess, sys, tempfile, torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.driver import DriverBase
+from triton.runtime import driver
+
+
+class CompileOnlySm90(DriverBase):
+    def __init__(self):
+        pass
+
+    @staticmethod
+    def is_active():
+        return True
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def map_python_to_cpp_type(self, ty):
+        from triton.backends.nvidia.driver import ty_to_cpp
+        return ty_to_cpp(ty)
+
+    def get_benchmarker(self):
+        raise NotImplementedError
+
+    def get_empty_cache_for_benchmark(self):
+        raise NotImplementedError
+
+    def clear_cache(self, cache):
+        pass
+
+
+driver.set_active(CompileOnlySm90())
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def stack_bytes(cubin):
+    # ptxas spills registers to a stack frame in local memory, which the PTX does not show: the
+    # machine code's resource usage does (cuobjdump ships with Triton).
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return max(int(field.split(":")[1]) for field in out.split() if field.startswith("STACK:"))
+"""
+
+
+def compile_for_sm90(script: str) -> dict:
+    """Run ``script`` (`SM90_COMPILE_PRELUDE` + its own part) in a fresh Python with the
+    repository on the path and the interpreter off; returns the JSON of its last line."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -26,7 +26,8 @@ from minillm.kernels.ch04_flash_attention_gluon import (
 from minillm.reference import attention
 from minillm.reference.ch04_flash_attention import fa2_backward
 from minillm.testing import (
-    assert_close, assert_grad_close, assert_within_fp8_bound, fp8_quantized_inputs, random_tensor, to_numpy,
+    SM90_COMPILE_PRELUDE, assert_close, assert_grad_close, assert_within_fp8_bound, compile_for_sm90,
+    fp8_quantized_inputs, random_tensor, to_numpy,
 )
 
 TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
@@ -98,71 +99,12 @@ def test_does_not_apply_off_the_gpu():
     assert not gluon_applies(q, q, q)
 
 
-#: Compiles every kernel for sm_90 in a fresh process: Gluon functions must be defined with
-#: the interpreter off (under TRITON_INTERPRET=1 they become interpreted functions, which the
-#: compiler cannot call), and Triton's active driver is replaced by one that names an sm_90
-#: target and launches nothing, which is enough for ``warmup`` to compile.
-COMPILE_SCRIPT = r"""
-import json, os, subprocess, sys, tempfile, torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.driver import DriverBase
-from triton.runtime import driver
-
-
-class CompileOnlySm90(DriverBase):
-    def __init__(self):
-        pass
-
-    @staticmethod
-    def is_active():
-        return True
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def get_device_interface(self):
-        return torch.cuda
-
-    def map_python_to_cpp_type(self, ty):
-        from triton.backends.nvidia.driver import ty_to_cpp
-        return ty_to_cpp(ty)
-
-    def get_benchmarker(self):
-        raise NotImplementedError
-
-    def get_empty_cache_for_benchmark(self):
-        raise NotImplementedError
-
-    def clear_cache(self, cache):
-        pass
-
-
-driver.set_active(CompileOnlySm90())
+#: Compiles every kernel for sm_90 in a fresh process (`minillm.testing.SM90_COMPILE_PRELUDE`
+#: says how, and defines ``stack_bytes``).
+COMPILE_SCRIPT = SM90_COMPILE_PRELUDE + r"""
 from minillm.kernels.ch04_flash_attention_gluon import (
     VARIANTS, flash_attention_gluon, flash_attention_gluon_backward, flash_attention_gluon_fp8,
 )
-
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-
-def stack_bytes(cubin):
-    # ptxas spills registers to a stack frame in local memory, which the PTX does not show: the
-    # machine code's resource usage does (cuobjdump ships with Triton).
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return max(int(field.split(":")[1]) for field in out.split() if field.startswith("STACK:"))
 
 
 def facts_of(compiled, mma):
@@ -210,18 +152,7 @@ json.dump(facts, sys.stdout)
 @pytest.fixture(scope="module")
 def sm90_compiled():
     """``{"variant head_dim causal": facts of its PTX}`` for every kernel, compiled for sm_90."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return compile_for_sm90(COMPILE_SCRIPT)
 
 
 @pytest.mark.skipif(TRITON_VERSION not in GLUON_VERSIONS,

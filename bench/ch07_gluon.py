@@ -1,0 +1,188 @@
+"""Chapter 7 benchmark, Gluon: flash-decoding with a loader warp and bulk copies, on an sm_90 GPU.
+
+At every decode point of ``bench/ch07_flash_decoding.py`` (bf16, head dim 128, 32 query heads
+over 8 or 32 KV heads, batch 1/8/32, contexts 4k/32k/128k, 16-token blocks in a shuffled
+pool), in the same process and on the same values:
+
+- ``gluon``: `flash_decode_attention_gluon` with its defaults (persistent programs, one per SM;
+  splits from `plan_splits`);
+- ``gluon_wave_splits``: the same kernel with the Triton kernel's split count
+  (`num_splits_heuristic`), which separates the kernel from the split plan;
+- ``triton``: `flash_decode_attention`, Chapter 7's kernel with its defaults;
+- the peers on a contiguous cache of the same values: SDPA pinned to cuDNN and to
+  FlashAttention-2 (``sdpa_cudnn``, ``sdpa_flash``).
+
+The three paged kernels are timed taking turns (`bench.common.interleaved_times`, the median
+of ``MINILLM_CH07_GLUON_ROUNDS`` rounds, default 3), so that a difference of a few percent
+is not clock drift; SDPA is timed on its own cache before the pool is built (the two layouts
+of the largest point do not fit together). Caches of at most ``GRAPH_MAX_CACHE_BYTES`` are
+also timed replaying a CUDA graph (the GPU's time without launch overhead).
+
+Rows (``params``: kind "decode", batch, q_heads, kv_heads, context, head_dim, dtype,
+block_size, blocks, kernel, num_splits):
+
+==================  ========================================================================
+``time_ms``         kernel ``gluon``: one row per peer (sdpa_cudnn, sdpa_flash, triton),
+                    ratio = peer / ours (> 1: the Gluon kernel is faster); kernel
+                    ``gluon_wave_splits`` against ``gluon``; kernel ``triton`` against
+                    ``sdpa_cudnn`` (the same run's reading of the chapter's kernel)
+``graph_time_ms``   the same pairs as CUDA-graph times, where measured
+``bandwidth_TBps``  useful bytes (`minillm.costs.paged_decode_attention_bytes`) / time of
+                    ``gluon`` and ``triton`` (eager), fraction of the measured copy bandwidth
+``rel_err``         ‖gluon − SDPA‖ / ‖SDPA‖ (the first SDPA backend that ran) and against
+                    the Triton kernel's output
+==================  ========================================================================
+
+The sweep stops starting points after ``MINILLM_CH07_GLUON_BUDGET_S`` seconds (default 240).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import torch
+
+from minillm.costs import kv_cache_bytes, paged_decode_attention_bytes
+from minillm.kernels.ch05_paged_attention import decode_block_n
+from minillm.kernels.ch07_flash_decoding import flash_decode_attention, num_sms, num_splits_heuristic
+from minillm.kernels.ch07_flash_decoding_gluon import (
+    flash_decode_attention_gluon, gluon_decode_applies, plan_splits,
+)
+
+from bench.ch07_flash_decoding import (
+    BATCHES, BLOCK_SIZE, CONTEXTS, DTYPE, GRAPH_MAX_CACHE_BYTES, GRAPH_REPEATS, HEAD_DIM, KV_HEADS,
+    MAX_CACHE_BYTES, Q_HEADS, REP_MS, WARMUP_MS, sdpa_peers,
+)
+from bench.common import (
+    Results, attempt, cuda_device, dtype_name, fraction, free_memory, graph_time_ms, interleaved_times, paged_cache,
+    rel_err, sweep_start,
+)
+
+BENCHMARK = "ch07_gluon"
+PEERS = ("sdpa_cudnn", "sdpa_flash", "triton")
+
+
+def budget_s() -> float:
+    """Seconds after which no new point is started: ``MINILLM_CH07_GLUON_BUDGET_S`` (default 240)."""
+    return float(os.environ.get("MINILLM_CH07_GLUON_BUDGET_S", "240"))
+
+
+def timing_rounds() -> int:
+    """Rounds of the interleaved timing (their median): ``MINILLM_CH07_GLUON_ROUNDS`` (default 3)."""
+    return max(1, int(os.environ.get("MINILLM_CH07_GLUON_ROUNDS", "3")))
+
+
+def run(results: Results, device) -> None:
+    """Every decode point on ``device`` (an sm_90 GPU) until the budget is spent; elsewhere nothing."""
+    device = cuda_device(device, "the Chapter 7 Gluon benchmark")
+    q = torch.empty(1, 8, HEAD_DIM, device=device, dtype=DTYPE)
+    pool = torch.empty(1, BLOCK_SIZE, 2, HEAD_DIM, device=device, dtype=DTYPE)
+    if not gluon_decode_applies(q, pool, pool):
+        print(f"  [{BENCHMARK}] needs an sm_90 GPU: nothing measured", flush=True)
+        return
+    sweep(results, device)
+
+
+def sweep(results: Results, device, points=None, timer: Callable[[Callable[[], Any]], float] | None = None) -> None:
+    timer, tables_gen, out_of_time = sweep_start(results, BENCHMARK, device, budget_s(), timer, WARMUP_MS, REP_MS)
+    copy_tbps = (results.ceilings or {}).get("copy_TBps")
+    if points is None:
+        points = sorted(((b, kv, L) for kv in KV_HEADS for b in BATCHES for L in CONTEXTS
+                         if kv_cache_bytes(b * L, kv, HEAD_DIM, DTYPE.itemsize) <= MAX_CACHE_BYTES),
+                        key=lambda p: (p[0] * p[1] * p[2], p))
+    for batch, kv_heads, context in points:
+        if out_of_time():
+            return
+        t0 = time.perf_counter()
+        _point(results, device, batch, kv_heads, context, timer, tables_gen, copy_tbps)
+        free_memory()
+        print(f"  [{BENCHMARK}] decode B={batch} Hkv={kv_heads} L={context}: {time.perf_counter() - t0:.1f} s",
+              flush=True)
+
+
+def _point(results: Results, device, batch: int, kv_heads: int, context: int, timer, tables_gen, copy_tbps) -> None:
+    seed = 7919 * batch + 131 * kv_heads + context  # Chapter 7's benchmark's seed for the point: the same values
+    sms = num_sms(device)
+    wave_splits = num_splits_heuristic(batch, kv_heads, context, sms, decode_block_n(HEAD_DIM, DTYPE))
+    plan = plan_splits(batch, kv_heads, context, sms)
+    base = {"kind": "decode", "batch": batch, "q_heads": Q_HEADS, "kv_heads": kv_heads, "context": context,
+            "head_dim": HEAD_DIM, "dtype": dtype_name(DTYPE), "block_size": BLOCK_SIZE, "blocks": "shuffled"}
+    n_bytes = paged_decode_attention_bytes([context] * batch, Q_HEADS, kv_heads, HEAD_DIM, DTYPE.itemsize, BLOCK_SIZE)
+    tbps = lambda ms: n_bytes / (ms * 1e-3) / 1e12 if ms else None  # noqa: E731
+    use_graphs = kv_cache_bytes(batch * context, kv_heads, HEAD_DIM, DTYPE.itemsize) <= GRAPH_MAX_CACHE_BYTES
+
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=device, dtype=DTYPE, generator=gen)
+    sdpa, sdpa_out, graph_ms = sdpa_peers(q, seed, batch, kv_heads, context, HEAD_DIM, DTYPE, device, timer,
+                                          use_graphs)
+    free_memory()
+    inputs, status = attempt(lambda: paged_cache(seed, batch, kv_heads, context, HEAD_DIM, BLOCK_SIZE, DTYPE, device,
+                                                 tables_gen))
+    if inputs is None:
+        results.add(BENCHMARK, {**base, "kernel": "gluon"}, "oom", True, note=f"paged inputs: {status}")
+        return
+    k_pool, v_pool, tables = inputs
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    outs = {name: torch.empty(batch, Q_HEADS, HEAD_DIM, device=device, dtype=DTYPE) for name in
+            ("gluon", "gluon_wave_splits", "triton")}
+    lse = torch.empty(batch, Q_HEADS, device=device, dtype=torch.float32)
+    calls = {
+        "gluon": lambda: flash_decode_attention_gluon(q, k_pool, v_pool, tables, lens, num_splits=plan,
+                                                      out=outs["gluon"], lse=lse),
+        "gluon_wave_splits": lambda: flash_decode_attention_gluon(q, k_pool, v_pool, tables, lens,
+                                                                  num_splits=wave_splits,
+                                                                  out=outs["gluon_wave_splits"], lse=lse),
+        "triton": lambda: flash_decode_attention(q, k_pool, v_pool, tables, lens, num_splits=wave_splits,
+                                                 out=outs["triton"], lse=lse),
+    }
+    eager = interleaved_times(calls, timer, timing_rounds())
+    if use_graphs:
+        for name, fn in calls.items():
+            graph_ms[name] = graph_time_ms(fn, GRAPH_REPEATS, timer)
+    eager.update({name: sdpa[name][0] for name in ("sdpa_cudnn", "sdpa_flash")})
+
+    def add(kernel, metric, ours, peer, peer_value, **kw):
+        splits = {"gluon": plan, "gluon_wave_splits": wave_splits, "triton": wave_splits}[kernel]
+        results.add(BENCHMARK, {**base, "kernel": kernel, "num_splits": splits}, metric, ours, peer, peer_value, **kw)
+
+    for peer in PEERS:
+        add("gluon", "time_ms", eager["gluon"], peer, eager[peer], note=sdpa[peer][1] if peer in sdpa else None)
+        if use_graphs:
+            add("gluon", "graph_time_ms", graph_ms["gluon"], peer, graph_ms.get(peer),
+                note=f"per call, replaying a CUDA graph of {GRAPH_REPEATS} calls")
+    add("gluon_wave_splits", "time_ms", eager["gluon_wave_splits"], "gluon", eager["gluon"])
+    add("triton", "time_ms", eager["triton"], "sdpa_cudnn", eager["sdpa_cudnn"])
+    if use_graphs:
+        add("gluon_wave_splits", "graph_time_ms", graph_ms["gluon_wave_splits"], "gluon", graph_ms["gluon"])
+        add("triton", "graph_time_ms", graph_ms["triton"], "sdpa_cudnn", graph_ms.get("sdpa_cudnn"))
+    for kernel in ("gluon", "triton"):
+        add(kernel, "bandwidth_TBps", tbps(eager[kernel]), "sdpa_cudnn", tbps(eager["sdpa_cudnn"]),
+            fraction_of_ceiling=fraction(tbps(eager[kernel]), copy_tbps),
+            note="paged_decode_attention_bytes / eager time")
+    add("gluon", "rel_err", rel_err(outs["gluon"], sdpa_out[1]) if sdpa_out else None, "sdpa", None,
+        note=f"whole batch against {sdpa_out[0]}" if sdpa_out else "no SDPA backend ran")
+    add("gluon", "rel_err", rel_err(outs["gluon"], outs["triton"]), "triton", None)
+
+
+def summary(results: Results | dict) -> str:
+    """One line per point: the Gluon kernel's time and its ratios to cuDNN and to the Triton kernel."""
+    from minillm.results import rows as select
+
+    data = results.to_dict() if isinstance(results, Results) else results
+    lines = [f"{'B':>3} {'Hkv':>4} {'L':>7} {'S':>4}  gluon us  /cuDNN  /triton  triton/cuDNN  graph: /cuDNN /triton"]
+    by_point: dict[tuple, dict] = {}
+    for r in select(data, BENCHMARK):
+        p = r["params"]
+        by_point.setdefault((p["batch"], p["kv_heads"], p["context"]), {})[(p["kernel"], r["metric"], r["peer"])] = r
+    fmt = lambda r, key="ratio", f=".3f": format(r[key], f) if r and r.get(key) is not None else "—"  # noqa: E731
+    for (b, kv, L), rows in sorted(by_point.items()):
+        g = rows.get(("gluon", "time_ms", "sdpa_cudnn"))
+        us = f"{g['ours'] * 1e3:8.1f}" if g else "       —"
+        lines.append(f"{b:>3} {kv:>4} {L:>7} {g['params']['num_splits'] if g else '—':>4}  {us}  "
+                     f"{fmt(g):>6}  {fmt(rows.get(('gluon', 'time_ms', 'triton'))):>7}  "
+                     f"{fmt(rows.get(('triton', 'time_ms', 'sdpa_cudnn'))):>12}  "
+                     f"{fmt(rows.get(('gluon', 'graph_time_ms', 'sdpa_cudnn'))):>13} "
+                     f"{fmt(rows.get(('gluon', 'graph_time_ms', 'triton'))):>7}")
+    return "\n".join(lines)

@@ -1,0 +1,507 @@
+"""Chapter 7, on Hopper, written out: flash-decoding with a loader warp and bulk copies, in Gluon.
+
+`minillm.kernels.ch07_flash_decoding` leaves the loads to Triton: every thread of a program
+computes the addresses of its share of a tile through the block table, and the pipeliner
+keeps a few tiles in flight. Its bulk (TMA) path needs a tile to be one box of the pool, so
+a 16-token paged pool, whose 128-key tile is 8 blocks anywhere in memory, never takes it.
+This module writes the same algorithm with Gluon (the layer under Triton, see Chapter 4's
+`minillm.kernels.ch04_flash_attention_gluon`), FlashAttention-3's way:
+
+- a **loader warp** reads a tile's block-table entries in one vector load and issues one TMA
+  copy per block (per 64 columns of the head) straight into the rows of a ring slot in shared
+  memory: the gather a paged tile needs happens in the copy engine, with no addresses in
+  registers;
+- a **consumer warpgroup** runs the online softmax on ``wgmma``: the group's query heads are
+  the rows of a 64-row tile (GQA 4:1 fills 4 of them; the other rows are zero and cost
+  tensor-core time only, which a memory-bound loop has to spare);
+- programs are **persistent**: at most one per SM, each taking work units (sequence, KV head,
+  split) in turn, so the loader fetches the next unit's first tiles while the consumer
+  finishes this one; the split count (`plan_splits`) gives each program at most one unit
+  and counts whole rounds of units instead of "one wave of programs";
+- the splits are merged in the same launch by the last of a group's programs to finish
+  (an arrival counter, as `flash_decode_attention`'s one-launch merge).
+
+Scope (`gluon_decode_applies`): an sm_90 GPU, bf16, head_dim 64 or 128, any GQA group up to
+64 query heads per KV head, a paged pool ``[num_blocks, block_size, kv_heads, head_dim]``
+that is contiguous, with ``block_size`` a multiple of 16 that divides 128 or is a multiple
+of it. The contract is `paged_decode_attention`'s: ``-1`` past each length in the table, a
+table entry that is not a block reads as zeros, lengths clamped to the table's capacity.
+
+Gluon kernels run on an NVIDIA GPU only (Triton's interpreter does not execute them): on a
+CPU the tests check the planning and compile the kernel for sm_90.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from minillm.kernels.base import (  # first: it decides on Triton's interpreter before Triton is imported
+    LOG2E, TensorAddress, TensorDescriptor, fence_async_shared, launch, mbarrier, num_sms, triton, warpgroup_mma,
+    warpgroup_mma_wait, gluon_tma_load as _tma_load, gluon_warps_barrier as _warps_barrier,
+)
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from minillm.kernels.ch05_paged_attention import check_paged, decode_outputs
+from minillm.kernels.ch07_flash_decoding import MAX_SPLITS, WORKSPACE_CACHE_SIZE, cached_workspace
+
+__all__ = ["flash_decode_attention_gluon", "gluon_decode_applies", "plan_splits", "BLOCK_N", "NUM_STAGES",
+           "ROWS", "UNIT_OVERHEAD_TILES", "SPLIT_MIN_GAIN"]
+
+#: Splitting must promise at least this fraction less time than no split (`plan_splits`):
+#: a split costs what the cost model leaves out, its partial's traffic and the merge.
+SPLIT_MIN_GAIN = 0.1
+#: Keys per tile, and ring slots (each a K and a V tile: 32 KB at head dim 128). Chosen on an
+#: H200 (`bench.ch07_tune_flash_decoding` part ``gluon``, CUDA-graph times at six points,
+#: ``bench/results/raw/nvidia-h200.ch07_tune_gluon.log``): 64-key tiles in three slots were
+#: the fastest or within 1 % of it everywhere; 128-key tiles ran up to 3 % slower where
+#: bandwidth decides, deeper rings (4 or 6 slots of 64 keys) 1-3 % slower.
+BLOCK_N = 64
+NUM_STAGES = 3
+#: Rows of the query tile: one warpgroup's ``wgmma`` is 64 rows tall.
+ROWS = 64
+#: Columns per TMA box and per shared-memory tile: 64 bf16 are one 128-byte swizzle row, so a
+#: box of a few keys lands as whole rows of the tile (wider heads are several tiles side by side).
+CHUNK_D = 64
+
+
+# ----------------------------------------------------------------------------------------
+# Helpers inside the kernel
+# ----------------------------------------------------------------------------------------
+@gluon.jit
+def _unit_coordinates(unit, kv_heads, num_splits, seq_lens, max_blocks, block_size, BLOCK_N: gl.constexpr):
+    """Work unit ``unit = (b · kv_heads + kv_h) · S + split`` as ``(b, kv_h, split, seq_len,
+    lo, n_tiles)``: the unit's keys are tiles ``[lo, lo + n_tiles · BLOCK_N)`` of sequence
+    ``b``, each split ``⌈tiles / S⌉`` whole tiles of the sequence's own length (the last
+    tile ragged; a split past the end has none)."""
+    split = unit % num_splits
+    bh = unit // num_splits
+    kv_h = bh % kv_heads
+    b = bh // kv_heads
+    seq_len = gl.minimum(gl.maximum(gl.load(seq_lens + b).to(gl.int32), 0), max_blocks * block_size)
+    tiles = gl.cdiv(seq_len, BLOCK_N)
+    per_split = gl.cdiv(tiles, num_splits)
+    first = split * per_split
+    n_tiles = gl.maximum(gl.minimum(per_split, tiles - first), 0)
+    return b, kv_h, split, seq_len, first * BLOCK_N, n_tiles
+
+
+@gluon.jit
+def _tile_rows(table, start, seq_len, block_size, num_blocks, max_blocks, BOX: gl.constexpr,
+               BLOCK_N: gl.constexpr):
+    """The pool rows (``block · block_size + offset``) of the first key of each of the
+    ``BLOCK_N / BOX`` boxes of tile ``[start, start + BLOCK_N)``, through the sequence's block
+    ``table``, in one vector load (the loader warp's lanes; one round trip per tile, not one
+    per block). Boxes past the length, and table entries that are not blocks, give
+    ``num_blocks · block_size``: past the pool's end, where TMA reads zeros."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    pos = start + gl.arange(0, BLOCK_N // BOX, layout) * BOX
+    idx = pos // block_size
+    blk = gl.load(table + idx, mask=idx < max_blocks, other=-1)
+    ok = (blk >= 0) & (blk < num_blocks) & (pos < seq_len)
+    return gl.where(ok, blk, num_blocks) * block_size + pos % block_size
+
+
+@gluon.jit
+def _load_tile(desc, rows, col0, ready, ring, slot, BOX: gl.constexpr, BLOCK_N: gl.constexpr,
+               D_CHUNKS: gl.constexpr):
+    """One tile of one KV head (columns from ``col0``) into ring slot ``slot``: a box of ``BOX``
+    keys at each of the pool ``rows`` (`_tile_rows`: a block, or a tile's share of a larger
+    one), each as ``D_CHUNKS`` copies of 64 columns, all completing on ``ready``."""
+    mbarrier.expect(ready, BLOCK_N * D_CHUNKS * desc.block_type.nbytes // BOX)
+    boxes = gl.arange(0, BLOCK_N // BOX, rows.type.layout)
+    for i in gl.static_range(BLOCK_N // BOX):
+        row = gl.sum(gl.where(boxes == i, rows, 0), axis=0)  # element i, as a scalar
+        for c in gl.static_range(D_CHUNKS):
+            _tma_load(desc, [row, col0 + c * 64], ready, ring.index(slot * D_CHUNKS + c).slice(i * BOX, BOX))
+
+
+@gluon.jit
+def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, block_tables, seq_lens,
+            stride_tb, kv_heads, num_splits, n_units, block_size, num_blocks, max_blocks,
+            HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """One warp: the K and V tiles of this program's units (``pid``, ``pid + P``, ...) into the
+    rings, in the order the consumer uses them. A slot is refilled once the consumer has
+    arrived on its empty barrier (on the first pass the wait is for parity 1, which a fresh
+    barrier reports complete)."""
+    D_CHUNKS: gl.constexpr = HEAD_D // 64
+    it = 0
+    unit = gl.program_id(0)
+    while unit < n_units:
+        b, kv_h, split, seq_len, lo, n_tiles = _unit_coordinates(unit, kv_heads, num_splits, seq_lens, max_blocks,
+                                                                 block_size, BLOCK_N)
+        table = block_tables + b.to(gl.int64) * stride_tb
+        col0 = kv_h * HEAD_D
+        for j in range(n_tiles):
+            slot = it % NUM_STAGES
+            free = ((it // NUM_STAGES) & 1) ^ 1
+            # The table's entries first: their round trip overlaps the wait for a free slot.
+            rows = _tile_rows(table, lo + j * BLOCK_N, seq_len, block_size, num_blocks, max_blocks, BOX, BLOCK_N)
+            mbarrier.wait(k_empty.index(slot), free)
+            _load_tile(k_desc, rows, col0, k_ready.index(slot), k_smem, slot, BOX, BLOCK_N, D_CHUNKS)
+            mbarrier.wait(v_empty.index(slot), free)
+            _load_tile(v_desc, rows, col0, v_ready.index(slot), v_smem, slot, BOX, BLOCK_N, D_CHUNKS)
+            it += 1
+        unit += gl.num_programs(0)
+
+
+@gluon.jit
+def _load_queries(q_smem, q_ptr, b, kv_h, group, stride_qb, stride_qh, HEAD_D: gl.constexpr):
+    """The ``group`` query heads of KV head ``kv_h`` as the first rows of the ``[ROWS, HEAD_D]``
+    query tile (kept as 64-column tiles in ``q_smem``); the other rows are zero."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = gl.arange(0, 64, gl.SliceLayout(1, layout))
+    cols = gl.arange(0, 64, gl.SliceLayout(0, layout))
+    ok = (rows < group)[:, None] & (cols < 64)[None, :]
+    base = q_ptr + b.to(gl.int64) * stride_qb + (kv_h * group + rows)[:, None] * stride_qh + cols[None, :]
+    for c in gl.static_range(HEAD_D // 64):
+        q_smem.index(c).store(gl.load(base + c * 64, mask=ok, other=0.0))
+    fence_async_shared()  # ordinary stores, then wgmma (the async proxy) reads them
+    _warps_barrier()
+
+
+@gluon.jit
+def _zero_rows_past(v_tile, n_valid):
+    """Zero rows ``>= n_valid`` of a ``[BLOCK_N, 64]`` tile in shared memory: the ragged last
+    tile's rows past the length are stale cache contents (possibly NaN), and ``0 · NaN`` would
+    reach the output through P·V even though their probabilities are 0."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    tile = v_tile.load(layout)
+    rows = gl.arange(0, v_tile.shape[0], gl.SliceLayout(1, layout))
+    v_tile.store(gl.where((rows < n_valid)[:, None], tile, gl.zeros_like(tile)))
+
+
+@gluon.jit
+def _scores(q_smem, k_smem, slot, s_zero, D_CHUNKS: gl.constexpr):
+    """``S = Q Kᵀ`` for the tile in ring slot ``slot``, one ``wgmma`` per 64 columns."""
+    s = s_zero
+    for c in gl.static_range(D_CHUNKS):
+        s = warpgroup_mma(q_smem.index(c), k_smem.index(slot * D_CHUNKS + c).permute((1, 0)), s, use_acc=c > 0,
+                          is_async=True)
+    return warpgroup_mma_wait(0, deps=[s])
+
+
+@gluon.jit
+def _store_partial(acc0, acc1, m_i, l_i, o_ptr, lse_ptr, stride_oh, stride_lh, group, D_CHUNKS: gl.constexpr):
+    """``o = acc / l`` (fp32 or the output's dtype, at ``o_ptr`` + head · stride_oh + column) and
+    ``lse = (m + log2 l) · ln 2`` for the group's heads; an empty split stores 0 and -inf."""
+    o_layout: gl.constexpr = acc0.type.layout
+    rows = gl.arange(0, 64, gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, 64, gl.SliceLayout(0, o_layout))
+    inv_l = 1.0 / gl.where(l_i == 0.0, 1.0, l_i)
+    inv_l = gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))
+    ok = (rows < group)[:, None] & (cols < 64)[None, :]
+    ptrs = o_ptr + rows[:, None] * stride_oh + cols[None, :]
+    gl.store(ptrs, (acc0 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=ok)
+    if D_CHUNKS == 2:
+        gl.store(ptrs + 64, (acc1 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=ok)
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    lse_rows = gl.arange(0, 64, lse.type.layout)
+    gl.store(lse_ptr + lse_rows * stride_lh, lse, mask=lse_rows < group)
+
+
+@gluon.jit
+def _merge_if_last(o_part, lse_part, out, lse, counter, group, num_splits, stride_ph, stride_ps, stride_lph,
+                   stride_oh, stride_lh, HEAD_D: gl.constexpr, MERGE_S: gl.constexpr):
+    """Count this program in at ``counter``; the last of the ``num_splits`` to arrive merges the
+    group's partials (``o_part``/``lse_part``: the group's first head's, fp32, natural log) into
+    ``out``/``lse``, ``MERGE_S`` splits at a time, and sets the counter back to zero.
+
+    Memory ordering as in `flash_decode_attention`'s one-launch merge: the barrier orders the
+    partition's partial stores before the atomic, whose release publishes them GPU-wide; the
+    last program's acquire sees every other program's, and it reads them from L2 (``.cg``)."""
+    _warps_barrier()
+    arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+        offs_s = gl.arange(0, MERGE_S, gl.SliceLayout(1, layout))
+        offs_d = gl.arange(0, HEAD_D, gl.SliceLayout(0, layout))
+        for h in range(group):
+            lse_row = lse_part + h * stride_lph
+            m_lanes = gl.full([MERGE_S], float("-inf"), gl.float32, gl.SliceLayout(1, layout))
+            for s0 in range(0, num_splits, MERGE_S):
+                s = s0 + offs_s
+                m_lanes = gl.maximum(m_lanes, gl.load(lse_row + s, mask=s < num_splits, other=float("-inf"),
+                                                      cache_modifier=".cg"))
+            m = gl.max(m_lanes, axis=0)
+            m = gl.where(m == float("-inf"), 0.0, m)  # every split empty: weights e^-inf = 0, no NaN
+            acc = gl.zeros([HEAD_D], gl.float32, gl.SliceLayout(0, layout))
+            w_sum = gl.zeros([MERGE_S], gl.float32, gl.SliceLayout(1, layout))
+            for s0 in range(0, num_splits, MERGE_S):
+                s = s0 + offs_s
+                lse_s = gl.load(lse_row + s, mask=s < num_splits, other=float("-inf"), cache_modifier=".cg")
+                w = gl.exp2((lse_s - m) * 1.4426950408889634)
+                o_s = gl.load(o_part + h * stride_ph + s[:, None] * stride_ps + offs_d[None, :],
+                              mask=(lse_s > float("-inf"))[:, None] & (offs_d < HEAD_D)[None, :], other=0.0,
+                              cache_modifier=".cg")
+                acc += gl.sum(w[:, None] * o_s, axis=0)
+                w_sum += w
+            total = gl.sum(w_sum, axis=0)
+            gl.store(out + h * stride_oh + offs_d, (acc / gl.where(total == 0.0, 1.0, total)).to(out.dtype.element_ty))
+            gl.store(lse + h * stride_lh, m + gl.log2(total) * 0.6931471805599453)
+        gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr, seq_lens, o_part, lse_part, out,
+              lse, counters, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_lpb, stride_lph,
+              stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, group, kv_heads, num_splits, n_units,
+              block_size, max_blocks, qk_scale, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, MERGE_S: gl.constexpr):
+    """One warpgroup: for each of this program's units, the online softmax over its tiles
+    (base 2, FA2's unscaled accumulator), then the unit's partial; with ``SPLIT`` (``S > 1``)
+    a partial into the fp32 workspace and the merge by the group's last program
+    (`_merge_if_last`), else the output itself."""
+    D_CHUNKS: gl.constexpr = HEAD_D // 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+    cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+
+    it = 0
+    unit = gl.program_id(0)
+    while unit < n_units:
+        b, kv_h, split, seq_len, lo, n_tiles = _unit_coordinates(unit, kv_heads, num_splits, seq_lens, max_blocks,
+                                                                 block_size, BLOCK_N)
+        _load_queries(q_smem, q_ptr, b, kv_h, group, stride_qb, stride_qh, HEAD_D)
+        m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
+        acc0 = gl.zeros([64, 64], gl.float32, o_layout)
+        acc1 = gl.zeros([64, 64], gl.float32, o_layout)
+        for j in range(n_tiles):
+            slot = it % NUM_STAGES
+            phase = (it // NUM_STAGES) & 1
+            start = lo + j * BLOCK_N
+            mbarrier.wait(k_ready.index(slot), phase)
+            s = _scores(q_smem, k_smem, slot, s_zero, D_CHUNKS)
+            mbarrier.arrive(k_empty.index(slot))
+            ragged = start + BLOCK_N > seq_len
+            if ragged:  # the sequence's last tile: no key past the length
+                s = gl.where((start + cols < seq_len)[None, :], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            p = gl.exp2(s * qk_scale - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+            alpha_o = gl.convert_layout(alpha, o_rows)[:, None]
+            mbarrier.wait(v_ready.index(slot), phase)
+            if ragged:
+                for c in gl.static_range(D_CHUNKS):
+                    _zero_rows_past(v_smem.index(slot * D_CHUNKS + c), seq_len - start)
+                fence_async_shared()
+                _warps_barrier()
+            acc0 = warpgroup_mma(p_op, v_smem.index(slot * D_CHUNKS), acc0 * alpha_o, is_async=True)
+            if D_CHUNKS == 2:
+                acc1 = warpgroup_mma(p_op, v_smem.index(slot * D_CHUNKS + 1), acc1 * alpha_o, is_async=True)
+                acc0, acc1, p_op = warpgroup_mma_wait(0, deps=[acc0, acc1, p_op])
+            else:
+                acc0, p_op = warpgroup_mma_wait(0, deps=[acc0, p_op])
+            mbarrier.arrive(v_empty.index(slot))
+            it += 1
+        if SPLIT:
+            head0 = b.to(gl.int64) * stride_pb + (kv_h * group) * stride_ph
+            lse0 = b.to(gl.int64) * stride_lpb + (kv_h * group) * stride_lph
+            _store_partial(acc0, acc1, m_i, l_i, o_part + head0 + split * stride_ps, lse_part + lse0 + split,
+                           stride_ph, stride_lph, group, D_CHUNKS)
+            _merge_if_last(o_part + head0, lse_part + lse0,
+                           out + b.to(gl.int64) * stride_ob + (kv_h * group) * stride_oh,
+                           lse + b.to(gl.int64) * stride_lb + (kv_h * group) * stride_lh,
+                           counters + b * stride_cb + kv_h, group, num_splits, stride_ph, stride_ps, stride_lph,
+                           stride_oh, stride_lh, HEAD_D, MERGE_S)
+        else:
+            _store_partial(acc0, acc1, m_i, l_i, out + b.to(gl.int64) * stride_ob + (kv_h * group) * stride_oh,
+                           lse + b.to(gl.int64) * stride_lb + (kv_h * group) * stride_lh, stride_oh, stride_lh,
+                           group, D_CHUNKS)
+        unit += gl.num_programs(0)
+
+
+@gluon.jit
+def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_part, out, lse, counters,
+                   stride_qb, stride_qh, stride_tb, stride_pb, stride_ph, stride_ps, stride_lpb, stride_lph,
+                   stride_ob, stride_oh, stride_lb, stride_lh, stride_cb,
+                   group, kv_heads, num_splits, n_units, block_size, num_blocks, max_blocks, qk_scale,
+                   HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   SPLIT: gl.constexpr, MERGE_S: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """A 1-d grid of at most one program per SM over ``n_units = batch · kv_heads · S`` units.
+    ``num_warps=4``: the consumer (the default partition) and a one-warp loader. Shared
+    memory: the query tile and ``NUM_STAGES`` slots of K and V, each as ``HEAD_D / 64`` tiles
+    of ``[BLOCK_N, 64]`` (the descriptors' layout)."""
+    D_CHUNKS: gl.constexpr = HEAD_D // 64
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_CHUNKS, 64, 64], q_layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES * D_CHUNKS, BLOCK_N, 64], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES * D_CHUNKS, BLOCK_N, 64], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)  # the loader's expect() is the one arrival
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=1)  # the consumer's
+        mbarrier.init(v_empty.index(i), count=1)
+    fence_async_shared()
+
+    # (The argument tuples are written in place: see Chapter 4's Gluon kernel.)
+    gl.warp_specialize(
+        [(_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr, seq_lens, o_part, lse_part,
+                      out, lse, counters, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_lpb,
+                      stride_lph, stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, group, kv_heads,
+                      num_splits, n_units, block_size, max_blocks, qk_scale, HEAD_D, BLOCK_N, NUM_STAGES, SPLIT,
+                      MERGE_S)),
+         (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, block_tables, seq_lens,
+                    stride_tb, kv_heads, num_splits, n_units, block_size, num_blocks, max_blocks, HEAD_D, BLOCK_N,
+                    BOX, NUM_STAGES))],
+        [1],
+        [LOADER_REGS],
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Planning and launch (plain Python)
+# ----------------------------------------------------------------------------------------
+#: What a work unit costs beyond its tiles, in tiles' time: the query tile, the ring's first
+#: wait, the partial's store. Breaks ties in `plan_splits` towards fewer, longer units.
+UNIT_OVERHEAD_TILES = 1.0
+
+
+def plan_splits(batch: int, kv_heads: int, max_seq_len: int, programs: int, block_n: int = BLOCK_N,
+                max_splits: int = MAX_SPLITS) -> int:
+    """Splits per sequence for the persistent kernel: at most one unit per program, and among
+    those counts the one that minimises the time of the busiest program, counted in tiles.
+
+    With ``U = batch · kv_heads · S`` units of ``⌈tiles / S⌉`` tiles each, dealt in turn to
+    ``programs`` programs (one per SM), the busiest takes ``⌈U / programs⌉`` units, so the
+    step lasts about ``⌈U / programs⌉ · (⌈tiles / S⌉ + UNIT_OVERHEAD_TILES)`` tiles. Counts
+    that would give a program several units are not considered: each unit costs its program
+    a query load, a partial store and an arrival on the merge's counter that this count
+    leaves out, and on the H200 the counts it preferred there (33-41 splits of 64-key tiles
+    at 128k keys, 17 units per program) ran at 0.70-0.87x the time of the Triton kernel
+    (``bench/results/raw/nvidia-h200.bench_ch07_gluon_many_units.log``). So: ``S ≤ programs /
+    (batch · kv_heads)``, and 1 once the batch alone fills the programs. The smallest ``S``
+    among the cheapest wins (fewer partials to merge), and only if it promises
+    `SPLIT_MIN_GAIN` less time than no split."""
+    tiles = -(-max(0, max_seq_len) // block_n)
+    base = max(1, batch * kv_heads)
+
+    def cost(s: int) -> float:
+        return -(-base * s // programs) * (-(-tiles // s) + UNIT_OVERHEAD_TILES)
+
+    best = min(range(1, max(1, min(max_splits, tiles, programs // base)) + 1), key=lambda s: (cost(s), s))
+    return best if cost(best) <= (1 - SPLIT_MIN_GAIN) * cost(1) else 1
+
+
+def gluon_decode_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether `flash_decode_attention_gluon` takes these inputs (see the module's scope)."""
+    return _reason(q, k_cache, v_cache) is None
+
+
+def _reason(q, k_cache, v_cache) -> str | None:
+    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+        return "the Gluon decode kernel needs an sm_90 GPU (H100/H200)"
+    return _layout_reason(q, k_cache, v_cache)
+
+
+def _layout_reason(q, k_cache, v_cache) -> str | None:
+    """What rules out these tensors, device aside (None: they qualify)."""
+    if k_cache.dim() != 4 or q.dim() != 3:
+        return "q must be [batch, q_heads, head_dim] and the caches [num_blocks, block_size, kv_heads, head_dim]"
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16):
+        return "bf16 only"
+    if head_dim not in (64, 128):
+        return f"head_dim must be 64 or 128, got {head_dim}"
+    if kv_heads == 0 or q.shape[1] % kv_heads or q.shape[1] // kv_heads > ROWS:
+        return f"{q.shape[1]} query heads over {kv_heads} KV heads: a group of 1..{ROWS} heads is needed"
+    if block_size % 16 or (BLOCK_N % block_size and block_size % BLOCK_N):
+        return f"block_size must be a multiple of 16 that divides {BLOCK_N} or is a multiple of it, got {block_size}"
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
+        return "the pools must be contiguous and 16-byte aligned"
+    if (num_blocks + 1) * block_size >= 2**31:
+        return "the pool has too many rows for 32-bit TMA coordinates"
+    return None
+
+
+#: ``(address, device, shape, box) -> descriptor``: host descriptors reused across calls (a
+#: decode loop asks for the same two every step; building one runs Python checks).
+_DESCRIPTORS: dict[tuple, object] = {}
+
+
+def _descriptor(pool: torch.Tensor, box: int):
+    """A TMA descriptor over the (contiguous) pool seen as ``[num_blocks · block_size, kv_heads ·
+    head_dim]``, boxes of ``[box, 64]``; it holds the pool's address, not the pool."""
+    num_blocks, block_size, kv_heads, head_dim = pool.shape
+    key = (pool.data_ptr(), pool.device.index, *pool.shape, box)
+    desc = _DESCRIPTORS.get(key)
+    if desc is None:
+        if len(_DESCRIPTORS) >= WORKSPACE_CACHE_SIZE:
+            _DESCRIPTORS.clear()
+        layout = gl.NVMMASharedLayout.get_default_for([box, 64], gl.bfloat16)
+        desc = _DESCRIPTORS[key] = TensorDescriptor(TensorAddress(pool.data_ptr(), pool.dtype),
+                                                    [num_blocks * block_size, kv_heads * head_dim],
+                                                    [kv_heads * head_dim, 1], [box, 64], layout)
+    return desc
+
+
+def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None, *,
+                                 num_splits: int | None = None, max_seq_len: int | None = None,
+                                 programs: int | None = None, block_n: int = BLOCK_N, num_stages: int = NUM_STAGES,
+                                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                                 loader_regs: int = 40, compile_only: bool = False):
+    """`flash_decode_attention`'s contract (``q: [batch, q_heads, head_dim]``, pools
+    ``[num_blocks, block_size, kv_heads, head_dim]``, ``block_tables: [batch, max_blocks]``
+    int32, ``seq_lens: [batch]``; returns ``(out [batch, q_heads, head_dim] bf16, lse [batch,
+    q_heads] fp32, natural log)``) on the Gluon kernel, within `gluon_decode_applies`'s scope.
+
+    - ``num_splits``: splits per sequence, default `plan_splits` (``max_seq_len`` bounds the
+      lengths for it; default the table's capacity);
+    - ``programs``: persistent programs (default one per SM; at most one per unit);
+    - ``block_n``: keys per tile (64 or 128); ``num_stages``: ring slots; ``loader_regs``: registers per thread of the loader warp
+      (``setmaxnreg``; the consumer keeps what the program was compiled with);
+    - ``compile_only``: compile for the current device without launching; returns the kernel."""
+    reason = _layout_reason(q, k_cache, v_cache) if compile_only else _reason(q, k_cache, v_cache)
+    if reason:
+        raise ValueError(reason)
+    batch = q.shape[0]
+    num_blocks, block_size, kv_heads, head_dim, q_heads = check_paged(q, k_cache, v_cache, block_tables, seq_lens,
+                                                                      batch)
+    if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
+        block_tables = block_tables.to(torch.int32).contiguous()
+    out, lse = decode_outputs(q, out, lse)
+    sms = num_sms(q.device)
+    if block_n not in (64, 128) or (block_n % block_size and block_size % block_n):
+        raise ValueError(f"block_n must be 64 or 128 and divide the block size or be a multiple of it, got {block_n}")
+    if num_splits is None:
+        bound = block_tables.shape[1] * block_size if max_seq_len is None else int(max_seq_len)
+        num_splits = plan_splits(batch, kv_heads, bound, programs or sms, block_n)
+    if int(num_splits) != num_splits or num_splits < 1:
+        raise ValueError(f"num_splits must be an integer >= 1, got {num_splits}")
+    if batch * q_heads == 0 and not compile_only:
+        return out, lse
+    n_units = batch * kv_heads * num_splits
+    grid = (max(1, min(n_units, programs or sms)),)
+    split = num_splits > 1
+    if split:
+        o_part, lse_part, counters = cached_workspace(batch, q_heads, num_splits, head_dim, q.device)
+    else:  # unused placeholders: the units write the output itself
+        o_part, lse_part, counters = out[:, :, None], lse[:, :, None], seq_lens[:, None]
+    box = min(block_size, block_n)
+    qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
+    args = (_descriptor(k_cache, box), _descriptor(v_cache, box), q, block_tables, seq_lens, o_part, lse_part, out,
+            lse, counters, q.stride(0), q.stride(1), block_tables.stride(0), o_part.stride(0), o_part.stride(1),
+            o_part.stride(2), lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+            lse.stride(1), counters.stride(0), q_heads // kv_heads, kv_heads, num_splits, n_units, block_size,
+            num_blocks, block_tables.shape[1], qk_scale)
+    meta = dict(HEAD_D=head_dim, BLOCK_N=block_n, BOX=box, NUM_STAGES=num_stages, SPLIT=split,
+                MERGE_S=min(16, triton.next_power_of_2(num_splits)), LOADER_REGS=loader_regs, num_warps=4)
+    if compile_only:
+        return _decode_kernel.warmup(*args, grid=grid, **meta)
+    if q.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError("q and out must have a unit stride along head_dim")
+    launch(_decode_kernel, grid, *args, **meta)
+    return out, lse
