@@ -58,6 +58,9 @@ SPLIT_MIN_GAIN = 0.1
 #: bandwidth decides, deeper rings (4 or 6 slots of 64 keys) 1-3 % slower.
 BLOCK_N = 64
 NUM_STAGES = 3
+#: The merge's step: at most ``MERGE_SPLITS`` splits of at most ``MERGE_ROWS`` (head, split)
+#: rows at a time (64 x 128 fp32 is 64 registers a thread of the consumer warpgroup).
+MERGE_SPLITS, MERGE_ROWS = 16, 64
 #: Rows of the query tile: one warpgroup's ``wgmma`` is 64 rows tall.
 ROWS = 64
 #: Columns per TMA box and per shared-memory tile: 64 bf16 are one 128-byte swizzle row, so a
@@ -202,10 +205,17 @@ def _store_partial(acc0, acc1, m_i, l_i, o_ptr, lse_ptr, stride_oh, stride_lh, g
 
 @gluon.jit
 def _merge_if_last(o_part, lse_part, out, lse, counter, group, num_splits, stride_ph, stride_ps, stride_lph,
-                   stride_oh, stride_lh, HEAD_D: gl.constexpr, MERGE_S: gl.constexpr):
+                   stride_oh, stride_lh, HEAD_D: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr):
     """Count this program in at ``counter``; the last of the ``num_splits`` to arrive merges the
-    group's partials (``o_part``/``lse_part``: the group's first head's, fp32, natural log) into
-    ``out``/``lse``, ``MERGE_S`` splits at a time, and sets the counter back to zero.
+    partials of the group's heads (``o_part``/``lse_part``: the group's first head's, fp32,
+    natural log; empty splits hold 0 and -inf) into ``out``/``lse`` and sets the counter back
+    to zero.
+
+    All ``group <= MERGE_H`` heads at once, ``MERGE_S`` splits per step, in one pass (the
+    running maximum of the lse rescales what was summed before, Chapter 3's merge): the lse
+    and the outputs of a step are loaded together, so a group with at most ``MERGE_S`` splits
+    costs one round trip to L2, not two per head. (The merge runs at the end of a program,
+    after its unit; every microsecond of it is on the step's critical path.)
 
     Memory ordering as in `flash_decode_attention`'s one-launch merge: the barrier orders the
     partition's partial stores before the atomic, whose release publishes them GPU-wide; the
@@ -213,32 +223,38 @@ def _merge_if_last(o_part, lse_part, out, lse, counter, group, num_splits, strid
     _warps_barrier()
     arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if arrived == num_splits - 1:
-        layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-        offs_s = gl.arange(0, MERGE_S, gl.SliceLayout(1, layout))
-        offs_d = gl.arange(0, HEAD_D, gl.SliceLayout(0, layout))
-        for h in range(group):
-            lse_row = lse_part + h * stride_lph
-            m_lanes = gl.full([MERGE_S], float("-inf"), gl.float32, gl.SliceLayout(1, layout))
-            for s0 in range(0, num_splits, MERGE_S):
-                s = s0 + offs_s
-                m_lanes = gl.maximum(m_lanes, gl.load(lse_row + s, mask=s < num_splits, other=float("-inf"),
-                                                      cache_modifier=".cg"))
-            m = gl.max(m_lanes, axis=0)
-            m = gl.where(m == float("-inf"), 0.0, m)  # every split empty: weights e^-inf = 0, no NaN
-            acc = gl.zeros([HEAD_D], gl.float32, gl.SliceLayout(0, layout))
-            w_sum = gl.zeros([MERGE_S], gl.float32, gl.SliceLayout(1, layout))
-            for s0 in range(0, num_splits, MERGE_S):
-                s = s0 + offs_s
-                lse_s = gl.load(lse_row + s, mask=s < num_splits, other=float("-inf"), cache_modifier=".cg")
-                w = gl.exp2((lse_s - m) * 1.4426950408889634)
-                o_s = gl.load(o_part + h * stride_ph + s[:, None] * stride_ps + offs_d[None, :],
-                              mask=(lse_s > float("-inf"))[:, None] & (offs_d < HEAD_D)[None, :], other=0.0,
-                              cache_modifier=".cg")
-                acc += gl.sum(w[:, None] * o_s, axis=0)
-                w_sum += w
-            total = gl.sum(w_sum, axis=0)
-            gl.store(out + h * stride_oh + offs_d, (acc / gl.where(total == 0.0, 1.0, total)).to(out.dtype.element_ty))
-            gl.store(lse + h * stride_lh, m + gl.log2(total) * 0.6931471805599453)
+        layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [1, 4, 1], [2, 1, 0])
+        hs_layout: gl.constexpr = gl.SliceLayout(2, layout)  # [heads, splits]
+        hd_layout: gl.constexpr = gl.SliceLayout(1, layout)  # [heads, head_dim]
+        offs_h = gl.arange(0, MERGE_H, gl.SliceLayout(1, hs_layout))
+        offs_s = gl.arange(0, MERGE_S, gl.SliceLayout(0, hs_layout))
+        offs_d = gl.arange(0, HEAD_D, gl.SliceLayout(0, hd_layout))
+        h_ok = (offs_h < group)[:, None]
+        o_rows = o_part + offs_h[:, None, None] * stride_ph + offs_d[None, None, :]
+        m = gl.full([MERGE_H], float("-inf"), gl.float32, gl.SliceLayout(1, hs_layout))
+        w_sum = gl.zeros([MERGE_H], gl.float32, gl.SliceLayout(1, hs_layout))
+        acc = gl.zeros([MERGE_H, HEAD_D], gl.float32, hd_layout)
+        for s0 in range(0, num_splits, MERGE_S):
+            s = s0 + offs_s
+            ok = h_ok & (s < num_splits)[None, :]
+            lse_s = gl.load(lse_part + offs_h[:, None] * stride_lph + s[None, :], mask=ok, other=float("-inf"),
+                            cache_modifier=".cg")
+            o_s = gl.load(o_rows + s[None, :, None] * stride_ps, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+            m_new = gl.maximum(m, gl.max(lse_s, axis=1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights e^-inf = 0, no NaN
+            w = gl.exp2((lse_s - m_safe[:, None]) * 1.4426950408889634)
+            rescale = gl.exp2((m - m_safe) * 1.4426950408889634)
+            acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, hd_layout))[:, None] + gl.sum(
+                w[:, :, None] * o_s, axis=1)
+            w_sum = w_sum * rescale + gl.sum(w, axis=1)
+            m = m_new
+        m_safe = gl.where(m == float("-inf"), 0.0, m)
+        total = gl.where(w_sum == 0.0, 1.0, w_sum)
+        o = acc / gl.convert_layout(total, gl.SliceLayout(1, hd_layout))[:, None]
+        rows_hd = gl.arange(0, MERGE_H, gl.SliceLayout(1, hd_layout))
+        gl.store(out + rows_hd[:, None] * stride_oh + offs_d[None, :], o.to(out.dtype.element_ty),
+                 mask=(rows_hd < group)[:, None] & (offs_d < HEAD_D)[None, :])
+        gl.store(lse + offs_h * stride_lh, m_safe + gl.log2(w_sum) * 0.6931471805599453, mask=offs_h < group)
         gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
@@ -247,7 +263,7 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr,
               lse, counters, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_lpb, stride_lph,
               stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, group, kv_heads, num_splits, n_units,
               block_size, max_blocks, qk_scale, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, MERGE_S: gl.constexpr):
+              NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr):
     """One warpgroup: for each of this program's units, the online softmax over its tiles
     (base 2, FA2's unscaled accumulator), then the unit's partial; with ``SPLIT`` (``S > 1``)
     a partial into the fp32 workspace and the merge by the group's last program
@@ -311,7 +327,7 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr,
                            out + b.to(gl.int64) * stride_ob + (kv_h * group) * stride_oh,
                            lse + b.to(gl.int64) * stride_lb + (kv_h * group) * stride_lh,
                            counters + b * stride_cb + kv_h, group, num_splits, stride_ph, stride_ps, stride_lph,
-                           stride_oh, stride_lh, HEAD_D, MERGE_S)
+                           stride_oh, stride_lh, HEAD_D, MERGE_H, MERGE_S)
         else:
             _store_partial(acc0, acc1, m_i, l_i, out + b.to(gl.int64) * stride_ob + (kv_h * group) * stride_oh,
                            lse + b.to(gl.int64) * stride_lb + (kv_h * group) * stride_lh, stride_oh, stride_lh,
@@ -325,7 +341,8 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
                    stride_ob, stride_oh, stride_lb, stride_lh, stride_cb,
                    group, kv_heads, num_splits, n_units, block_size, num_blocks, max_blocks, qk_scale,
                    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   SPLIT: gl.constexpr, MERGE_S: gl.constexpr, LOADER_REGS: gl.constexpr):
+                   SPLIT: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr,
+                   LOADER_REGS: gl.constexpr):
     """A 1-d grid of at most one program per SM over ``n_units = batch · kv_heads · S`` units.
     ``num_warps=4``: the consumer (the default partition) and a one-warp loader. Shared
     memory: the query tile and ``NUM_STAGES`` slots of K and V, each as ``HEAD_D / 64`` tiles
@@ -352,7 +369,7 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
                       out, lse, counters, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_lpb,
                       stride_lph, stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, group, kv_heads,
                       num_splits, n_units, block_size, max_blocks, qk_scale, HEAD_D, BLOCK_N, NUM_STAGES, SPLIT,
-                      MERGE_S)),
+                      MERGE_H, MERGE_S)),
          (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, block_tables, seq_lens,
                     stride_tb, kv_heads, num_splits, n_units, block_size, num_blocks, max_blocks, HEAD_D, BLOCK_N,
                     BOX, NUM_STAGES))],
@@ -461,8 +478,9 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     - ``num_splits``: splits per sequence, default `plan_splits` (``max_seq_len`` bounds the
       lengths for it; default the table's capacity);
     - ``programs``: persistent programs (default one per SM; at most one per unit);
-    - ``block_n``: keys per tile (64 or 128); ``num_stages``: ring slots; ``loader_regs``: registers per thread of the loader warp
-      (``setmaxnreg``; the consumer keeps what the program was compiled with);
+    - ``block_n``: keys per tile (64 or 128); ``num_stages``: ring slots; ``loader_regs``:
+      registers per thread of the loader warp (``setmaxnreg``; the consumer keeps what the
+      program was compiled with);
     - ``compile_only``: compile for the current device without launching; returns the kernel."""
     reason = _layout_reason(q, k_cache, v_cache) if compile_only else _reason(q, k_cache, v_cache)
     if reason:
@@ -491,6 +509,7 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     else:  # unused placeholders: the units write the output itself
         o_part, lse_part, counters = out[:, :, None], lse[:, :, None], seq_lens[:, None]
     box = min(block_size, block_n)
+    merge_h = triton.next_power_of_2(q_heads // kv_heads)
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
     args = (_descriptor(k_cache, box), _descriptor(v_cache, box), q, block_tables, seq_lens, o_part, lse_part, out,
             lse, counters, q.stride(0), q.stride(1), block_tables.stride(0), o_part.stride(0), o_part.stride(1),
@@ -498,7 +517,8 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
             lse.stride(1), counters.stride(0), q_heads // kv_heads, kv_heads, num_splits, n_units, block_size,
             num_blocks, block_tables.shape[1], qk_scale)
     meta = dict(HEAD_D=head_dim, BLOCK_N=block_n, BOX=box, NUM_STAGES=num_stages, SPLIT=split,
-                MERGE_S=min(16, triton.next_power_of_2(num_splits)), LOADER_REGS=loader_regs, num_warps=4)
+                MERGE_H=merge_h, LOADER_REGS=loader_regs, num_warps=4,
+                MERGE_S=max(1, min(MERGE_SPLITS, MERGE_ROWS // merge_h, triton.next_power_of_2(num_splits))))
     if compile_only:
         return _decode_kernel.warmup(*args, grid=grid, **meta)
     if q.stride(2) != 1 or out.stride(2) != 1:

@@ -108,7 +108,8 @@ def test_does_not_apply_off_the_gpu():
     pool = torch.zeros(4, 16, 2, 128, dtype=DTYPE)
     assert not gluon_decode_applies(q, pool, pool)
     with pytest.raises(ValueError, match="sm_90"):
-        flash_decode_attention_gluon(q, pool, pool, torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+        flash_decode_attention_gluon(q, pool, pool, torch.zeros(1, 4, dtype=torch.int32),
+                                     torch.ones(1, dtype=torch.int32))
 
 
 COMPILE_SCRIPT = SM90_COMPILE_PRELUDE + r"""
