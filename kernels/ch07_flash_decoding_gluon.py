@@ -23,8 +23,10 @@ This module writes the same algorithm with Gluon (the layer under Triton, see Ch
 
 Scope (`gluon_decode_applies`): an sm_90 GPU, bf16, head_dim 64 or 128, any GQA group up to
 64 query heads per KV head, a paged pool ``[num_blocks, block_size, kv_heads, head_dim]``
-that is contiguous, with ``block_size`` a multiple of 16 that divides 128 or is a multiple
-of it. The contract is `paged_decode_attention`'s: ``-1`` past each length in the table, a
+that is contiguous, with ``block_size`` a multiple of 16 that divides the tile (`BLOCK_N`
+keys) or is a multiple of it. K and V sit in shared memory as tiles of 64 columns: 64 bf16
+are one 128-byte row of the swizzle pattern, so a box of 16 keys lands as whole rows of a
+tile (a head of 128 is two tiles side by side). The contract is `paged_decode_attention`'s: ``-1`` past each length in the table, a
 table entry that is not a block reads as zeros, lengths clamped to the table's capacity.
 
 Gluon kernels run on an NVIDIA GPU only (Triton's interpreter does not execute them): on a
@@ -54,8 +56,8 @@ SPLIT_MIN_GAIN = 0.1
 #: Keys per tile, and ring slots (each a K and a V tile: 32 KB at head dim 128). Chosen on an
 #: H200 (`bench.ch07_tune_flash_decoding` part ``gluon``, CUDA-graph times at six points,
 #: ``bench/results/raw/nvidia-h200.ch07_tune_gluon.log``): 64-key tiles in three slots were
-#: the fastest or within 1 % of it everywhere; 128-key tiles ran up to 3 % slower where
-#: bandwidth decides, deeper rings (4 or 6 slots of 64 keys) 1-3 % slower.
+#: the fastest at all six; 128-key tiles ran up to 3 % slower where bandwidth decides,
+#: deeper rings (4 or 6 slots of 64 keys) 1-4 % slower.
 BLOCK_N = 64
 NUM_STAGES = 3
 #: The merge's step: at most ``MERGE_SPLITS`` splits of at most ``MERGE_ROWS`` (head, split)
@@ -63,9 +65,6 @@ NUM_STAGES = 3
 MERGE_SPLITS, MERGE_ROWS = 16, 64
 #: Rows of the query tile: one warpgroup's ``wgmma`` is 64 rows tall.
 ROWS = 64
-#: Columns per TMA box and per shared-memory tile: 64 bf16 are one 128-byte swizzle row, so a
-#: box of a few keys lands as whole rows of the tile (wider heads are several tiles side by side).
-CHUNK_D = 64
 
 
 # ----------------------------------------------------------------------------------------
@@ -397,7 +396,7 @@ def plan_splits(batch: int, kv_heads: int, max_seq_len: int, programs: int, bloc
     that would give a program several units are not considered: each unit costs its program
     a query load, a partial store and an arrival on the merge's counter that this count
     leaves out, and on the H200 the counts it preferred there (33-41 splits of 64-key tiles
-    at 128k keys, 17 units per program) ran at 0.70-0.87x the time of the Triton kernel
+    at 128k keys, 17 units per program) ran at 0.70-0.87x the Triton kernel's speed
     (``bench/results/raw/nvidia-h200.bench_ch07_gluon_many_units.log``). So: ``S ≤ programs /
     (batch · kv_heads)``, and 1 once the batch alone fills the programs. The smallest ``S``
     among the cheapest wins (fewer partials to merge), and only if it promises

@@ -465,3 +465,20 @@ def compile_for_sm90(script: str) -> dict:
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def sm90_compile_mark(versions: tuple):
+    """The skip mark of a test that compiles Gluon kernels for sm_90 with `SM90_COMPILE_PRELUDE`'s
+    stand-in driver: it runs on a CPU-only machine whose Triton is one of ``versions`` (the
+    Gluon APIs the module knows; Gluon renames things between releases)."""
+    import pytest
+    import triton
+
+    version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    if version not in versions:
+        reason = f"the module's Gluon API is that of Triton {versions}, not {triton.__version__}"
+    elif torch.cuda.is_available():
+        reason = "compiles with a stand-in driver: CPU-only machines"
+    else:
+        reason = None
+    return pytest.mark.skipif(reason is not None, reason=reason or "")

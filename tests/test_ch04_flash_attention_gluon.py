@@ -17,7 +17,6 @@ against the float64 references.
 """
 import pytest
 import torch
-import triton
 
 from minillm.kernels.ch04_flash_attention_gluon import (
     GLUON_VERSIONS, VARIANTS, bwd_shared_bytes, flash_attention_gluon, flash_attention_gluon_backward,
@@ -27,10 +26,9 @@ from minillm.reference import attention
 from minillm.reference.ch04_flash_attention import fa2_backward
 from minillm.testing import (
     SM90_COMPILE_PRELUDE, assert_close, assert_grad_close, assert_within_fp8_bound, compile_for_sm90,
-    fp8_quantized_inputs, random_tensor, to_numpy,
+    fp8_quantized_inputs, random_tensor, sm90_compile_mark, to_numpy,
 )
 
-TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
 
 
 def make_qkv(batch, q_heads, kv_heads, seq, head_dim, device, gen, scale=1.0):
@@ -155,9 +153,7 @@ def sm90_compiled():
     return compile_for_sm90(COMPILE_SCRIPT)
 
 
-@pytest.mark.skipif(TRITON_VERSION not in GLUON_VERSIONS,
-                    reason=f"the module's Gluon API is that of Triton {GLUON_VERSIONS}, not {triton.__version__}")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="compiles with a stand-in driver: CPU-only machines")
+@sm90_compile_mark(GLUON_VERSIONS)
 @pytest.mark.parametrize("variant", VARIANTS + tuple(f"fp8 {v}" for v in VARIANTS[1:])
                          + tuple(f"{v} dynamic" for v in VARIANTS[1:]))
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -175,9 +171,7 @@ def test_compiles_for_sm90(sm90_compiled, variant, head_dim, causal):
     assert facts["shared"] <= 227 * 1024
 
 
-@pytest.mark.skipif(TRITON_VERSION not in GLUON_VERSIONS,
-                    reason=f"the module's Gluon API is that of Triton {GLUON_VERSIONS}, not {triton.__version__}")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="compiles with a stand-in driver: CPU-only machines")
+@sm90_compile_mark(GLUON_VERSIONS)
 @pytest.mark.parametrize("reduce", ["tma", "atomic", "tma_prefetch"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
@@ -199,9 +193,7 @@ def test_backward_compiles_for_sm90(sm90_compiled, reduce, head_dim, causal):
     assert facts["atomics"] == (reduce == "atomic")
 
 
-@pytest.mark.skipif(TRITON_VERSION not in GLUON_VERSIONS,
-                    reason=f"the module's Gluon API is that of Triton {GLUON_VERSIONS}, not {triton.__version__}")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="compiles with a stand-in driver: CPU-only machines")
+@sm90_compile_mark(GLUON_VERSIONS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_persistent_backward_compiles_for_sm90(sm90_compiled, head_dim, causal):

@@ -16,7 +16,6 @@
 import numpy as np
 import pytest
 import torch
-import triton
 
 from minillm.kernels.ch04_flash_attention_gluon import GLUON_VERSIONS
 from minillm.kernels.ch07_flash_decoding import cached_workspace
@@ -26,9 +25,10 @@ from minillm.kernels.ch07_flash_decoding_gluon import (
 from minillm.paged import PAD
 from minillm.reference import attention
 from minillm.reference import ch07_flash_decoding as ref
-from minillm.testing import SM90_COMPILE_PRELUDE, PagedPool, assert_close, compile_for_sm90, random_tensor, to_numpy
+from minillm.testing import (
+    SM90_COMPILE_PRELUDE, PagedPool, assert_close, compile_for_sm90, random_tensor, sm90_compile_mark, to_numpy,
+)
 
-TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
 DTYPE = torch.bfloat16
 
 
@@ -139,9 +139,7 @@ def sm90_compiled():
     return compile_for_sm90(COMPILE_SCRIPT)
 
 
-@pytest.mark.skipif(TRITON_VERSION not in GLUON_VERSIONS,
-                    reason=f"the module's Gluon API is that of Triton {GLUON_VERSIONS}, not {triton.__version__}")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="compiles with a stand-in driver: CPU-only machines")
+@sm90_compile_mark(GLUON_VERSIONS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("splits", [1, 4])
