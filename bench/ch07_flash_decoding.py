@@ -288,7 +288,7 @@ def _run_decode_point(results: Results, device, batch: int, kv_heads: int, conte
     use_graphs = torch.device(device).type == "cuda" and (
         kv_cache_bytes(batch * context, kv_heads, head_dim, dtype.itemsize) <= GRAPH_MAX_CACHE_BYTES)
     sdpa, sdpa_out, graph_ms = sdpa_peers(q, seed, batch, kv_heads, context, head_dim, dtype, device, timer,
-                                           use_graphs)
+                                          use_graphs)
     free_memory()
 
     # 2. Ours and Chapter 5's on the paged pool holding the same values.

@@ -57,8 +57,8 @@ Gluon kernels run on an NVIDIA GPU only: Triton's interpreter does not execute t
 CPU side of the tests checks the wrapper and, with a Triton whose Gluon API this module knows
 (3.6, the version torch 2.11 ships, and 3.9), compiles the kernels for sm_90 without a GPU.
 Gluon is experimental and renames things between releases; the three names that moved
-between 3.6 and 3.9 are bound once in `minillm.kernels.base`, and the TMA reduction, which 3.6 offers only as an
-IR operation, is a small builtin of this module.
+between 3.6 and 3.9 are bound once in `minillm.kernels.base`, and the TMA reduction, which
+3.6 offers only as an IR operation, is a small builtin of this module.
 """
 from __future__ import annotations
 

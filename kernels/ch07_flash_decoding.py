@@ -687,7 +687,7 @@ def _reused(key: tuple, device, make):
 
 
 def cached_workspace(batch: int, q_heads: int, num_splits: int, head_dim: int, device
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(o_part, lse_part, counters)`` reused across calls of one shape on one device (`_reused`).
 
     Allocating them per call cost a few microseconds of the ~15-50 µs a small decode step takes

@@ -30,7 +30,6 @@ from minillm.testing import (
 )
 
 
-
 def make_qkv(batch, q_heads, kv_heads, seq, head_dim, device, gen, scale=1.0):
     q = random_tensor((batch, q_heads, seq, head_dim), torch.bfloat16, device, gen, scale)
     k = random_tensor((batch, kv_heads, seq, head_dim), torch.bfloat16, device, gen, scale)
