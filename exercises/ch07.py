@@ -1,7 +1,7 @@
 """Chapter 7 exercises: flash-decoding. Grade your work with ``make grade CH=7``.
 
 Replace each ``raise NotImplementedError(...)`` with your implementation: in plain Python and
-NumPy for Exercises 7.1-7.3; Exercises 7.4 and 7.5 are the two Triton kernels of
+NumPy for Exercises 7.1-7.3 and 7.6; Exercises 7.4 and 7.5 are the two Triton kernels of
 flash-decoding, whose launchers are written for you (write the kernel's body, then delete the
 launcher's ``raise``). The tests compare your code with the float64 references in
 `minillm.reference.ch07_flash_decoding` and with the split heuristics of
@@ -24,7 +24,7 @@ import torch
 # First, before Triton: without a GPU, this selects Triton's interpreter.
 from minillm.kernels.base import tl, triton  # Triton as this machine runs it (no GPU: the interpreter)
 
-__all__ = ["merge_splits", "fa2_num_splits", "split_partial", "flash_decode_split", "merge_partials"]
+__all__ = ["merge_splits", "fa2_num_splits", "split_partial", "flash_decode_split", "merge_partials", "plan_splits"]
 
 
 def merge_splits(o: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -187,3 +187,26 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torc
         _merge_kernel[(rows,)](o_part, lse_part, out, lse, num_splits, HEAD_DIM=head_dim,
                                S_PAD=triton.next_power_of_2(num_splits))
     return out, lse
+
+
+# == Exercise 7.6: splits for persistent programs ==================================================
+
+def plan_splits(batch: int, kv_heads: int, max_seq_len: int, programs: int, block_n: int,
+                max_splits: int = 128) -> int:
+    """Exercise 7.6 — how many splits per sequence a persistent decode kernel should use.
+
+    ``programs`` persistent programs (one per SM) take the ``batch · kv_heads · S`` work units
+    (sequence, KV head, split) in turn; a unit is ``⌈tiles / S⌉`` tiles of ``block_n`` keys,
+    ``tiles = ⌈max_seq_len / block_n⌉`` (0 for an empty sequence). A program that gets a second
+    unit pays for it in full, so:
+
+    1. the most splits that keep every program at one unit: ``most = max(1, min(max_splits,
+       tiles, programs // (batch · kv_heads)))`` (``batch · kv_heads`` counts as at least 1;
+       when the batch alone has more units than programs, this is 1);
+    2. with one unit per program the step lasts one unit, ``⌈tiles / most⌉`` tiles; return the
+       smallest ``S`` whose units are that long (fewer partials to merge): e.g. 10 tiles and
+       ``most = 7`` give units of 2 tiles, and so does ``S = 5``.
+
+    The rule is the module's `minillm.kernels.ch07_flash_decoding_gluon.plan_splits`.
+    """
+    raise NotImplementedError("Exercise 7.6 (plan_splits): not started. Read its docstring; hints: python -m minillm.grade 7 --hint 7.6")

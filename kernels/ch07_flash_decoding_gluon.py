@@ -16,8 +16,8 @@ This module writes the same algorithm with Gluon (the layer under Triton, see Ch
   tensor-core time only, which a memory-bound loop has to spare);
 - programs are **persistent**: at most one per SM, each taking work units (sequence, KV head,
   split) in turn, so the loader fetches the next unit's first tiles while the consumer
-  finishes this one; the split count (`plan_splits`) gives each program at most one unit
-  and counts whole rounds of units instead of "one wave of programs";
+  finishes this one; the split count (`plan_splits`) is the largest that gives each program
+  at most one unit, instead of the Triton kernel's "one wave of two programs per SM";
 - the splits are merged in the same launch by the last of a group's programs to finish
   (an arrival counter, as `flash_decode_attention`'s one-launch merge).
 
@@ -26,8 +26,9 @@ Scope (`gluon_decode_applies`): an sm_90 GPU, bf16, head_dim 64 or 128, any GQA 
 that is contiguous, with ``block_size`` a multiple of 16 that divides the tile (`BLOCK_N`
 keys) or is a multiple of it. K and V sit in shared memory as tiles of 64 columns: 64 bf16
 are one 128-byte row of the swizzle pattern, so a box of 16 keys lands as whole rows of a
-tile (a head of 128 is two tiles side by side). The contract is `paged_decode_attention`'s: ``-1`` past each length in the table, a
-table entry that is not a block reads as zeros, lengths clamped to the table's capacity.
+tile (a head of 128 is two tiles side by side). The contract is `paged_decode_attention`'s:
+``-1`` past each length in the table, a table entry that is not a block reads as zeros,
+lengths clamped to the table's capacity.
 
 Gluon kernels run on an NVIDIA GPU only (Triton's interpreter does not execute them): on a
 CPU the tests check the planning and compile the kernel for sm_90.
@@ -47,12 +48,8 @@ from triton.experimental.gluon import language as gl
 from minillm.kernels.ch05_paged_attention import check_paged, decode_outputs
 from minillm.kernels.ch07_flash_decoding import MAX_SPLITS, WORKSPACE_CACHE_SIZE, cached_workspace
 
-__all__ = ["flash_decode_attention_gluon", "gluon_decode_applies", "plan_splits", "BLOCK_N", "NUM_STAGES",
-           "ROWS", "UNIT_OVERHEAD_TILES", "SPLIT_MIN_GAIN"]
+__all__ = ["flash_decode_attention_gluon", "gluon_decode_applies", "plan_splits", "BLOCK_N", "NUM_STAGES", "ROWS"]
 
-#: Splitting must promise at least this fraction less time than no split (`plan_splits`):
-#: a split costs what the cost model leaves out, its partial's traffic and the merge.
-SPLIT_MIN_GAIN = 0.1
 #: Keys per tile, and ring slots (each a K and a V tile: 32 KB at head dim 128). Chosen on an
 #: H200 (`bench.ch07_tune_flash_decoding` part ``gluon``, CUDA-graph times at six points,
 #: ``bench/results/raw/nvidia-h200.ch07_tune_gluon.log``): 64-key tiles in three slots were
@@ -380,35 +377,27 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
 # ----------------------------------------------------------------------------------------
 # Planning and launch (plain Python)
 # ----------------------------------------------------------------------------------------
-#: What a work unit costs beyond its tiles, in tiles' time: the query tile, the ring's first
-#: wait, the partial's store. Breaks ties in `plan_splits` towards fewer, longer units.
-UNIT_OVERHEAD_TILES = 1.0
-
-
 def plan_splits(batch: int, kv_heads: int, max_seq_len: int, programs: int, block_n: int = BLOCK_N,
                 max_splits: int = MAX_SPLITS) -> int:
-    """Splits per sequence for the persistent kernel: at most one unit per program, and among
-    those counts the one that minimises the time of the busiest program, counted in tiles.
+    """Splits per sequence for the persistent kernel: as many as keep every program at one unit
+    of work, then the fewest that leave the units as long.
 
-    With ``U = batch · kv_heads · S`` units of ``⌈tiles / S⌉`` tiles each, dealt in turn to
-    ``programs`` programs (one per SM), the busiest takes ``⌈U / programs⌉`` units, so the
-    step lasts about ``⌈U / programs⌉ · (⌈tiles / S⌉ + UNIT_OVERHEAD_TILES)`` tiles. Counts
-    that would give a program several units are not considered: each unit costs its program
-    a query load, a partial store and an arrival on the merge's counter that this count
-    leaves out, and on the H200 the counts it preferred there (33-41 splits of 64-key tiles
-    at 128k keys, 17 units per program) ran at 0.70-0.87x the Triton kernel's speed
-    (``bench/results/raw/nvidia-h200.bench_ch07_gluon_many_units.log``). So: ``S ≤ programs /
-    (batch · kv_heads)``, and 1 once the batch alone fills the programs. The smallest ``S``
-    among the cheapest wins (fewer partials to merge), and only if it promises
-    `SPLIT_MIN_GAIN` less time than no split."""
+    A program that gets a second unit (sequence, KV head, split) pays for it in full: a second
+    query load, a second partial and arrival on the merge's counter, a second wait for its
+    first tiles, and nothing hides them. On the H200, plans that gave each program 17 units
+    (33-41 splits of 64-key tiles at 128k keys, chosen by counting tiles alone) ran at
+    0.70-0.87x the Triton kernel's speed
+    (``bench/results/raw/nvidia-h200.bench_ch07_gluon_many_units.log``).
+    So ``S ≤ programs / (batch · kv_heads)``, and ``S = 1`` once the batch alone has more units
+    than there are programs. Within that bound every program runs one unit of ``⌈tiles / S⌉``
+    tiles (``tiles = ⌈max_seq_len / block_n⌉``), so the step is shortest at the largest ``S``
+    allowed; of the counts that give the same ``⌈tiles / S⌉`` the smallest is taken (fewer
+    partials to merge). The Triton kernel's rule (`num_splits_heuristic`) fills a wave of two
+    programs per SM instead: this kernel runs one."""
     tiles = -(-max(0, max_seq_len) // block_n)
-    base = max(1, batch * kv_heads)
-
-    def cost(s: int) -> float:
-        return -(-base * s // programs) * (-(-tiles // s) + UNIT_OVERHEAD_TILES)
-
-    best = min(range(1, max(1, min(max_splits, tiles, programs // base)) + 1), key=lambda s: (cost(s), s))
-    return best if cost(best) <= (1 - SPLIT_MIN_GAIN) * cost(1) else 1
+    most = max(1, min(max_splits, tiles, programs // max(1, batch * kv_heads)))
+    per_unit = -(-tiles // most)
+    return next(s for s in range(1, most + 1) if -(-tiles // s) == per_unit)
 
 
 def gluon_decode_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

@@ -173,3 +173,12 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torc
         _merge_kernel[(rows,)](o_part, lse_part, out, lse, num_splits, HEAD_DIM=head_dim,
                                S_PAD=triton.next_power_of_2(num_splits))
     return out, lse
+
+
+def plan_splits(batch: int, kv_heads: int, max_seq_len: int, programs: int, block_n: int,
+                max_splits: int = 128) -> int:
+    """Exercise 7.6: the most splits that keep one unit per program, then the fewest as long."""
+    tiles = -(-max(0, max_seq_len) // block_n)
+    most = max(1, min(max_splits, tiles, programs // max(1, batch * kv_heads)))
+    per_unit = -(-tiles // most)
+    return next(s for s in range(1, most + 1) if -(-tiles // s) == per_unit)

@@ -20,7 +20,7 @@ import torch
 from minillm.kernels.ch04_flash_attention_gluon import GLUON_VERSIONS
 from minillm.kernels.ch07_flash_decoding import cached_workspace
 from minillm.kernels.ch07_flash_decoding_gluon import (
-    BLOCK_N, SPLIT_MIN_GAIN, UNIT_OVERHEAD_TILES, flash_decode_attention_gluon, gluon_decode_applies, plan_splits,
+    BLOCK_N, flash_decode_attention_gluon, gluon_decode_applies, plan_splits,
 )
 from minillm.paged import PAD
 from minillm.reference import attention
@@ -54,34 +54,33 @@ def counters_of(batch, q_heads, num_splits, head_dim, device):
 # CPU: planning and scope
 # ----------------------------------------------------------------------------------------
 def test_plan_splits_hand_checked():
-    """At most one unit per program; then the busiest program's tiles, ``⌈U / P⌉ · (⌈tiles /
-    S⌉ + overhead)``, minimised, where that beats no split by `SPLIT_MIN_GAIN` (hand-checked
-    cases in tiles of 128 keys)."""
-    assert UNIT_OVERHEAD_TILES == 1.0 and SPLIT_MIN_GAIN == 0.1
-    # 8 units over 132 programs, 256 tiles: at most 16 splits (128 units); 16 gives 16 tiles each.
+    """As many splits as keep every program at one unit, then the fewest with units as long
+    (hand-checked cases in tiles of 128 keys)."""
+    # 8 units over 132 programs, 256 tiles: at most 16 splits (128 units), 16 tiles each.
     assert plan_splits(1, 8, 32768, 132, 128) == 16
-    # 32 units: at most 4 splits (128 units); 4 splits of 8 tiles.
+    # 32 units: at most 4 splits (128 units), 8 tiles each.
     assert plan_splits(1, 32, 4096, 132, 128) == 4
-    # 256 units already cover 132 programs: no split (the rounds would be all a split could fill).
+    # 256 units already cover 132 programs: no split.
     assert plan_splits(32, 8, 4096, 132, 128) == 1
     assert plan_splits(32, 8, 131072, 132, 128) == 1
-    # One unit, 32 tiles, 132 programs: 32 splits of one tile each (cost 2).
+    # One unit, 32 tiles, 132 programs: 32 splits of one tile each.
     assert plan_splits(1, 1, 4096, 132, 128) == 32
-    # 66 units, 7 programs: already more units than programs, no split.
-    assert plan_splits(66, 1, 4096, 7, 128) == 1
-    # A sequence shorter than a tile cannot be split.
+    # 10 tiles, 7 programs: 7 splits would give units of 2 tiles, and so do 5: the fewer.
+    assert plan_splits(1, 1, 1280, 7, 128) == 5
+    # A sequence shorter than a tile cannot be split; empty ones neither.
     assert plan_splits(1, 8, 100, 132, 128) == 1
     assert plan_splits(3, 2, 0, 132, 128) == 1
-    # Brute force over a few shapes (the module's tile): the first minimum of the cost among
-    # the counts that keep one unit per program, if it gains enough.
-    for batch, kv, length, programs in ((1, 32, 32768, 132), (8, 8, 32768, 132), (2, 4, 1000, 7), (5, 3, 77777, 114),
-                                        (8, 32, 131072, 132), (1, 8, 131072, 132)):
+    assert plan_splits(1, 4, 4096, 132, 128, max_splits=6) == 6
+    # Brute force over random shapes (the module's tile): the rule as the docstring states it.
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        batch, kv, length = int(rng.integers(1, 40)), int(rng.choice([1, 2, 8, 32])), int(rng.integers(0, 200_000))
+        programs, max_splits = int(rng.integers(1, 300)), int(rng.choice([128, int(rng.integers(1, 64))]))
         tiles = -(-length // BLOCK_N)
-        most = max(1, min(tiles, programs // (batch * kv)))
-        costs = [-(-batch * kv * s // programs) * (-(-tiles // s) + UNIT_OVERHEAD_TILES) for s in range(1, most + 1)]
-        best = 1 + costs.index(min(costs))
-        want = best if min(costs) <= (1 - SPLIT_MIN_GAIN) * costs[0] else 1
-        assert plan_splits(batch, kv, length, programs) == want
+        allowed = [s for s in range(1, max(1, min(max_splits, tiles, programs // (batch * kv))) + 1)]
+        per_unit = min(-(-tiles // s) for s in allowed)
+        want = min(s for s in allowed if -(-tiles // s) == per_unit)
+        assert plan_splits(batch, kv, length, programs, max_splits=max_splits) == want
 
 
 @pytest.mark.parametrize("change, match", [

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from minillm.kernels.ch07_flash_decoding import fa2_num_splits as fa2_reference
+from minillm.kernels.ch07_flash_decoding_gluon import plan_splits as plan_reference
 from minillm.reference import ch07_flash_decoding as ref
 from minillm.testing import assert_close, kernel_dtypes, to_numpy
 
@@ -20,6 +21,7 @@ split_ex = pytest.mark.exercise(id="7.3", title="One split's online softmax, til
 split_kernel_ex = pytest.mark.exercise(id="7.4", title="The split kernel: partials of one split per program",
                                        points=3, kind="triton")
 merge_kernel_ex = pytest.mark.exercise(id="7.5", title="The merge kernel", points=2, kind="triton")
+plan_ex = pytest.mark.exercise(id="7.6", title="Splits for persistent programs", points=2)
 
 
 # --- 7.1 -------------------------------------------------------------------------------------
@@ -328,3 +330,43 @@ def test_split_then_merge_is_attention(impl, device, seed):
             what = f"sequence {b} (length {n}), {num_splits} splits"
             assert_close(torch.from_numpy(out[b]), want_o, dtype, what, seed)
             assert_close(torch.from_numpy(got_lse[b]), want_lse, dtype, f"lse of {what}", seed)
+
+
+# --- 7.6 -------------------------------------------------------------------------------------
+
+@plan_ex
+def test_plan_hand_computed(impl):
+    assert impl.plan_splits(1, 8, 32768, 132, 128) == 16, \
+        "8 units, 256 tiles: at most 16 splits (128 units, one per program) of 16 tiles each"
+    assert impl.plan_splits(1, 32, 4096, 132, 128) == 4, "32 units: at most 4 splits, 8 tiles each"
+    assert impl.plan_splits(32, 8, 4096, 132, 128) == 1, "256 units already cover 132 programs: no split"
+    assert impl.plan_splits(1, 1, 4096, 132, 128) == 32, "one unit of 32 tiles: 32 splits of one tile"
+    assert impl.plan_splits(1, 8, 100, 132, 128) == 1, "a sequence shorter than a tile cannot be split"
+    assert impl.plan_splits(3, 2, 0, 132, 128) == 1, "empty sequences: nothing to split"
+    assert impl.plan_splits(1, 4, 4096, 132, 128, max_splits=6) == 6, "at most max_splits"
+    assert impl.plan_splits(2, 3, 640, 7, 64) == 1, \
+        "6 units on 7 programs, 10 tiles: one split per unit is all that fits (7 // 6 = 1)"
+
+
+@plan_ex
+def test_plan_takes_the_fewest_splits_of_the_same_length(impl):
+    assert impl.plan_splits(1, 1, 1280, 7, 128) == 5, "10 tiles, at most 7 splits: units of 2 tiles, as with 5"
+    assert impl.plan_splits(1, 1, 1280, 4, 128) == 4, "10 tiles, at most 4 splits: units of 3 tiles, 3 would be 4"
+    assert impl.plan_splits(10, 1, 640, 7, 64) == 1, "10 units on 7 programs: a second unit each already"
+    assert impl.plan_splits(64, 1, 640, 132, 64) == 2, "64 units on 132 programs: 2 splits of 5 tiles"
+
+
+@plan_ex
+@pytest.mark.parametrize("trial", range(3))
+def test_plan_matches_the_kernel_module(impl, trial, seed):
+    rng = np.random.default_rng(seed + trial)
+    for _ in range(300):
+        batch, kv_heads = int(rng.integers(1, 40)), int(rng.choice([1, 2, 4, 8, 32]))
+        length = int(rng.choice([0, int(rng.integers(1, 300)), int(rng.integers(1, 200_000))]))
+        programs = int(rng.choice([7, 66, 114, 132, int(rng.integers(1, 300))]))
+        block_n = int(rng.choice([16, 64, 128]))
+        max_splits = int(rng.choice([128, int(rng.integers(1, 64))]))
+        want = plan_reference(batch, kv_heads, length, programs, block_n, max_splits)
+        got = impl.plan_splits(batch, kv_heads, length, programs, block_n, max_splits)
+        assert got == want, (f"plan_splits({batch}, {kv_heads}, {length}, {programs}, {block_n}, "
+                             f"max_splits={max_splits}) = {got}, want {want} (seed {seed + trial})")
