@@ -36,8 +36,9 @@ import triton.language as tl  # noqa: E402
 __all__ = ["triton", "tl", "interpreting", "launch", "LOG2E", "LN2", "LOG2E_C", "LN2_C", "CPU_NUM_SMS", "block_d",
            "dot_precision", "scale_and_window", "num_sms", "head_dim_offsets", "online_softmax_update",
            "capture_calls", "graph_ms_per_call", "l2_copies", "recording", "Recording", "record_call",
-           "is_recording", "unrecorded", "TensorAddress", "TensorDescriptor", "fence_async_shared", "mbarrier", "tma",
-           "warpgroup_mma", "warpgroup_mma_wait", "gluon_tma_load", "gluon_tma_store", "gluon_warps_barrier"]
+           "is_recording", "unrecorded", "TensorAddress", "cached_descriptor", "DESCRIPTOR_CACHE_SIZE",
+           "TensorDescriptor", "fence_async_shared", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait",
+           "gluon_tma_load", "gluon_tma_store", "gluon_warps_barrier"]
 
 
 def interpreting() -> bool:
@@ -333,6 +334,25 @@ class TensorAddress:
 
     def data_ptr(self) -> int:
         return self.ptr
+
+
+#: Host tensor descriptors kept for reuse (`cached_descriptor`), at most this many before the
+#: store is emptied.
+DESCRIPTOR_CACHE_SIZE = 64
+_DESCRIPTORS: dict[tuple, object] = {}
+
+
+def cached_descriptor(key: tuple, make):
+    """``make()``, a host tensor descriptor, built once per ``key`` (its tensor's address,
+    device, shape, strides, dtype and box) and reused: a decode loop asks for the same
+    descriptors every step, and building one runs Python checks. Descriptors built on a
+    `TensorAddress` do not keep their tensor's memory alive."""
+    desc = _DESCRIPTORS.get(key)
+    if desc is None:
+        if len(_DESCRIPTORS) >= DESCRIPTOR_CACHE_SIZE:
+            _DESCRIPTORS.clear()
+        desc = _DESCRIPTORS[key] = make()
+    return desc
 
 
 def _layout(types: tuple) -> tuple:

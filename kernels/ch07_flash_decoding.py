@@ -43,8 +43,8 @@ import numpy as np
 import torch
 from minillm.kernels.base import (
     tl, triton,
-    CPU_NUM_SMS, LN2_C, LOG2E, LOG2E_C, TensorAddress, block_d, dot_precision, head_dim_offsets, interpreting,
-    launch, num_sms, online_softmax_update, scale_and_window, unrecorded,
+    CPU_NUM_SMS, LN2_C, LOG2E, LOG2E_C, TensorAddress, block_d, cached_descriptor, dot_precision, head_dim_offsets,
+    interpreting, launch, num_sms, online_softmax_update, scale_and_window, unrecorded,
 )
 from minillm.kernels.ch05_paged_attention import (  # Chapter 5's tile addressing, reused as it is
     blocks_per_tile, check_paged, decode_block_n, decode_outputs, tile_rows,
@@ -920,11 +920,6 @@ def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-#: ``(address, shape, strides, dtype, box) -> descriptor``: host descriptors reused across
-#: calls (building one runs Python checks; a decode loop asks for the same two every step).
-_DESCRIPTORS: dict[tuple, object] = {}
-
-
 def kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int, block_d_: int):
     """``(desc_k, desc_v)``: host tensor descriptors of the pools seen as ``[num_blocks,
     block_size, kv_heads · head_dim]`` with boxes ``[1, block_n, block_d_]``, or None where
@@ -943,12 +938,8 @@ def kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int, b
             descs.append(TensorDescriptor(t, shape, strides, box))
             continue
         key = (t.data_ptr(), t.device.index, *shape, *strides, t.dtype, block_n, block_d_)
-        desc = _DESCRIPTORS.get(key)
-        if desc is None:
-            if len(_DESCRIPTORS) >= WORKSPACE_CACHE_SIZE:
-                _DESCRIPTORS.clear()
-            desc = _DESCRIPTORS[key] = TensorDescriptor(TensorAddress(t.data_ptr(), t.dtype), shape, strides, box)
-        descs.append(desc)
+        descs.append(cached_descriptor(key, lambda t=t, shape=shape, strides=strides: TensorDescriptor(
+            TensorAddress(t.data_ptr(), t.dtype), shape, strides, box)))
     return tuple(descs)
 
 

@@ -40,13 +40,13 @@ import math
 import torch
 
 from minillm.kernels.base import (  # first: it decides on Triton's interpreter before Triton is imported
-    LOG2E, TensorAddress, TensorDescriptor, fence_async_shared, launch, mbarrier, num_sms, triton, warpgroup_mma,
-    warpgroup_mma_wait, gluon_tma_load as _tma_load, gluon_warps_barrier as _warps_barrier,
+    LOG2E, TensorAddress, TensorDescriptor, cached_descriptor, fence_async_shared, launch, mbarrier, num_sms, triton,
+    warpgroup_mma, warpgroup_mma_wait, gluon_tma_load as _tma_load, gluon_warps_barrier as _warps_barrier,
 )
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from minillm.kernels.ch05_paged_attention import check_paged, decode_outputs
-from minillm.kernels.ch07_flash_decoding import MAX_SPLITS, WORKSPACE_CACHE_SIZE, cached_workspace
+from minillm.kernels.ch07_flash_decoding import MAX_SPLITS, cached_workspace
 
 __all__ = ["flash_decode_attention_gluon", "gluon_decode_applies", "plan_splits", "BLOCK_N", "NUM_STAGES", "ROWS"]
 
@@ -431,25 +431,17 @@ def _layout_reason(q, k_cache, v_cache) -> str | None:
     return None
 
 
-#: ``(address, device, shape, box) -> descriptor``: host descriptors reused across calls (a
-#: decode loop asks for the same two every step; building one runs Python checks).
-_DESCRIPTORS: dict[tuple, object] = {}
-
-
 def _descriptor(pool: torch.Tensor, box: int):
     """A TMA descriptor over the (contiguous) pool seen as ``[num_blocks · block_size, kv_heads ·
-    head_dim]``, boxes of ``[box, 64]``; it holds the pool's address, not the pool."""
+    head_dim]``, boxes of ``[box, 64]``, reused across calls; it holds the pool's address, not
+    the pool."""
     num_blocks, block_size, kv_heads, head_dim = pool.shape
-    key = (pool.data_ptr(), pool.device.index, *pool.shape, box)
-    desc = _DESCRIPTORS.get(key)
-    if desc is None:
-        if len(_DESCRIPTORS) >= WORKSPACE_CACHE_SIZE:
-            _DESCRIPTORS.clear()
+    shape, strides = [num_blocks * block_size, kv_heads * head_dim], [kv_heads * head_dim, 1]
+
+    def make():
         layout = gl.NVMMASharedLayout.get_default_for([box, 64], gl.bfloat16)
-        desc = _DESCRIPTORS[key] = TensorDescriptor(TensorAddress(pool.data_ptr(), pool.dtype),
-                                                    [num_blocks * block_size, kv_heads * head_dim],
-                                                    [kv_heads * head_dim, 1], [box, 64], layout)
-    return desc
+        return TensorDescriptor(TensorAddress(pool.data_ptr(), pool.dtype), shape, strides, [box, 64], layout)
+    return cached_descriptor((pool.data_ptr(), pool.device.index, *pool.shape, pool.dtype, "gluon", box), make)
 
 
 def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
