@@ -25,8 +25,12 @@ Rows (``params``: batch, heads, seq_len, head_dim, causal, dtype, kernel):
 ``rel_err``     ‖ours − SDPA cuDNN‖ / ‖SDPA cuDNN‖ for each Gluon kernel
 ==============  ===========================================================================
 
-FP8 (``dtype`` "fp8", kernels ``fp8_ws`` and ``fp8_ws_pingpong``: `flash_attention_gluon_fp8`
-on inputs quantized beforehand, `prepare_gluon_fp8`, whose time is not included): TFLOPs and
+The bf16 kernel ``ws_tree`` is ``ws`` with the softmax's row max and sum as trees
+(``tree_reductions=True``), an ablation against ``ws``.
+FP8 (``dtype`` "fp8", the kernels of `FP8_KERNELS`: `flash_attention_gluon_fp8` on inputs
+quantized beforehand, `prepare_gluon_fp8`, whose time is not included; ``fp8_ws`` and
+``fp8_ws_pingpong`` as the module's defaults, P in registers and the reductions as trees;
+``*_smem``: P through shared memory; ``fp8_ws_chain``: the reductions as chains): TFLOPs and
 time_ms against peers ``ws`` and ``ws_pingpong`` (the bf16 Gluon kernels: ratio > 1 is FP8's
 gain), ``triton_hopper`` and ``sdpa_cudnn``; rel_err against SDPA cuDNN's bf16 output.
 
@@ -88,6 +92,11 @@ BWD_KERNELS = {"bwd_tma": dict(dq_reduce="tma", prefetch_stats=False),
 #: Kernels that differ from ``bwd_tma`` only under a causal mask (the key tiles' order).
 BWD_CAUSAL_ONLY = ("bwd_tma_head_after_head",)
 BWD_BASE = "bwd_tma"
+#: The FP8 kernels: (name, variant, P in "registers" or "smem", row max and sum as trees).
+#: The first two are the module's defaults; the others each change one thing.
+FP8_KERNELS = (("fp8_ws", "ws", "registers", True), ("fp8_ws_pingpong", "ws_pingpong", "registers", True),
+               ("fp8_ws_smem", "ws", "smem", True), ("fp8_ws_pingpong_smem", "ws_pingpong", "smem", True),
+               ("fp8_ws_chain", "ws", "registers", False))
 #: Ways of sharing out the forward's tiles, each spelled out (`flash_attention_gluon`'s
 #: ``persistent``, ``paired``, ``dynamic``, ``head_group``); the paired ones run under a causal
 #: mask only.
@@ -184,7 +193,7 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
     # The kernels: the three steps, and the warp-specialized one with each way of sharing out
     # the tiles (`SCHEDULES`; "ws" is the module's default, `default_schedule`).
     kernels = {"ws": dict(variant="ws"), "pipelined": dict(variant="pipelined"),
-               "ws_pingpong": dict(variant="ws_pingpong")}
+               "ws_pingpong": dict(variant="ws_pingpong"), "ws_tree": dict(variant="ws", tree_reductions=True)}
     kernels.update({name: dict(variant="ws", **kw) for name, kw in SCHEDULES.items() if causal or not kw["paired"]})
     ours = {}
     for name, kw in kernels.items():
@@ -206,25 +215,34 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
         if name != DEFAULT_VARIANT:
             add(name, ours[name], DEFAULT_VARIANT, ours[DEFAULT_VARIANT],
                 f"ablation against the default ({default_schedule(causal, n)})")
-    prepared = prepare_gluon_fp8(q, k, v)
     fp8 = {}
-    for variant in VARIANTS[1:]:
-        ms, (out, _) = timed_output(lambda: flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant,
-                                                                      prepared=prepared), timer)
-        fp8[f"fp8_{variant}"] = ms
-        fp8_params = {**base, "dtype": "fp8", "kernel": f"fp8_{variant}"}
-        note = "e4m3 Q/K/V, scales per 64 rows of Q, per 128 keys of K, per head of V; quantization not included"
-        if cudnn_out is not None:
-            results.add(BENCHMARK, fp8_params, "rel_err", rel_err(out, cudnn_out), "sdpa_cudnn",
-                        note="‖ours − cuDNN (bf16)‖ / ‖cuDNN‖")
-        for peer, p_ms in (("ws", ours["ws"]), ("ws_pingpong", ours["ws_pingpong"]),
-                           ("triton_hopper", peer_ms["triton_hopper"][0]), ("sdpa_cudnn", peer_ms["sdpa_cudnn"][0])):
-            results.add(BENCHMARK, fp8_params, "time_ms", ms, peer, p_ms, note=note)
-            results.add(BENCHMARK, fp8_params, "TFLOPs", tflops(ms), peer, tflops(p_ms),
-                        fraction_of_ceiling=tflops(ms) / mm if mm else None, note=note)
+    in_registers, in_smem = (prepare_gluon_fp8(q, k, v, p_in_registers=flag) for flag in (True, False))
+    for kernel, variant, prepared, tree in FP8_KERNELS:
+        _fp8_kernel(results, base, kernel, variant, in_registers if prepared == "registers" else in_smem, tree, q, k,
+                    v, causal, cudnn_out, ours, peer_ms, fp8, tflops, mm, timer)
     print(f"  [{BENCHMARK}] D={head_dim} causal={causal} N={n}: "
           + ", ".join(f"{v} {tflops(ms):.0f}" for v, ms in {**ours, **fp8}.items()) + "; "
           + ", ".join(f"{p} {tflops(ms) or 0:.0f}" for p, (ms, _) in peer_ms.items()) + " TFLOP/s", flush=True)
+
+
+def _fp8_kernel(results, base, kernel, variant, prepared, tree, q, k, v, causal, cudnn_out, ours, peer_ms, fp8,
+                tflops, mm, timer) -> None:
+    """The rows of one FP8 kernel at one point (see the module's docstring); its time into ``fp8``."""
+    ms, (out, _) = timed_output(lambda: flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant,
+                                                                  prepared=prepared, tree_reductions=tree), timer)
+    fp8[kernel] = ms
+    fp8_params = {**base, "dtype": "fp8", "kernel": kernel}
+    note = ("e4m3 Q/K/V, scales per 64 rows of Q, per 128 keys of K, per head of V; quantization not included; "
+            + ("P in registers" if prepared[-1] else "P through shared memory")
+            + ("; row max and sum as trees" if tree else "; row max and sum as chains"))
+    if cudnn_out is not None:
+        results.add(BENCHMARK, fp8_params, "rel_err", rel_err(out, cudnn_out), "sdpa_cudnn",
+                    note="‖ours − cuDNN (bf16)‖ / ‖cuDNN‖")
+    for peer, p_ms in (("ws", ours["ws"]), ("ws_pingpong", ours["ws_pingpong"]),
+                       ("triton_hopper", peer_ms["triton_hopper"][0]), ("sdpa_cudnn", peer_ms["sdpa_cudnn"][0])):
+        results.add(BENCHMARK, fp8_params, "time_ms", ms, peer, p_ms, note=note)
+        results.add(BENCHMARK, fp8_params, "TFLOPs", tflops(ms), peer, tflops(p_ms),
+                    fraction_of_ceiling=tflops(ms) / mm if mm else None, note=note)
 
 
 # ----------------------------------------------------------------------------------------

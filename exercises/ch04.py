@@ -2,7 +2,8 @@
 
 Replace each ``raise NotImplementedError(...)`` with your implementation: Exercises 4.1–4.4 in
 NumPy, 4.5–4.7 as Triton kernels (write the body of the ``@triton.jit`` function, then
-delete the ``raise`` at the top of its launcher), 4.8 a schedule in NumPy and a kernel. Tests
+delete the ``raise`` at the top of its launcher), 4.8 a schedule in NumPy and a kernel, 4.9 a
+relabelling of keys in NumPy. Tests
 compare your functions with the float64 references in `minillm.reference.ch04_flash_attention`
 and `minillm.reference.ch01_naive_attention` on fresh random inputs, including scores in the hundreds,
 blocks that do not divide the sequence, more queries than keys (whose first rows see no key
@@ -314,3 +315,37 @@ def persistent_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
         HEAD_DIM=d, CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=2)
     return out, lse, owner
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 4.9 (Section 11, Hopper): the key order that keeps an 8-bit P in registers.
+# ---------------------------------------------------------------------------------------------
+def relabel_order(accumulator_columns, operand_keys) -> np.ndarray:
+    """Exercise 4.9 (part 1) — relabel, don't shuffle.
+
+    A group of ``G`` keys (16 on Hopper) is spread over the lanes of a quad of threads, the
+    same ``G`` scores after Q·Kᵀ and the same ``G`` probabilities before P·V, but in two
+    different arrangements. ``accumulator_columns[lane, r]`` is the key (within the group)
+    whose score register ``r`` of ``lane`` holds after Q·Kᵀ; ``operand_keys[lane, r]`` is the
+    key whose probability register ``r`` of ``lane`` must hold when P·V reads its first
+    operand. Both are ``[lanes, registers]`` integer arrays; each, flattened, is a permutation
+    of ``0 … G−1``.
+
+    If every thread hands its registers to P·V unchanged, the matmul reads the value of key
+    ``accumulator_columns[lane, r]`` as if it were key ``operand_keys[lane, r]``. Return
+    ``order`` (integers, shape ``[G]``): ``order[k]`` is the key whose value the matmul reads
+    at position ``k``. Stored in that order (`permute_keys`), Vᵀ makes the product exact again.
+    """
+    raise NotImplementedError("Exercise 4.9 (relabel_order): not started. Read its docstring; hints: python -m minillm.grade 4 --hint 4.9")
+
+
+def permute_keys(vt, order) -> np.ndarray:
+    """Exercise 4.9 (part 2) — Vᵀ with the keys of every group in ``order``.
+
+    ``vt: [..., seq]``, the keys on the last axis (the FP8 kernel's Vᵀ is ``[batch, heads,
+    head_dim, seq]``); ``order``: ``G`` integers from `relabel_order`. Return a new array of
+    ``vt``'s shape and dtype whose key ``g·G + k`` is ``vt``'s key ``g·G + order[k]``, for
+    every group ``g``; nothing moves along the other axes, and ``vt`` is not modified. Raise
+    ``ValueError`` if ``seq`` is not a multiple of ``G``.
+    """
+    raise NotImplementedError("Exercise 4.9 (permute_keys): not started. Read its docstring; hints: python -m minillm.grade 4 --hint 4.9")

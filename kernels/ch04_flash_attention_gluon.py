@@ -34,9 +34,11 @@ atomic counter.
 
 And `flash_attention_gluon_fp8`: the warp-specialized kernel with e4m3 matmuls (Hopper's FP8
 tensor cores run at twice the bf16 rate): Q with one scale per 64 rows, K per ``block_n`` keys,
-V per head, as in `flash_attention_fp8` of the Triton module; P is rounded to e4m3 into shared
-memory for P·V, and V's ring holds tiles of Vᵀ, because an 8-bit ``wgmma`` reads its second
-operand along the reduction axis (the keys).
+V per head, as in `flash_attention_fp8` of the Triton module. V's ring holds tiles of Vᵀ,
+because an 8-bit ``wgmma`` reads its second operand along the reduction axis (the keys), with
+the keys of each 16 in the order in which the 8-bit first operand reads P from the registers
+that hold the scores (`P_KEY_ORDER`), so that P stays in registers (or, as the ablation, P
+goes through shared memory); the softmax's row max and sum are trees (`_fold_halves`).
 
 And `flash_attention_gluon_backward`: FA3's backward with the same division of labour. One
 program per 128 keys of one K/V head keeps dK and dV in the accumulators of two consumer
@@ -98,12 +100,33 @@ GLUON_VERSIONS = ((3, 6), (3, 9))
 # Helpers inside the kernel
 # ----------------------------------------------------------------------------------------
 @gluon.jit
+def _fold_halves(x, MAX: gl.constexpr):
+    """``x [ROWS, W]`` folded to ``[ROWS, 8]`` by adding (``MAX``: taking the larger of) its
+    column halves (four times for W = 128): the elements of each half sit in the same thread
+    as those of the other, so these are independent operations on registers (a tree), where
+    `gl.max`/`gl.sum` along a thread's 32 elements of a row would be a chain of 32."""
+    ROWS: gl.constexpr = x.shape[0]
+    W: gl.constexpr = x.shape[1]
+    for i in gl.static_range(4):
+        if (W >> i) > 8:  # down to 8 columns: two per thread of a quad
+            a, b = x.reshape([ROWS, 2, W // (2 << i)]).permute((0, 2, 1)).split()
+            if MAX:
+                x = gl.maximum(a, b)
+            else:
+                x = a + b
+    return x
+
+
+@gluon.jit
 def _online_softmax(s, m_i, l_i, qk_scale, row0, col0, mask_this, CAUSAL: gl.constexpr,
-                    ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+                    ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+                    TREE: gl.constexpr = False):
     """One step of Chapter 3's online softmax in base 2 on a ``[ROWS, BLOCK_N]`` fp32 tile of
     raw scores ``s`` (in ``s_layout``, the wgmma accumulator's). ``m_i, l_i: [ROWS]``: running
     max (of ``s·qk_scale``) and sum; ``row0``/``col0``: sequence positions of the tile's first
     row and column; ``mask_this``: the tile straddles the diagonal (causal only).
+    ``TREE``: the row max and sum as trees (`_fold_halves`), shorter chains of dependent
+    instructions between the scores and P (FP8's default, where the matmuls no longer hide them).
     Returns ``(p, alpha, m_new, l_new)`` as `minillm.kernels.base.online_softmax_update`."""
     if CAUSAL:
         if mask_this:
@@ -111,10 +134,17 @@ def _online_softmax(s, m_i, l_i, qk_scale, row0, col0, mask_this, CAUSAL: gl.con
             cols = col0 + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
             s = gl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
     # The scale is positive, so it commutes with the max and folds into one FMA per score.
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    if TREE:
+        s_max = gl.convert_layout(gl.max(_fold_halves(s, True), axis=1), m_i.type.layout)
+    else:
+        s_max = gl.max(s, axis=1)
+    m_new = gl.maximum(m_i, s_max * qk_scale)
     p = gl.exp2(s * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
-    l_new = l_i * alpha + gl.sum(p, axis=1)
+    if TREE:
+        l_new = l_i * alpha + gl.convert_layout(gl.sum(_fold_halves(p, False), axis=1), l_i.type.layout)
+    else:
+        l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
 
 
@@ -132,16 +162,38 @@ def _v_operand(v_tile, FP8: gl.constexpr):
 @gluon.jit
 def _p_operand(p, p_smem, p_layout: gl.constexpr, FP8: gl.constexpr):
     """P (fp32, the scores' layout) as the first operand of P·V: in bf16, registers in
-    ``p_layout``; in FP8, e4m3 in ``p_smem``. (Hopper's 8-bit wgmma could read P from
-    registers too, but four keys per thread in a row means shuffling them, and the wait for a
-    matmul cannot hold 8-bit registers, so P takes the way through shared memory.)"""
-    if FP8:
+    ``p_layout``; in FP8 through shared memory (``FP8 == 1``), e4m3 in ``p_smem``; in FP8 from
+    registers (``FP8 == 2``), P itself, which `_p_for_mma` converts at the matmul."""
+    if FP8 == 2:
+        operand = p
+    elif FP8:
         p_smem.store(p.to(p_smem.dtype))
         fence_async_shared()  # ordinary stores, then the wgmma (async proxy) reads them
         _warps_barrier()  # every warp's rows are stored before the matmul starts
         operand = p_smem
     else:
         operand = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    return operand
+
+
+@gluon.jit
+def _p_for_mma(p_op, p_layout: gl.constexpr, FP8: gl.constexpr):
+    """The first operand of P·V from what `_p_operand` returned. With P in registers in FP8
+    (``FP8 == 2``), P crosses the loop in fp32 and becomes e4m3 here: held across the loop as
+    bytes, each would take a 16-bit register of its own and be unpacked and packed again.
+
+    An 8-bit operand holds four consecutive keys per thread where the scores hold two pairs
+    eight keys apart (columns 2c, 2c+1, 2c+8, 2c+9 of each 16). Reading them in that order
+    instead (a relabelling: no data moves) sums over the keys in the order `P_KEY_ORDER`, in
+    which the host stored Vᵀ's keys."""
+    if FP8 == 2:
+        ROWS: gl.constexpr = p_op.shape[0]
+        BLOCK_N: gl.constexpr = p_op.shape[1]
+        p = p_op.reshape([ROWS, BLOCK_N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([ROWS, BLOCK_N])
+        p = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=p_layout.parent, k_width=4))
+        operand = p.to(gl.float8e4nv)
+    else:
+        operand = p_op
     return operand
 
 
@@ -162,7 +214,7 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
                  CONSUMER: gl.constexpr, WS: gl.constexpr, PINGPONG: gl.constexpr,
                  CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                  HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-                 FP8: gl.constexpr = False):
+                 FP8: gl.constexpr = False, TREE: gl.constexpr = False):
     """The key loop of one set of query rows: returns ``(acc [ROWS, HEAD_D] fp32, not yet
     divided by l; m_i, l_i [ROWS])`` for ``softmax(Q Kᵀ · scale) V`` over ``n_blocks`` blocks.
 
@@ -178,7 +230,9 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
     - ``FP8``: Q, K and V are e4m3, V's ring holds tiles of Vᵀ (``[HEAD_D, BLOCK_N]``: an
       8-bit ``wgmma`` reads its second operand along the keys), block j's scores are scaled
       by ``qk_scale · k_scales[j]`` (K's scale per block; Q's is in ``qk_scale`` already) and
-      P is rounded to e4m3 into ``p_smem`` (``[ROWS, BLOCK_N]``) for P·V.
+      P is rounded to e4m3: ``FP8 == 1`` into ``p_smem`` (``[ROWS, BLOCK_N]``) for P·V,
+      ``FP8 == 2`` in registers, Vᵀ's keys stored in `P_KEY_ORDER` (`_p_for_mma`).
+    - ``TREE``: the softmax's row max and sum as trees (`_online_softmax`).
 
     Iteration j:  start S_j = Q K_jᵀ;  acc *= alpha_{j-1};  start acc += P_{j-1} V_{j-1};
     wait for S_j only (P V keeps running);  softmax(S_j) on the CUDA cores;  wait for P V.
@@ -189,8 +243,8 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, HEAD_D, MMA_K])
     # bf16 P as the register operand of P·V: with k_width=2 this layout holds each thread's
-    # elements of S where they already are, so the conversion moves no data. (FP8's P goes
-    # through shared memory: see `_p_operand`.)
+    # elements of S where they already are, so the conversion moves no data. (FP8's P: see
+    # `_p_operand` and `_p_for_mma`.)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -208,7 +262,7 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
         mbarrier.arrive(k_empty.index(first))
     tile_scale = qk_scale * gl.load(k_scales) if FP8 else qk_scale
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, tile_scale, row0, 0, n_full <= 0, CAUSAL, ROWS, BLOCK_N,
-                                         s_layout)
+                                         s_layout, TREE)
     p_op = _p_operand(p, p_smem, p_layout, FP8)
 
     for j in range(1, n_blocks):
@@ -222,7 +276,8 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
         s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         mbarrier.wait(v_ready.index(prev), prev_phase)
-        acc_tok = warpgroup_mma(p_op, _v_operand(v_smem.index(prev), FP8), acc, is_async=True)
+        acc_tok = warpgroup_mma(_p_for_mma(p_op, p_layout, FP8), _v_operand(v_smem.index(prev), FP8), acc,
+                                is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - CONSUMER))
         # Matmul groups retire in order: leaving 1 outstanding retires S_j and keeps P V running.
@@ -231,7 +286,7 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
             mbarrier.arrive(k_empty.index(slot))
         tile_scale = qk_scale * gl.load(k_scales + j) if FP8 else qk_scale
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, tile_scale, row0, j * BLOCK_N, j >= n_full, CAUSAL,
-                                             ROWS, BLOCK_N, s_layout)
+                                             ROWS, BLOCK_N, s_layout, TREE)
         acc, p_op = _wait_pv(acc_tok, p_op, FP8)
         if WS:
             mbarrier.arrive(v_empty.index(prev))
@@ -249,7 +304,8 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
     last = (it0 + n_blocks - 1) % NUM_STAGES
     acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
     mbarrier.wait(v_ready.index(last), ((it0 + n_blocks - 1) // NUM_STAGES) & 1)
-    acc_tok = warpgroup_mma(p_op, _v_operand(v_smem.index(last), FP8), acc, is_async=True)
+    acc_tok = warpgroup_mma(_p_for_mma(p_op, p_layout, FP8), _v_operand(v_smem.index(last), FP8), acc,
+                            is_async=True)
     acc, p_op = _wait_pv(acc_tok, p_op, FP8)
     if WS:
         mbarrier.arrive(v_empty.index(last))
@@ -382,7 +438,8 @@ def _next_unit(unit, tile_counter, DYNAMIC: gl.constexpr):
 def _consumer(q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group, n_tiles,
               qk_scale, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
-              HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, FP8: gl.constexpr):
+              HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, FP8: gl.constexpr,
+              TREE: gl.constexpr):
     """One consumer warpgroup: rows ``[64·CONSUMER, 64·CONSUMER + 64)`` of each tile the loader
     hands this program, until it hands over ``n_tiles`` (no more work). Q comes in two buffers,
     the tiles alternating between them, each with its tile's index in ``tile_ids``; a buffer
@@ -412,7 +469,7 @@ def _consumer(q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty
                                      k_desc, v_desc, kv_bh * seq_len, n_blocks, (my_row0 + 1) // BLOCK_N, my_row0,
                                      rows_scale, k_scales + kv_bh * (seq_len // BLOCK_N), p_smem.index(CONSUMER),
                                      it0, turn0, CONSUMER, True, PINGPONG, CAUSAL, 64, BLOCK_N, HEAD_D, NUM_STAGES,
-                                     4, FP8)
+                                     4, FP8, TREE)
         _store_rows(acc, m_i, l_i, my_o, o_desc, lse_ptr, o_row, 64, out_scale)
         mbarrier.arrive(q_empty.index(buf))
         it0 += n_blocks
@@ -506,7 +563,7 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
                              HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                              PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                              FP8: gl.constexpr = False, PAIRED: gl.constexpr = False,
-                             DYNAMIC: gl.constexpr = False):
+                             DYNAMIC: gl.constexpr = False, TREE: gl.constexpr = False):
     """A 1-d grid over the ``n_tiles = seq / 128 · batch · q_heads`` query tiles: one program
     per tile, or fewer (persistent: each takes tiles in turn, `_loader` says which;
     ``tile_counter``: one int32, zero, for ``DYNAMIC``).
@@ -552,11 +609,11 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
         [(_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
                       k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len,
                       q_heads, group, n_tiles, qk_scale, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
-                      NUM_STAGES, FP8)),
+                      NUM_STAGES, FP8, TREE)),
          (_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
                       k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len,
                       q_heads, group, n_tiles, qk_scale, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
-                      NUM_STAGES, FP8)),
+                      NUM_STAGES, FP8, TREE)),
          (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
                     k_empty, v_empty, tile_counter, seq_len, q_heads, group, n_tiles, head_group, CAUSAL, BLOCK_N,
                     NUM_STAGES, FP8, PAIRED, DYNAMIC))],
@@ -623,7 +680,8 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
                           scale: float | None = None, variant: str = "ws", block_n: int | None = None,
                           num_stages: int | None = None, consumer_regs: int = 240, loader_regs: int = 24,
                           persistent: bool | int | None = None, head_group: int | None = None,
-                          paired: bool | None = None, dynamic: bool | None = None, compile_only: bool = False):
+                          paired: bool | None = None, dynamic: bool | None = None, tree_reductions: bool = False,
+                          compile_only: bool = False):
     """``softmax(scale · q kᵀ + mask) v`` with the Gluon kernels (forward only).
 
     - ``q: [batch, q_heads, seq, head_dim]``, ``k, v: [batch, kv_heads, seq, head_dim]``, bf16,
@@ -640,7 +698,9 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
       units, heads taken that many at a time and within a group longest first (`_schedule`;
       1: head after head); ``dynamic`` (persistent grids): each program claims its next unit
       from an atomic counter instead of taking every P-th. Each of the four left at None
-      takes `default_schedule`'s value.
+      takes `default_schedule`'s value. ``tree_reductions``: the softmax's row max and sum
+      as trees (warp-specialized kernels: ``TREE`` of `_online_softmax`; off by default in bf16,
+      on in FP8).
 
     Returns ``(out [batch, q_heads, seq, head_dim] bf16, lse [batch, q_heads, seq] fp32,
     natural log)``; with ``compile_only``, compiles without launching and returns the
@@ -652,7 +712,7 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
         raise ValueError(reason)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return _launch(q, k, v, None, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs,
-                   persistent, head_group, paired, dynamic, compile_only)
+                   persistent, head_group, paired, dynamic, tree_reductions, compile_only)
 
 
 def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -660,34 +720,54 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               block_n: int | None = None, num_stages: int | None = None, consumer_regs: int = 240,
                               loader_regs: int = 24, persistent: bool | int | None = None,
                               head_group: int | None = None, paired: bool | None = None,
-                              dynamic: bool | None = None, compile_only: bool = False):
+                              dynamic: bool | None = None, tree_reductions: bool = True,
+                              compile_only: bool = False):
     """The warp-specialized kernel with e4m3 matmuls: Q in blocks of 64 rows (one consumer's
     rows) and K in blocks of ``block_n`` keys, each with its own scale, V with one scale per
     head, fp32 accumulation (the quantization of `minillm.kernels.ch04_flash_attention_hopper.
     quantize_blocks`). Inputs, scope and result as `flash_attention_gluon` (bf16 in, bf16
     out); ``variant``: ``"ws"`` or ``"ws_pingpong"``; ``prepared``: `prepare_gluon_fp8`'s
-    result for these inputs, to time the kernel without the quantization."""
+    result for these inputs, to time the kernel without the quantization (it also says whether
+    P·V reads P from registers, the default, or from shared memory); ``tree_reductions``: as
+    `flash_attention_gluon`'s, here on by default."""
     if variant not in VARIANTS[1:]:
         raise ValueError(f"the FP8 kernel is warp-specialized: variant must be one of {VARIANTS[1:]}, got {variant!r}")
     reason = _reason(q, k, v)
     if reason:
         raise ValueError(reason)
     block_n = block_n or default_tiles(q.shape[-1], fp8=True)[0]
-    prepared = prepared or prepare_gluon_fp8(q, k, v, block_n)
-    return _launch(*prepared, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs,
-                   persistent, head_group, paired, dynamic, compile_only, out_shape=q.shape)
+    q8, k8, v8t, scales, p_in_registers = prepared or prepare_gluon_fp8(q, k, v, block_n)
+    return _launch(q8, k8, v8t, (scales, p_in_registers), causal, scale, variant, block_n, num_stages, consumer_regs,
+                   loader_regs, persistent, head_group, paired, dynamic, tree_reductions, compile_only,
+                   out_shape=q.shape)
 
 
-def prepare_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int = 128) -> tuple:
-    """``(q8, k8, v8ᵀ, (q_scales, k_scales, v_scales))`` for `flash_attention_gluon_fp8`: e4m3
-    ``q8 [b, h, s, d]``, ``k8 [b, h_kv, s, d]``, ``v8ᵀ [b, h_kv, d, s]`` and their fp32 scales
-    (per 64 query rows, per ``block_n`` keys, per head of V)."""
+#: The order of the keys in each 16 of Vᵀ when P stays in registers (see `_p_for_mma`):
+#: position 4c + 2e + i holds key 8e + 2c + i.
+P_KEY_ORDER = tuple(8 * e + 2 * c + i for c in range(4) for e in range(2) for i in range(2))
+
+
+def prepare_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int = 128,
+                      p_in_registers: bool = True) -> tuple:
+    """``(q8, k8, v8ᵀ, (q_scales, k_scales, v_scales), p_in_registers)`` for
+    `flash_attention_gluon_fp8`: e4m3 ``q8 [b, h, s, d]``, ``k8 [b, h_kv, s, d]``, ``v8ᵀ [b,
+    h_kv, d, s]`` and their fp32 scales (per 64 query rows, per ``block_n`` keys, per head of
+    V). ``p_in_registers``: P·V reads P from registers, and Vᵀ's keys are stored in
+    `P_KEY_ORDER` within each 16; else P goes through shared memory and the keys keep their
+    order. Registers are the default: faster with and without a mask on an H200
+    (``bench/results/nvidia-h200.json``, kernels ``fp8_*`` against ``fp8_*_smem``). P in fp32
+    across the loop takes 48 registers more, and under a causal mask ptxas spills a little
+    with Triton 3.6 (8 bytes at head dim 128) and a lot with 3.9 (400-576 bytes, not timed)."""
     from minillm.kernels.ch04_flash_attention_hopper import quantize_blocks
 
     q8, q_scales = quantize_blocks(q, 64)
     k8, k_scales = quantize_blocks(k, block_n)
     v8t, v_scales = quantize_blocks(v, v.shape[2], transpose=True)
-    return q8, k8, v8t, (q_scales, k_scales, v_scales)
+    if p_in_registers:
+        *lead, s = v8t.shape
+        order = torch.tensor(P_KEY_ORDER, device=v.device)
+        v8t = v8t.view(*lead, s // 16, 16)[..., order].reshape(*lead, s)
+    return q8, k8, v8t, (q_scales, k_scales, v_scales), p_in_registers
 
 
 #: Up to this length, the warp-specialized kernels run persistent by default without a causal mask.
@@ -730,9 +810,10 @@ def _grid(n_units: int, persistent: bool | int, dynamic: bool, device) -> tuple[
 
 
 def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs, persistent,
-            head_group, paired, dynamic, compile_only, out_shape=None):
+            head_group, paired, dynamic, tree_reductions, compile_only, out_shape=None):
     """Make the descriptors and launch (or compile) the kernel of ``variant``. ``scales``:
-    None for bf16, else FP8's ``(q_scales, k_scales, v_scales)`` with ``v`` as Vᵀ."""
+    None for bf16, else FP8's ``((q_scales, k_scales, v_scales), p_in_registers)`` with ``v``
+    as Vᵀ."""
     b, h, s, d = q.shape
     schedule = default_schedule(bool(causal), s)
     persistent = (variant != "pipelined" and schedule["persistent"]) if persistent is None else persistent
@@ -759,14 +840,15 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
         kernel, rows, args, grid = _pipelined_kernel, BLOCK_M, (lse, s, h, h // k.shape[1], qk_scale), (n_tiles,)
         meta = dict(num_warps=8)
     else:
-        q_scales, k_scales, v_scales = scales if fp8 else (lse, lse, lse)  # (bf16: unread)
+        (q_scales, k_scales, v_scales), p_in_registers = scales if fp8 else ((lse, lse, lse), False)  # (bf16: unread)
         kernel, rows = _warp_specialized_kernel, 64
         n_units = b * h * ((s // BLOCK_M + 1) // 2) if paired else n_tiles
         grid, tile_counter = _grid(n_units, persistent, dynamic, q.device)
         tile_counter = lse if tile_counter is None else tile_counter  # (unread)
         args = (lse, q_scales, k_scales, v_scales, tile_counter, s, h, h // k.shape[1], n_tiles, head_group, qk_scale)
         meta = dict(PINGPONG=variant == "ws_pingpong", CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
-                    FP8=fp8, PAIRED=paired, DYNAMIC=dynamic, num_warps=4)
+                    FP8=(2 if p_in_registers else 1) if fp8 else 0, PAIRED=paired, DYNAMIC=dynamic,
+                    TREE=bool(tree_reductions), num_warps=4)
     descriptors = (_descriptor(q.view(-1, d), rows), k_desc, v_desc, _descriptor(out.view(-1, d), rows))
     meta.update(CAUSAL=bool(causal), HEAD_D=d, BLOCK_N=block_n, NUM_STAGES=num_stages)
     if compile_only:

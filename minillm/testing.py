@@ -344,10 +344,12 @@ def fp8_quantized_inputs(prepared: tuple, q_len: int, kv_len: int, block_m: int,
     `prepare_fp8` and `prepare_gluon_fp8` return them (Q in blocks of ``block_m`` rows, K in
     blocks of ``block_n``, Vᵀ in blocks of keys or one per head), cut to ``q_len`` / ``kv_len``.
     A reference fed these quantizes them again to the same values: it then checks the kernel's
-    arithmetic, not whether two quantizers round the same ties the same way."""
+    arithmetic, not whether two quantizers round the same ties the same way. (Vᵀ's keys must be
+    in order: `prepare_gluon_fp8` with ``p_in_registers=False``.)"""
     from minillm.reference.ch04_fp8 import dequantize_blocks
 
-    q8, k8, v8t, (q_scales, k_scales, v_scales) = prepared
+    q8, k8, v8t, (q_scales, k_scales, v_scales) = prepared[:4]
+    assert len(prepared) == 4 or not prepared[4], "Vᵀ's keys are permuted: prepare with p_in_registers=False"
     v8 = np.swapaxes(to_numpy(v8t), -1, -2)
     return (dequantize_blocks(to_numpy(q8), to_numpy(q_scales), block_m)[:, :, :q_len],
             dequantize_blocks(to_numpy(k8), to_numpy(k_scales), block_n)[:, :, :kv_len],

@@ -283,3 +283,24 @@ def persistent_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
         HEAD_DIM=d, CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=2)
     return out, lse, owner
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 4.9: the key order that keeps an 8-bit P in registers.
+# ---------------------------------------------------------------------------------------------
+def relabel_order(accumulator_columns, operand_keys) -> np.ndarray:
+    """Exercise 4.9 (part 1): the register that holds key ``accumulator_columns[lane, r]`` is
+    read at position ``operand_keys[lane, r]``, so ``order`` maps the second to the first."""
+    columns = np.asarray(accumulator_columns).ravel()
+    order = np.empty(columns.size, dtype=np.int64)
+    order[np.asarray(operand_keys).ravel()] = columns
+    return order
+
+
+def permute_keys(vt, order) -> np.ndarray:
+    """Exercise 4.9 (part 2): the last axis viewed as ``[seq / G, G]``, gathered by ``order``."""
+    vt, order = np.asarray(vt), np.asarray(order)
+    group, seq = order.size, vt.shape[-1]
+    if seq % group:
+        raise ValueError(f"the keys ({seq}) must come in whole groups of {group}")
+    return vt.reshape(*vt.shape[:-1], seq // group, group)[..., order].reshape(vt.shape)

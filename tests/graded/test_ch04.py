@@ -24,6 +24,8 @@ tma_kernel_ex = pytest.mark.exercise(id="4.7", title="The key loop through tenso
                                      points=2, kind="triton")
 persistent_ex = pytest.mark.exercise(id="4.8", title="Persistent programs walking a balanced causal schedule",
                                      points=3, kind="triton")
+relabel_ex = pytest.mark.exercise(id="4.9", title="Relabel, don't shuffle: the key order that keeps an 8-bit P in "
+                                  "registers", points=2)
 
 
 def empty_state(rows, d):
@@ -489,3 +491,64 @@ def test_persistent_forward_with_your_schedule(impl, device, gen, seed):
     assert loads.max() <= work.sum() / num_programs + work.max(), (
         f"work per program {loads.tolist()} (key blocks): the busiest exceeds the average "
         f"{work.sum() / num_programs:.2f} by more than one longest tile ({work.max()})")
+
+
+# --- 4.9 -------------------------------------------------------------------------------------
+
+#: Hopper, per group of 16 keys: lane c of a quad holds the scores of keys 2c, 2c+1, 2c+8, 2c+9
+#: (the fp32 accumulator of wgmma), and an 8-bit first operand wants keys 4c … 4c+3.
+HOPPER_ACCUMULATOR = np.array([[2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9] for c in range(4)])
+HOPPER_OPERAND = np.array([[4 * c + r for r in range(4)] for c in range(4)])
+
+
+def read_as_operand(p, accumulator_columns, operand_keys):
+    """``p [..., n]`` as P·V reads it when every register goes over unchanged: in each group of
+    G keys, the value of key ``accumulator_columns[lane, r]`` lands at ``operand_keys[lane, r]``."""
+    cols, keys = np.ravel(accumulator_columns), np.ravel(operand_keys)
+    read = np.empty_like(p)
+    for start in range(0, p.shape[-1], cols.size):
+        read[..., start + keys] = p[..., start + cols]
+    return read
+
+
+@relabel_ex
+def test_hopper_order_is_the_kernels(impl):
+    """On Hopper's two layouts the order is the one `prepare_gluon_fp8` stores Vᵀ's keys in."""
+    from minillm.kernels.ch04_flash_attention_gluon import P_KEY_ORDER
+
+    order = np.asarray(impl.relabel_order(HOPPER_ACCUMULATOR, HOPPER_OPERAND))
+    assert order.shape == (16,) and [int(x) for x in order] == list(P_KEY_ORDER), \
+        f"got {order.tolist()}: position 4c + r must hold the key of lane c's register r after Q·Kᵀ"
+
+
+@relabel_ex
+@pytest.mark.parametrize("lanes, registers", [(4, 4), (8, 2), (2, 8), (4, 8), (1, 5)])
+def test_relabelled_product_is_exact(impl, seed, lanes, registers):
+    """Any two arrangements of a group: P read as it lies, times Vᵀ in your order, is P·V."""
+    rng = np.random.default_rng(seed)
+    group = lanes * registers
+    columns = rng.permutation(group).reshape(lanes, registers)
+    keys = rng.permutation(group).reshape(lanes, registers)
+    order = np.asarray(impl.relabel_order(columns, keys))
+    assert sorted(order.tolist()) == list(range(group)), f"order must be a permutation of 0 … {group - 1} (seed {seed})"
+    n = group * int(rng.integers(1, 5))
+    p, vt = rng.random((3, n)), rng.standard_normal((2, 5, n))  # vt: [heads, head_dim, keys]
+    got = read_as_operand(p, columns, keys) @ np.swapaxes(impl.permute_keys(vt, order), -1, -2)
+    np.testing.assert_allclose(got, p @ np.swapaxes(vt, -1, -2), rtol=1e-12, atol=1e-12,
+                               err_msg=f"P·V with the registers relabelled and Vᵀ permuted (seed {seed})")
+
+
+@relabel_ex
+def test_permute_keys_moves_keys_within_groups_only(impl, seed):
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(16)
+    vt = rng.standard_normal((2, 3, 4, 48)).astype(np.float32)
+    before = vt.copy()
+    got = np.asarray(impl.permute_keys(vt, order))
+    assert got.shape == vt.shape and got.dtype == vt.dtype
+    np.testing.assert_array_equal(vt, before, err_msg="permute_keys must not modify its input")
+    for g in range(3):
+        np.testing.assert_array_equal(got[..., 16 * g:16 * g + 16], vt[..., 16 * g + order],
+                                      err_msg=f"group {g}: key 16g + k must be vt's key 16g + order[k] (seed {seed})")
+    with pytest.raises(ValueError):
+        impl.permute_keys(vt[..., :40], order)  # 40 keys: not whole groups of 16
