@@ -67,7 +67,7 @@ import torch
 
 from minillm.costs import nominal_attention_flops
 from minillm.kernels.ch04_flash_attention_gluon import (
-    GLUON_VERSIONS, VARIANTS, flash_attention_gluon, flash_attention_gluon_backward, flash_attention_gluon_fp8,
+    GLUON_VERSIONS, flash_attention_gluon, flash_attention_gluon_backward, flash_attention_gluon_fp8,
     default_schedule, gluon_applies, prepare_gluon_fp8,
 )
 from minillm.kernels.ch04_flash_attention_hopper import flash_attention_hopper, flash_attention_hopper_backward
@@ -216,33 +216,28 @@ def _point(results: Results, device, gen, n: int, head_dim: int, causal: bool, m
             add(name, ours[name], DEFAULT_VARIANT, ours[DEFAULT_VARIANT],
                 f"ablation against the default ({default_schedule(causal, n)})")
     fp8 = {}
-    in_registers, in_smem = (prepare_gluon_fp8(q, k, v, p_in_registers=flag) for flag in (True, False))
-    for kernel, variant, prepared, tree in FP8_KERNELS:
-        _fp8_kernel(results, base, kernel, variant, in_registers if prepared == "registers" else in_smem, tree, q, k,
-                    v, causal, cudnn_out, ours, peer_ms, fp8, tflops, mm, timer)
+    prepared = {where: prepare_gluon_fp8(q, k, v, p_in_registers=where == "registers")
+                for where in ("registers", "smem")}
+    for kernel, variant, where, tree in FP8_KERNELS:
+        ms, (out, _) = timed_output(lambda: flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant,
+                                                                      prepared=prepared[where],
+                                                                      tree_reductions=tree), timer)
+        fp8[kernel] = ms
+        fp8_params = {**base, "dtype": "fp8", "kernel": kernel}
+        note = ("e4m3 Q/K/V, scales per 64 rows of Q, per 128 keys of K, per head of V; quantization not included; "
+                f"P {'in registers' if where == 'registers' else 'through shared memory'}; row max and sum as "
+                f"{'trees' if tree else 'chains'}")
+        if cudnn_out is not None:
+            results.add(BENCHMARK, fp8_params, "rel_err", rel_err(out, cudnn_out), "sdpa_cudnn",
+                        note="‖ours − cuDNN (bf16)‖ / ‖cuDNN‖")
+        for peer, p_ms in (("ws", ours["ws"]), ("ws_pingpong", ours["ws_pingpong"]),
+                           ("triton_hopper", peer_ms["triton_hopper"][0]), ("sdpa_cudnn", peer_ms["sdpa_cudnn"][0])):
+            results.add(BENCHMARK, fp8_params, "time_ms", ms, peer, p_ms, note=note)
+            results.add(BENCHMARK, fp8_params, "TFLOPs", tflops(ms), peer, tflops(p_ms),
+                        fraction_of_ceiling=tflops(ms) / mm if mm else None, note=note)
     print(f"  [{BENCHMARK}] D={head_dim} causal={causal} N={n}: "
           + ", ".join(f"{v} {tflops(ms):.0f}" for v, ms in {**ours, **fp8}.items()) + "; "
           + ", ".join(f"{p} {tflops(ms) or 0:.0f}" for p, (ms, _) in peer_ms.items()) + " TFLOP/s", flush=True)
-
-
-def _fp8_kernel(results, base, kernel, variant, prepared, tree, q, k, v, causal, cudnn_out, ours, peer_ms, fp8,
-                tflops, mm, timer) -> None:
-    """The rows of one FP8 kernel at one point (see the module's docstring); its time into ``fp8``."""
-    ms, (out, _) = timed_output(lambda: flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant,
-                                                                  prepared=prepared, tree_reductions=tree), timer)
-    fp8[kernel] = ms
-    fp8_params = {**base, "dtype": "fp8", "kernel": kernel}
-    note = ("e4m3 Q/K/V, scales per 64 rows of Q, per 128 keys of K, per head of V; quantization not included; "
-            + ("P in registers" if prepared[-1] else "P through shared memory")
-            + ("; row max and sum as trees" if tree else "; row max and sum as chains"))
-    if cudnn_out is not None:
-        results.add(BENCHMARK, fp8_params, "rel_err", rel_err(out, cudnn_out), "sdpa_cudnn",
-                    note="‖ours − cuDNN (bf16)‖ / ‖cuDNN‖")
-    for peer, p_ms in (("ws", ours["ws"]), ("ws_pingpong", ours["ws_pingpong"]),
-                       ("triton_hopper", peer_ms["triton_hopper"][0]), ("sdpa_cudnn", peer_ms["sdpa_cudnn"][0])):
-        results.add(BENCHMARK, fp8_params, "time_ms", ms, peer, p_ms, note=note)
-        results.add(BENCHMARK, fp8_params, "TFLOPs", tflops(ms), peer, tflops(p_ms),
-                    fraction_of_ceiling=tflops(ms) / mm if mm else None, note=note)
 
 
 # ----------------------------------------------------------------------------------------
