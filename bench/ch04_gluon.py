@@ -54,8 +54,15 @@ to the next on an H200 (which SM gets which tile differs from run to run), and o
 alone would let a single slow round decide a row. The forward sweep stops starting points
 after ``MINILLM_CH04_GLUON_BUDGET_S`` seconds (default 150), the backward after
 ``MINILLM_CH04_GLUON_BWD_BUDGET_S`` (default 150).
-``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward``) picks the parts to run; a re-run of
-one part keeps the other's earlier rows in the results file.
+The softmax part (``params["part"] = "softmax"``; N 2k, 4k and 16k, both head dims, causal and
+not): two of FlashAttention-4's remedies for a softmax that the tensor cores outrun, in bf16 and
+FP8, with and without ping-pong (`SOFTMAX_KERNELS`): one in eight of P's exponentials computed
+by a polynomial on the FMA units (``*_fma8``) and a lazy running max (``*_lazy``); ``TFLOPs`` and
+``time_ms`` of each against the same kernel without them (ratio > 1: the change pays), FP8
+ones also against bf16 ``ws``. Budget ``MINILLM_CH04_GLUON_SOFTMAX_BUDGET_S`` (default 240).
+
+``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax``) picks the parts to run; a
+re-run of some parts keeps the others' earlier rows in the results file.
 """
 from __future__ import annotations
 
@@ -81,7 +88,7 @@ from bench.common import Results, attempt, cuda_device, dtype_name, rel_err, swe
 BENCHMARK = "ch04_gluon"
 DEFAULT_VARIANT = "ws"
 PEERS = ("sdpa_cudnn", "sdpa_flash", "triton_hopper")
-PARTS = ("forward", "backward")
+PARTS = ("forward", "backward", "softmax")
 #: The backward's kernels, each setting spelled out (the module's default is ``bwd_tma`` at head
 #: dim 128 and ``bwd_tma_prefetch`` at 64, `default_prefetch_stats`); the ablations are against
 #: ``bwd_tma``.
@@ -97,6 +104,24 @@ BWD_BASE = "bwd_tma"
 FP8_KERNELS = (("fp8_ws", "ws", "registers", True), ("fp8_ws_pingpong", "ws_pingpong", "registers", True),
                ("fp8_ws_smem", "ws", "smem", True), ("fp8_ws_pingpong_smem", "ws_pingpong", "smem", True),
                ("fp8_ws_chain", "ws", "registers", False))
+#: The softmax part's kernels: name -> (dtype, variant, keyword arguments). Two of
+#: FlashAttention-4's answers to a softmax that the tensor cores outrun, each against the same
+#: variant without it: ``*_fma8``, one in eight of P's exponentials on the FMA units
+#: (``fma_exp2=8``); ``*_lazy``, a running max that moves only by more than 8 and an
+#: accumulator rescaled only when some row's does (``lazy_rescale=True``).
+SOFTMAX_KERNELS = {
+    "ws": ("bf16", "ws", {}), "ws_fma8": ("bf16", "ws", dict(fma_exp2=8)),
+    "ws_lazy": ("bf16", "ws", dict(lazy_rescale=True)),
+    "ws_pingpong": ("bf16", "ws_pingpong", {}), "ws_pingpong_fma8": ("bf16", "ws_pingpong", dict(fma_exp2=8)),
+    "ws_pingpong_lazy": ("bf16", "ws_pingpong", dict(lazy_rescale=True)),
+    "fp8_ws": ("fp8", "ws", {}), "fp8_ws_fma8": ("fp8", "ws", dict(fma_exp2=8)),
+    "fp8_ws_lazy": ("fp8", "ws", dict(lazy_rescale=True)),
+    "fp8_ws_pingpong": ("fp8", "ws_pingpong", {}), "fp8_ws_pingpong_fma8": ("fp8", "ws_pingpong", dict(fma_exp2=8)),
+    "fp8_ws_pingpong_lazy": ("fp8", "ws_pingpong", dict(lazy_rescale=True)),
+    "fp8_ws_pingpong_lazy_fma8": ("fp8", "ws_pingpong", dict(lazy_rescale=True, fma_exp2=8)),
+}
+#: The softmax part's lengths (every head dim, causal or not).
+SOFTMAX_SEQ_LENS = (2048, 4096, 16384)
 #: Ways of sharing out the forward's tiles, each spelled out (`flash_attention_gluon`'s
 #: ``persistent``, ``paired``, ``dynamic``, ``head_group``); the paired ones run under a causal
 #: mask only.
@@ -129,8 +154,13 @@ def bwd_budget_s() -> float:
     return float(os.environ.get("MINILLM_CH04_GLUON_BWD_BUDGET_S", "150"))
 
 
+def softmax_budget_s() -> float:
+    """The softmax part's budget: ``MINILLM_CH04_GLUON_SOFTMAX_BUDGET_S`` (default 240)."""
+    return float(os.environ.get("MINILLM_CH04_GLUON_SOFTMAX_BUDGET_S", "240"))
+
+
 def selected_parts() -> tuple[str, ...]:
-    """The parts ``MINILLM_CH04_GLUON_PARTS`` names (default: both), in `PARTS` order."""
+    """The parts ``MINILLM_CH04_GLUON_PARTS`` names (default: all), in `PARTS` order."""
     names = {p.strip() for p in os.environ.get("MINILLM_CH04_GLUON_PARTS", ",".join(PARTS)).split(",")}
     unknown = names - set(PARTS) - {""}
     if unknown:
@@ -140,7 +170,10 @@ def selected_parts() -> tuple[str, ...]:
 
 def row_part(row: dict) -> str:
     """The part that wrote a row of this benchmark."""
-    return "backward" if (row.get("params") or {}).get("pass") == "bwd" else "forward"
+    params = row.get("params") or {}
+    if params.get("part") == "softmax":
+        return "softmax"
+    return "backward" if params.get("pass") == "bwd" else "forward"
 
 
 def run(results: Results, device) -> None:
@@ -154,11 +187,13 @@ def run(results: Results, device) -> None:
     parts = selected_parts()
     if set(parts) != set(PARTS):
         results.keep_previous(BENCHMARK, lambda row: row_part(row) not in parts,
-                              why=f"MINILLM_CH04_GLUON_PARTS={','.join(parts)}: the other part's rows")
+                              why=f"MINILLM_CH04_GLUON_PARTS={','.join(parts)}: the other parts' rows")
     if "forward" in parts:
         sweep(results, device)
     if "backward" in parts:
         backward_sweep(results, device)
+    if "softmax" in parts:
+        softmax_sweep(results, device)
 
 
 def sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, tokens: int = TOKENS,
@@ -305,3 +340,49 @@ def _bwd_point(results: Results, device, gen, n: int, head_dim: int, causal: boo
     print(f"  [{BENCHMARK}] backward D={head_dim} causal={causal} N={n}: "
           + ", ".join(f"{name} {tflops(ms) or 0:.0f}" for name, ms in ours.items()) + "; "
           + ", ".join(f"{name} {tflops(ms) or 0:.0f}" for name, ms in peer_ms.items()) + " TFLOP/s", flush=True)
+
+
+# ----------------------------------------------------------------------------------------
+# The softmax part: FlashAttention-4's exponentials on the FMA units and lazy rescaling
+# ----------------------------------------------------------------------------------------
+def softmax_sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SOFTMAX_SEQ_LENS, tokens: int = TOKENS,
+                  hidden: int = HIDDEN, timer: Callable | None = None) -> None:
+    """The softmax rows (`SOFTMAX_KERNELS`) at every point, until `softmax_budget_s`."""
+    timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, softmax_budget_s(), timer, WARMUP_MS, REP_MS)
+    timer = median_of_rounds(timer, timing_rounds())
+    each_point(BENCHMARK + " softmax", head_dims, seq_lens, out_of_time,
+               lambda head_dim, causal, n: _softmax_point(results, device, gen, n, head_dim, causal, timer, tokens,
+                                                          hidden))
+
+
+def _softmax_point(results: Results, device, gen, n: int, head_dim: int, causal: bool, timer, tokens: int,
+                   hidden: int) -> None:
+    """Every kernel of `SOFTMAX_KERNELS` at one point: ``TFLOPs`` and ``time_ms`` against the
+    same variant and dtype without the change (``ws``, ``ws_pingpong``, ``fp8_ws``,
+    ``fp8_ws_pingpong``: ratio > 1, the change pays), FP8 kernels also against bf16 ``ws``."""
+    batch, heads = max(1, tokens // n), hidden // head_dim
+    q, k, v = (torch.randn((batch, heads, n, head_dim), device=device, dtype=torch.bfloat16, generator=gen)
+               for _ in range(3))
+    flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal)
+    tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+    prepared = prepare_gluon_fp8(q, k, v)
+    ms = {}
+    for name, (dtype, variant, kw) in SOFTMAX_KERNELS.items():
+        if dtype == "fp8":
+            fn = lambda: flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant,  # noqa: E731
+                                                   prepared=prepared, **kw)
+        else:
+            fn = lambda: flash_attention_gluon(q, k, v, causal=causal, variant=variant, **kw)  # noqa: E731
+        ms[name], _ = timed_output(fn, timer)
+    for name, (dtype, variant, kw) in SOFTMAX_KERNELS.items():
+        params = {"batch": batch, "heads": heads, "seq_len": n, "head_dim": head_dim, "causal": causal,
+                  "dtype": dtype, "kernel": name, "part": "softmax"}
+        plain = ("fp8_" if dtype == "fp8" else "") + variant
+        peers = ([plain] if kw else []) + (["ws"] if dtype == "fp8" else [])
+        for peer in peers or [None]:
+            p_ms = ms[peer] if peer else None
+            results.add(BENCHMARK, params, "time_ms", ms[name], peer, p_ms, note=str(kw or "as the defaults"))
+            results.add(BENCHMARK, params, "TFLOPs", tflops(ms[name]), peer, tflops(p_ms) if p_ms else None,
+                        note=str(kw or "as the defaults"))
+    print(f"  [{BENCHMARK} softmax] D={head_dim} causal={causal} N={n}: "
+          + ", ".join(f"{name} {tflops(t):.0f}" for name, t in ms.items()) + " TFLOP/s", flush=True)

@@ -3,7 +3,7 @@
 Replace each ``raise NotImplementedError(...)`` with your implementation: Exercises 4.1–4.4 in
 NumPy, 4.5–4.7 as Triton kernels (write the body of the ``@triton.jit`` function, then
 delete the ``raise`` at the top of its launcher), 4.8 a schedule in NumPy and a kernel, 4.9 a
-relabelling of keys in NumPy. Tests
+relabelling of keys in NumPy, 4.10 an exponential without the exponential unit in Triton. Tests
 compare your functions with the float64 references in `minillm.reference.ch04_flash_attention`
 and `minillm.reference.ch01_naive_attention` on fresh random inputs, including scores in the hundreds,
 blocks that do not divide the sequence, more queries than keys (whose first rows see no key
@@ -349,3 +349,40 @@ def permute_keys(vt, order) -> np.ndarray:
     ``ValueError`` if ``seq`` is not a multiple of ``G``.
     """
     raise NotImplementedError("Exercise 4.9 (permute_keys): not started. Read its docstring; hints: python -m minillm.grade 4 --hint 4.9")
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 4.10 (Section 11, Hopper): 2^x on the FMA units.
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def exp2_fma_kernel(X, Y, n, C0, C1, C2, C3, BLOCK: tl.constexpr):
+    """Exercise 4.10 — ``Y[i] = 2^X[i]`` for fp32 ``X[i] <= 0`` (``-inf`` allowed), ``i < n``,
+    without ``tl.exp2``/``tl.exp``: additions, multiplications and integer operations only.
+
+    1. Clamp ``x`` to at least -125 (below, and for ``-inf``, the result is ``2^-125``).
+    2. ``t = x + 12582912.0`` (``1.5·2^23``): the fp32 adder rounds ``x`` to the nearest
+       integer ``n``, which then sits in ``t``'s low mantissa bits; ``n = t - 12582912.0``.
+    3. ``f = x - n`` lies in ``[-1/2, 1/2]``; ``p = ((C3·f + C2)·f + C1)·f + C0 ≈ 2^f``.
+    4. Add ``n`` to ``p``'s exponent field: reinterpret ``p`` and ``t`` as int32
+       (``.to(tl.int32, bitcast=True)``), add ``t``'s bits shifted left by 23 to ``p``'s, and
+       reinterpret the sum as fp32.
+
+    Program ``i`` handles elements ``i·BLOCK …``; elements past ``n`` are neither read nor
+    written.
+    """
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    pass  # your code: a masked load, the four steps, a masked store
+
+
+def exp2_on_fma(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Exercise 4.10 (launcher, complete) — ``x``: fp32, any shape, entries ``<= 0`` ->
+    ``2^x`` computed by `exp2_fma_kernel` with the cubic of
+    `minillm.reference.ch04_fp8.EXP2_POLY_COEFFS`, written into the first ``x.numel()``
+    elements of ``out`` (fp32, 1-d, at least that long) if given."""
+    raise NotImplementedError("Exercise 4.10 (exp2_fma_kernel): not started. Read its docstring; hints: python -m minillm.grade 4 --hint 4.10")
+    from minillm.reference.ch04_fp8 import EXP2_POLY_COEFFS
+
+    flat = x.contiguous().view(-1)
+    out = torch.empty_like(flat) if out is None else out
+    exp2_fma_kernel[(triton.cdiv(flat.numel(), 128),)](flat, out, flat.numel(), *EXP2_POLY_COEFFS, BLOCK=128)
+    return out[:flat.numel()].view(x.shape)

@@ -39,6 +39,9 @@ because an 8-bit ``wgmma`` reads its second operand along the reduction axis (th
 the keys of each 16 in the order in which the 8-bit first operand reads P from the registers
 that hold the scores (`P_KEY_ORDER`), so that P stays in registers (or, as the ablation, P
 goes through shared memory); the softmax's row max and sum are trees (`_fold_halves`).
+Two of FlashAttention-4's changes to the softmax are switches of both kernels, off by default
+(measured slower on an H200): a share of the exponentials computed by a polynomial on the FMA
+units (``fma_exp2``, `_exp2_shared`) and a lazy running max (``lazy_rescale``, `_rescaled`).
 
 And `flash_attention_gluon_backward`: FA3's backward with the same division of labour. One
 program per 128 keys of one K/V head keeps dK and dV in the accumulators of two consumer
@@ -78,6 +81,7 @@ from minillm.kernels.base import (
     LOG2E, TensorDescriptor, fence_async_shared, mbarrier, num_sms, tma, warpgroup_mma, warpgroup_mma_wait,
     gluon_tma_load as _tma_load, gluon_tma_store as _tma_store, gluon_warps_barrier as _warps_barrier,
 )
+from minillm.reference.ch04_fp8 import EXP2_POLY_COEFFS, EXP2_POLY_MIN, ROUND_MAGIC
 
 
 @gl_builtin
@@ -117,16 +121,82 @@ def _fold_halves(x, MAX: gl.constexpr):
     return x
 
 
+#: `minillm.reference.ch04_fp8.exp2_polynomial`'s constants, as the kernel's compile-time values.
+_EXP2_C0, _EXP2_C1, _EXP2_C2, _EXP2_C3 = (gl.constexpr(c) for c in EXP2_POLY_COEFFS)
+_ROUND_MAGIC = gl.constexpr(ROUND_MAGIC)
+_EXP2_MIN = gl.constexpr(EXP2_POLY_MIN)
+
+
+@gluon.jit
+def _exp2_on_fma(x):
+    """``2^x`` (``x <= 0``) on the FMA and integer units instead of the special-function unit
+    (MUFU, 16 exponentials per clock per SM): round, a cubic for the remainder, the integer
+    part added into the exponent bits (`minillm.reference.ch04_fp8.exp2_polynomial`, the
+    same steps in NumPy): eight instructions an element where MUFU takes one."""
+    x = gl.maximum(x, _EXP2_MIN)
+    t = x + _ROUND_MAGIC
+    f = x - (t - _ROUND_MAGIC)
+    p = ((_EXP2_C3 * f + _EXP2_C2) * f + _EXP2_C1) * f + _EXP2_C0
+    bits = p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)
+    return bits.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _column_halves(x):
+    """``x [ROWS, W]`` as its two column halves ``[ROWS, W/2]``: each thread holds the
+    elements of both (the accumulator layout repeats every 8 columns), so no data moves."""
+    ROWS: gl.constexpr = x.shape[0]
+    W: gl.constexpr = x.shape[1]
+    return x.reshape([ROWS, 2, W // 2]).permute((0, 2, 1)).split()
+
+
+@gluon.jit
+def _joined_halves(a, b):
+    """The inverse of `_column_halves`. (``a`` may come from an earlier join, in a layout
+    spelled differently but holding the same elements where ``b``'s does: a conversion
+    without data movement.)"""
+    ROWS: gl.constexpr = a.shape[0]
+    W: gl.constexpr = a.shape[1] * 2
+    return gl.join(gl.convert_layout(a, b.type.layout), b).permute((0, 2, 1)).reshape([ROWS, W])
+
+
+@gluon.jit
+def _exp2_shared(x, FMA_SHARE: gl.constexpr):
+    """``2^x`` on a ``[ROWS, W]`` tile, the first ``W / FMA_SHARE`` columns by `_exp2_on_fma`
+    and the rest by MUFU (``FMA_SHARE``: 0 for none, 2, 4 or 8), so that both kinds of unit
+    work at once: FlashAttention-4's answer to the exponential as the bottleneck."""
+    if FMA_SHARE == 0:
+        y = gl.exp2(x)
+    else:
+        a, b = _column_halves(x)
+        if FMA_SHARE == 2:
+            a = _exp2_on_fma(a)
+        else:
+            a0, a1 = _column_halves(a)
+            if FMA_SHARE == 4:
+                a0 = _exp2_on_fma(a0)
+            else:
+                a00, a01 = _column_halves(a0)
+                a0 = _joined_halves(_exp2_on_fma(a00), gl.exp2(a01))
+            a = _joined_halves(a0, gl.exp2(a1))
+        y = gl.convert_layout(_joined_halves(a, gl.exp2(b)), x.type.layout)
+    return y
+
+
 @gluon.jit
 def _online_softmax(s, m_i, l_i, qk_scale, row0, col0, mask_this, CAUSAL: gl.constexpr,
                     ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
-                    TREE: gl.constexpr = False):
+                    TREE: gl.constexpr = False, FMA_EXP2: gl.constexpr = 0, SLACK: gl.constexpr = 0.0):
     """One step of Chapter 3's online softmax in base 2 on a ``[ROWS, BLOCK_N]`` fp32 tile of
     raw scores ``s`` (in ``s_layout``, the wgmma accumulator's). ``m_i, l_i: [ROWS]``: running
     max (of ``s·qk_scale``) and sum; ``row0``/``col0``: sequence positions of the tile's first
     row and column; ``mask_this``: the tile straddles the diagonal (causal only).
     ``TREE``: the row max and sum as trees (`_fold_halves`), shorter chains of dependent
     instructions between the scores and P (FP8's default, where the matmuls no longer hide them).
+    ``FMA_EXP2``: one column in this many of P's exponentials on the FMA units (`_exp2_shared`).
+    ``SLACK`` (> 0): a row's running max moves only when the tile's exceeds it by more than
+    ``SLACK`` (base-2 units): P then reaches at most ``2^SLACK``, and rows whose max stays keep
+    ``alpha = 1`` (FlashAttention-4's lazy rescaling; see `_rescaled`).
     Returns ``(p, alpha, m_new, l_new)`` as `minillm.kernels.base.online_softmax_update`."""
     if CAUSAL:
         if mask_this:
@@ -139,13 +209,28 @@ def _online_softmax(s, m_i, l_i, qk_scale, row0, col0, mask_this, CAUSAL: gl.con
     else:
         s_max = gl.max(s, axis=1)
     m_new = gl.maximum(m_i, s_max * qk_scale)
-    p = gl.exp2(s * qk_scale - m_new[:, None])
+    if SLACK > 0:
+        m_new = gl.where(m_new > m_i + SLACK, m_new, m_i)
+    p = _exp2_shared(s * qk_scale - m_new[:, None], FMA_EXP2)
     alpha = gl.exp2(m_i - m_new)
     if TREE:
         l_new = l_i * alpha + gl.convert_layout(gl.sum(_fold_halves(p, False), axis=1), l_i.type.layout)
     else:
         l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _rescaled(acc, alpha, o_rows: gl.constexpr, SLACK: gl.constexpr):
+    """``acc`` with each row times ``alpha``; with a ``SLACK`` (`_online_softmax`), only when some
+    row's max has moved (alpha < 1), which after the first blocks is rare: the multiplications
+    (one per accumulator element, as many as the exponentials at head dim 128) are skipped."""
+    if SLACK > 0:
+        if gl.min(alpha, axis=0) < 1.0:
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    else:
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    return acc
 
 
 @gluon.jit
@@ -214,7 +299,8 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
                  CONSUMER: gl.constexpr, WS: gl.constexpr, PINGPONG: gl.constexpr,
                  CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                  HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-                 FP8: gl.constexpr = False, TREE: gl.constexpr = False):
+                 FP8: gl.constexpr = False, TREE: gl.constexpr = False, FMA_EXP2: gl.constexpr = 0,
+                 SLACK: gl.constexpr = 0.0):
     """The key loop of one set of query rows: returns ``(acc [ROWS, HEAD_D] fp32, not yet
     divided by l; m_i, l_i [ROWS])`` for ``softmax(Q Kᵀ · scale) V`` over ``n_blocks`` blocks.
 
@@ -232,7 +318,8 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
       by ``qk_scale · k_scales[j]`` (K's scale per block; Q's is in ``qk_scale`` already) and
       P is rounded to e4m3: ``FP8 == 1`` into ``p_smem`` (``[ROWS, BLOCK_N]``) for P·V,
       ``FP8 == 2`` in registers, Vᵀ's keys stored in `P_KEY_ORDER` (`_p_for_mma`).
-    - ``TREE``: the softmax's row max and sum as trees (`_online_softmax`).
+    - ``TREE``, ``FMA_EXP2``, ``SLACK``: the softmax's row max and sum as trees, a share of
+      its exponentials on the FMA units, a lazy running max (`_online_softmax`, `_rescaled`).
 
     Iteration j:  start S_j = Q K_jᵀ;  acc *= alpha_{j-1};  start acc += P_{j-1} V_{j-1};
     wait for S_j only (P V keeps running);  softmax(S_j) on the CUDA cores;  wait for P V.
@@ -262,7 +349,7 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
         mbarrier.arrive(k_empty.index(first))
     tile_scale = qk_scale * gl.load(k_scales) if FP8 else qk_scale
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, tile_scale, row0, 0, n_full <= 0, CAUSAL, ROWS, BLOCK_N,
-                                         s_layout, TREE)
+                                         s_layout, TREE, FMA_EXP2, SLACK)
     p_op = _p_operand(p, p_smem, p_layout, FP8)
 
     for j in range(1, n_blocks):
@@ -274,7 +361,7 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
             mbarrier.wait(turn.index(CONSUMER), ((turn0 + j - 1) & 1) ^ (1 - CONSUMER))
         mbarrier.wait(k_ready.index(slot), phase)
         s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        acc = _rescaled(acc, alpha, o_rows, SLACK)
         mbarrier.wait(v_ready.index(prev), prev_phase)
         acc_tok = warpgroup_mma(_p_for_mma(p_op, p_layout, FP8), _v_operand(v_smem.index(prev), FP8), acc,
                                 is_async=True)
@@ -286,7 +373,7 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
             mbarrier.arrive(k_empty.index(slot))
         tile_scale = qk_scale * gl.load(k_scales + j) if FP8 else qk_scale
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, tile_scale, row0, j * BLOCK_N, j >= n_full, CAUSAL,
-                                             ROWS, BLOCK_N, s_layout, TREE)
+                                             ROWS, BLOCK_N, s_layout, TREE, FMA_EXP2, SLACK)
         acc, p_op = _wait_pv(acc_tok, p_op, FP8)
         if WS:
             mbarrier.arrive(v_empty.index(prev))
@@ -302,7 +389,7 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
 
     # The last block's P V.
     last = (it0 + n_blocks - 1) % NUM_STAGES
-    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    acc = _rescaled(acc, alpha, o_rows, SLACK)
     mbarrier.wait(v_ready.index(last), ((it0 + n_blocks - 1) // NUM_STAGES) & 1)
     acc_tok = warpgroup_mma(_p_for_mma(p_op, p_layout, FP8), _v_operand(v_smem.index(last), FP8), acc,
                             is_async=True)
@@ -439,7 +526,7 @@ def _consumer(q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty
               turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group, n_tiles,
               qk_scale, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
               HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, FP8: gl.constexpr,
-              TREE: gl.constexpr):
+              TREE: gl.constexpr, FMA_EXP2: gl.constexpr, SLACK: gl.constexpr):
     """One consumer warpgroup: rows ``[64·CONSUMER, 64·CONSUMER + 64)`` of each tile the loader
     hands this program, until it hands over ``n_tiles`` (no more work). Q comes in two buffers,
     the tiles alternating between them, each with its tile's index in ``tile_ids``; a buffer
@@ -469,7 +556,7 @@ def _consumer(q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty
                                      k_desc, v_desc, kv_bh * seq_len, n_blocks, (my_row0 + 1) // BLOCK_N, my_row0,
                                      rows_scale, k_scales + kv_bh * (seq_len // BLOCK_N), p_smem.index(CONSUMER),
                                      it0, turn0, CONSUMER, True, PINGPONG, CAUSAL, 64, BLOCK_N, HEAD_D, NUM_STAGES,
-                                     4, FP8, TREE)
+                                     4, FP8, TREE, FMA_EXP2, SLACK)
         _store_rows(acc, m_i, l_i, my_o, o_desc, lse_ptr, o_row, 64, out_scale)
         mbarrier.arrive(q_empty.index(buf))
         it0 += n_blocks
@@ -563,7 +650,8 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
                              HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                              PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                              FP8: gl.constexpr = False, PAIRED: gl.constexpr = False,
-                             DYNAMIC: gl.constexpr = False, TREE: gl.constexpr = False):
+                             DYNAMIC: gl.constexpr = False, TREE: gl.constexpr = False,
+                             FMA_EXP2: gl.constexpr = 0, SLACK: gl.constexpr = 0.0):
     """A 1-d grid over the ``n_tiles = seq / 128 · batch · q_heads`` query tiles: one program
     per tile, or fewer (persistent: each takes tiles in turn, `_loader` says which;
     ``tile_counter``: one int32, zero, for ``DYNAMIC``).
@@ -609,11 +697,11 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
         [(_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
                       k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len,
                       q_heads, group, n_tiles, qk_scale, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
-                      NUM_STAGES, FP8, TREE)),
+                      NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK)),
          (_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
                       k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len,
                       q_heads, group, n_tiles, qk_scale, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
-                      NUM_STAGES, FP8, TREE)),
+                      NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK)),
          (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
                     k_empty, v_empty, tile_counter, seq_len, q_heads, group, n_tiles, head_group, CAUSAL, BLOCK_N,
                     NUM_STAGES, FP8, PAIRED, DYNAMIC))],
@@ -681,7 +769,7 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
                           num_stages: int | None = None, consumer_regs: int = 240, loader_regs: int = 24,
                           persistent: bool | int | None = None, head_group: int | None = None,
                           paired: bool | None = None, dynamic: bool | None = None, tree_reductions: bool = False,
-                          compile_only: bool = False):
+                          fma_exp2: int = 0, lazy_rescale: bool = False, compile_only: bool = False):
     """``softmax(scale · q kᵀ + mask) v`` with the Gluon kernels (forward only).
 
     - ``q: [batch, q_heads, seq, head_dim]``, ``k, v: [batch, kv_heads, seq, head_dim]``, bf16,
@@ -700,7 +788,12 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
       from an atomic counter instead of taking every P-th. Each of the four left at None
       takes `default_schedule`'s value. ``tree_reductions``: the softmax's row max and sum
       as trees (warp-specialized kernels: ``TREE`` of `_online_softmax`; off by default in bf16,
-      on in FP8).
+      on in FP8). ``fma_exp2`` (warp-specialized kernels): one in this many of the softmax's
+      exponentials on the FMA units instead of the special-function unit (`FMA_EXP2_SHARES`;
+      0: none). ``lazy_rescale`` (warp-specialized kernels): the running max moves only by more
+      than `LAZY_RESCALE_SLACK`, and the accumulator is rescaled only when some row's does.
+      Both are FlashAttention-4's and off by default: on an H200 they made the kernels slower
+      but for FP8 with ping-pong (``bench/ch04_gluon.py``, the softmax part).
 
     Returns ``(out [batch, q_heads, seq, head_dim] bf16, lse [batch, q_heads, seq] fp32,
     natural log)``; with ``compile_only``, compiles without launching and returns the
@@ -712,7 +805,8 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
         raise ValueError(reason)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return _launch(q, k, v, None, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs,
-                   persistent, head_group, paired, dynamic, tree_reductions, compile_only)
+                   persistent, head_group, paired, dynamic, tree_reductions, compile_only, fma_exp2=fma_exp2,
+                   lazy_rescale=lazy_rescale)
 
 
 def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -721,7 +815,7 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               loader_regs: int = 24, persistent: bool | int | None = None,
                               head_group: int | None = None, paired: bool | None = None,
                               dynamic: bool | None = None, tree_reductions: bool = True,
-                              compile_only: bool = False):
+                              fma_exp2: int = 0, lazy_rescale: bool = False, compile_only: bool = False):
     """The warp-specialized kernel with e4m3 matmuls: Q in blocks of 64 rows (one consumer's
     rows) and K in blocks of ``block_n`` keys, each with its own scale, V with one scale per
     head, fp32 accumulation (the quantization of `minillm.kernels.ch04_flash_attention_hopper.
@@ -729,7 +823,9 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out); ``variant``: ``"ws"`` or ``"ws_pingpong"``; ``prepared``: `prepare_gluon_fp8`'s
     result for these inputs, to time the kernel without the quantization (it also says whether
     P·V reads P from registers, the default, or from shared memory); ``tree_reductions``: as
-    `flash_attention_gluon`'s, here on by default."""
+    `flash_attention_gluon`'s, here on by default; ``fma_exp2`` and ``lazy_rescale``: as
+    `flash_attention_gluon`'s, off by default here too (P, at most ``2^8`` with a lazy max,
+    still fits e4m3's 448)."""
     if variant not in VARIANTS[1:]:
         raise ValueError(f"the FP8 kernel is warp-specialized: variant must be one of {VARIANTS[1:]}, got {variant!r}")
     reason = _reason(q, k, v)
@@ -739,7 +835,14 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q8, k8, v8t, scales, p_in_registers = prepared or prepare_gluon_fp8(q, k, v, block_n)
     return _launch(q8, k8, v8t, (scales, p_in_registers), causal, scale, variant, block_n, num_stages, consumer_regs,
                    loader_regs, persistent, head_group, paired, dynamic, tree_reductions, compile_only,
-                   out_shape=q.shape)
+                   out_shape=q.shape, fma_exp2=fma_exp2, lazy_rescale=lazy_rescale)
+
+
+#: With ``lazy_rescale``, how far (base 2) a row's max may outgrow the one its P and accumulator
+#: are scaled by: P <= 2^8 = 256, within e4m3's 448 and bf16's range (FlashAttention-4's 8).
+LAZY_RESCALE_SLACK = 8.0
+#: ``fma_exp2``'s values: one in this many columns' exponentials on the FMA units (0: none).
+FMA_EXP2_SHARES = (0, 2, 4, 8)
 
 
 #: The order of the keys in each 16 of Vᵀ when P stays in registers (see `_p_for_mma`):
@@ -810,7 +913,8 @@ def _grid(n_units: int, persistent: bool | int, dynamic: bool, device) -> tuple[
 
 
 def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs, persistent,
-            head_group, paired, dynamic, tree_reductions, compile_only, out_shape=None):
+            head_group, paired, dynamic, tree_reductions, compile_only, out_shape=None, fma_exp2=0,
+            lazy_rescale=False):
     """Make the descriptors and launch (or compile) the kernel of ``variant``. ``scales``:
     None for bf16, else FP8's ``((q_scales, k_scales, v_scales), p_in_registers)`` with ``v``
     as Vᵀ."""
@@ -827,6 +931,10 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
     block_n, num_stages = block_n or default_n, num_stages or default_stages
     if block_n not in (64, 128):
         raise ValueError(f"block_n must be 64 or 128, got {block_n}")
+    if fma_exp2 not in FMA_EXP2_SHARES:
+        raise ValueError(f"fma_exp2 must be one of {FMA_EXP2_SHARES}, got {fma_exp2!r}")
+    if (fma_exp2 or lazy_rescale) and variant == "pipelined":
+        raise ValueError("fma_exp2 and lazy_rescale need a warp-specialized variant")
     qk_scale = (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E
     out = torch.empty(out_shape or q.shape, device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((b, h, s), device=q.device, dtype=torch.float32)
@@ -848,7 +956,8 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
         args = (lse, q_scales, k_scales, v_scales, tile_counter, s, h, h // k.shape[1], n_tiles, head_group, qk_scale)
         meta = dict(PINGPONG=variant == "ws_pingpong", CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
                     FP8=(2 if p_in_registers else 1) if fp8 else 0, PAIRED=paired, DYNAMIC=dynamic,
-                    TREE=bool(tree_reductions), num_warps=4)
+                    TREE=bool(tree_reductions), FMA_EXP2=fma_exp2,
+                    SLACK=LAZY_RESCALE_SLACK if lazy_rescale else 0.0, num_warps=4)
     descriptors = (_descriptor(q.view(-1, d), rows), k_desc, v_desc, _descriptor(out.view(-1, d), rows))
     meta.update(CAUSAL=bool(causal), HEAD_D=d, BLOCK_N=block_n, NUM_STAGES=num_stages)
     if compile_only:

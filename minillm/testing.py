@@ -357,19 +357,23 @@ def fp8_quantized_inputs(prepared: tuple, q_len: int, kv_len: int, block_m: int,
 
 
 def assert_within_fp8_bound(out: torch.Tensor, q, k, v, block_m: int, block_n: int, causal: bool,
-                            v_block: int | None, what: str = "", seed: int | None = None) -> None:
+                            v_block: int | None, what: str = "", seed: int | None = None,
+                            p_rel_error: float = 0.0) -> None:
     """Assert an FP8 attention kernel's ``out`` is within the error that FP8 allows of exact
     attention of the block-quantized inputs (`minillm.reference.ch04_fp8`), elementwise:
     rounding P to e4m3, on a GPU the tensor cores' ~14-bit FP8 accumulation, and the rounding
     of ``out`` to its dtype. ``q, k, v``: float64 NumPy arrays of what the kernel quantized
     (`fp8_quantized_inputs`); ``block_m``/``block_n``/``v_block``: the rows per scale of Q, K
-    and V (``v_block`` None: ``block_n``). Also checks that the bound is not vacuous (well
-    below the output's own size)."""
+    and V (``v_block`` None: ``block_n``); ``p_rel_error``: the relative error of the kernel's
+    exponentials before any rounding (e.g. `minillm.reference.ch04_fp8.EXP2_POLY_REL_ERROR`),
+    which reaches both P·V and ℓ: the bound's unit roundoff grows by three times it. Also checks
+    that the bound is not vacuous (well below the output's own size)."""
     from minillm.reference import ch04_fp8 as ref8
 
     kw = dict(causal=causal, v_block=v_block)
     want = ref8.fp8_attention(q, k, v, block_m, block_n, **kw)
-    bound = ref8.p_rounding_bound(q, k, v, block_m, block_n, **kw)
+    bound = ref8.p_rounding_bound(q, k, v, block_m, block_n, unit_roundoff=ref8.UNIT_ROUNDOFF + 3 * p_rel_error,
+                                  **kw)
     if out.is_cuda:  # exact products and sums under the interpreter
         bound = bound + ref8.fp8_accumulation_bound(q, k, v, block_m, block_n, **kw)
     out_rounding = {torch.float32: 1e-6, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[out.dtype]

@@ -25,6 +25,7 @@ from minillm.kernels.ch04_flash_attention_gluon import (
 )
 from minillm.reference import attention
 from minillm.reference.ch04_flash_attention import fa2_backward
+from minillm.reference.ch04_fp8 import EXP2_POLY_REL_ERROR
 from minillm.testing import (
     SM90_COMPILE_PRELUDE, assert_close, assert_grad_close, assert_within_fp8_bound, compile_for_sm90,
     fp8_quantized_inputs, random_tensor, sm90_compile_mark, to_numpy,
@@ -68,6 +69,12 @@ def test_refuses_unknown_variant_and_tile():
         flash_attention_gluon(q, q, q, block_n=32)
     with pytest.raises(ValueError, match="head_group"):
         flash_attention_gluon(q, q, q, head_group=0)
+    with pytest.raises(ValueError, match="fma_exp2 must be one of"):
+        flash_attention_gluon(q, q, q, fma_exp2=3)
+    with pytest.raises(ValueError, match="warp-specialized"):
+        flash_attention_gluon(q, q, q, variant="pipelined", fma_exp2=4)
+    with pytest.raises(ValueError, match="warp-specialized"):
+        flash_attention_gluon(q, q, q, variant="pipelined", lazy_rescale=True)
 
 
 def test_backward_refuses_what_it_does_not_cover():
@@ -153,6 +160,15 @@ for variant in VARIANTS:
                 compiled = flash_attention_gluon_fp8(q, k, k, causal=causal, variant=variant, compile_only=True,
                                                      prepared=prepare_gluon_fp8(q, k, k, p_in_registers=False))
                 facts[f"fp8 smem {variant} {head_dim} {causal}"] = facts_of(compiled, "e4m3.e4m3")
+q = torch.zeros(1, 4, 256, 128, dtype=torch.bfloat16)
+k = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
+compiled = flash_attention_gluon_fp8(q, k, k, causal=True, lazy_rescale=True, compile_only=True)
+facts["fp8 lazy"] = facts_of(compiled, "e4m3.e4m3")
+for fma_exp2 in (0, 2, 4):
+    compiled = flash_attention_gluon_fp8(q, k, k, fma_exp2=fma_exp2, compile_only=True)
+    ptx = compiled.asm["ptx"]
+    facts[f"fp8 fma_exp2 {fma_exp2}"] = dict(ex2=ptx.count("ex2.approx"), shfl=ptx.count("shfl.sync"),
+                                              stack=stack_bytes(compiled.asm["cubin"]))
 for reduce in ("tma", "atomic", "tma_prefetch"):
     for head_dim in (64, 128):
         for causal in (False, True):
@@ -203,6 +219,29 @@ def test_compiles_for_sm90(sm90_compiled, variant, head_dim, causal):
         assert facts["stack"] == 0  # nor by ptxas
     assert facts["shared"] <= 227 * 1024
     assert facts["a_from_registers"] == (not variant.startswith("fp8 smem"))  # P·V reads P from registers
+
+
+@sm90_compile_mark(GLUON_VERSIONS)
+def test_exp2_on_fma_compiles_for_sm90(sm90_compiled):
+    """``fma_exp2=N`` takes one in N of P's exponentials off the special-function unit (PTX
+    ``ex2.approx``; the rest, and the rescaling factors, stay) without moving data between
+    threads (no extra shuffles) or spilling."""
+    none, half, quarter = (sm90_compiled[f"fp8 fma_exp2 {n}"] for n in (0, 2, 4))
+    p_share = none["ex2"] - half["ex2"]  # half of P's exponentials
+    assert p_share > 0 and none["ex2"] - quarter["ex2"] == p_share // 2
+    assert none["shfl"] == half["shfl"] == quarter["shfl"]
+    assert none["stack"] == half["stack"] == quarter["stack"] == 0
+
+
+@sm90_compile_mark(GLUON_VERSIONS)
+def test_lazy_rescale_compiles_for_sm90(sm90_compiled):
+    """The lazy running max (causal FP8, the tightest for registers): wgmma still asynchronous
+    with P·V in flight across the softmax, no spills in the PTX, and ptxas's as small as the
+    default kernel's with Triton 3.6 (which the benchmarks ran); 3.9's ptxas spills 728
+    bytes (not timed)."""
+    facts = sm90_compiled["fp8 lazy"]
+    assert facts["wgmma"] > 0 and facts["wait_1"] and not facts["local"]
+    assert facts["stack"] <= (8 if triton.__version__.startswith("3.6") else 768)
 
 
 @sm90_compile_mark(GLUON_VERSIONS)
@@ -341,6 +380,61 @@ def test_fp8_p_in_registers_matches_shared_memory_on_gpu(variant, head_dim, caus
             for flag in (True, False)]
     torch.testing.assert_close(outs[0][0], outs[1][0], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-4, rtol=1e-4)
+
+
+@on_hopper_warp_specialized
+@pytest.mark.parametrize("fma_exp2", [2, 4, 8])
+def test_fp8_exp2_on_fma_within_bound_on_gpu(variant, head_dim, causal, fma_exp2, gen, seed):
+    """A share of P's exponentials computed by the polynomial on the FMA units: within FP8's
+    bound, and the logsumexp (from P in fp32, before any e4m3 rounding) within the
+    polynomial's relative error of the kernel's with every exponential on MUFU."""
+    q, k, v = make_qkv(1, 4, 2, 256, head_dim, "cuda", gen, scale=2.0)
+    prepared = prepare_gluon_fp8(q, k, v)
+    out, lse = flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant, prepared=prepared,
+                                         fma_exp2=fma_exp2)
+    _, lse_mufu = flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant, prepared=prepared, fma_exp2=0)
+    # l is a sum of positive terms, each off by at most EXP2_POLY_REL_ERROR: so is l, and log l
+    # by about as much (plus fp32 rounding of the sums, which the two orders share).
+    torch.testing.assert_close(lse, lse_mufu, atol=2 * EXP2_POLY_REL_ERROR, rtol=0)
+    qd, kd, vd = fp8_quantized_inputs(prepare_gluon_fp8(q, k, v, p_in_registers=False), 256, 256, 64, 128)
+    assert_within_fp8_bound(out, qd, kd, vd, 64, 128, causal, vd.shape[2], f"gluon fp8 {variant} fma {fma_exp2}",
+                            seed, p_rel_error=EXP2_POLY_REL_ERROR)
+
+
+def growing_keys(k, step=1.0):
+    """``k`` with its j-th block of 128 keys scaled by ``1 + step·j``: the scores' row max then
+    grows from block to block, by more than `LAZY_RESCALE_SLACK` at the test's scale, so that a
+    lazy max does move (and the accumulator is rescaled) now and then."""
+    blocks = torch.arange(k.shape[2], device=k.device) // 128
+    return (k.float() * (1 + step * blocks)[:, None]).to(k.dtype)
+
+
+@on_hopper_warp_specialized
+@pytest.mark.parametrize("growing", [False, True])
+def test_lazy_rescale_matches_reference_on_gpu(variant, head_dim, causal, growing, gen, seed):
+    """bf16 with a lazy running max (P up to 2^8 before the final division) against float64."""
+    q, k, v = make_qkv(2, 4, 2, 640, head_dim, "cuda", gen, scale=1.5)
+    check_against_reference(q, growing_keys(k) if growing else k, v, causal, seed, variant=variant,
+                            lazy_rescale=True)
+
+
+@on_hopper_warp_specialized
+@pytest.mark.parametrize("growing", [False, True])
+def test_fp8_lazy_rescale_within_bound_on_gpu(variant, head_dim, causal, growing, gen, seed):
+    """FP8 with a lazy running max (P up to 2^8, within e4m3's range) within FP8's bound."""
+    q, k, v = make_qkv(1, 4, 2, 256, head_dim, "cuda", gen, scale=2.0)
+    k = growing_keys(k) if growing else k
+    out, lse = flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant, lazy_rescale=True)
+    assert torch.isfinite(lse).all()
+    qd, kd, vd = fp8_quantized_inputs(prepare_gluon_fp8(q, k, v, p_in_registers=False), 256, 256, 64, 128)
+    assert_within_fp8_bound(out, qd, kd, vd, 64, 128, causal, vd.shape[2], f"gluon fp8 lazy {variant}", seed)
+
+
+@on_hopper_warp_specialized
+def test_bf16_exp2_on_fma_matches_reference_on_gpu(variant, head_dim, causal, gen, seed):
+    """The bf16 kernel with a quarter of P's exponentials on the FMA units, against float64."""
+    q, k, v = make_qkv(2, 4, 2, 640, head_dim, "cuda", gen)
+    check_against_reference(q, k, v, causal, seed, variant=variant, fma_exp2=4)
 
 
 @pytest.mark.gpu

@@ -18,6 +18,12 @@ simulated by rounding (`round_e4m3`), so no FP8 support is needed.
 - `fp8_attention`: exact attention of the dequantized (optionally rotated) inputs. The kernel
   also rounds the probabilities P to e4m3 for the P·V matmul; `p_rounding_bound` is the
   elementwise bound that adds to the output error.
+- `exp2_polynomial`: ``2^x`` without the special-function unit, as the Gluon kernels can compute
+  a share of the softmax's exponentials (``fma_exp2``; FlashAttention-4's software exponential,
+  Zadouri et al., 2026, arXiv 2603.05451): round ``x`` to an integer ``n`` by adding
+  ``1.5·2^23`` (the float adder does the rounding), a cubic in the remainder ``f`` in
+  ``[-1/2, 1/2]`` for ``2^f``, and ``n`` added into the exponent bits. Relative error below
+  `EXP2_POLY_REL_ERROR`.
 """
 from __future__ import annotations
 
@@ -44,6 +50,34 @@ def round_e4m3(x: np.ndarray) -> np.ndarray:
     step = 2.0 ** (exp - E4M3_MANTISSA_BITS)              # the spacing of e4m3 numbers near a
     rounded = np.minimum(np.round(a / step) * step, E4M3_MAX)  # np.round: ties to even
     return np.sign(x) * rounded
+
+
+#: ``2^f ≈ c0 + c1 f + c2 f² + c3 f³`` on ``[-1/2, 1/2]``: fp32 coefficients fitted for the
+#: smallest largest relative error (Lawson's iteration of weighted least squares).
+EXP2_POLY_COEFFS = (0.9999281167984009, 0.6932609677314758, 0.24261054396629333, 0.05517132207751274)
+#: The cubic's largest relative error on ``[-1/2, 1/2]`` (7.5e-5 measured on a fine grid), with
+#: room for fp32 rounding: far below bf16's 2^-9 and e4m3's 2^-4, the roundings P meets next.
+EXP2_POLY_REL_ERROR = 1e-4
+#: ``x + 1.5·2^23`` in fp32 lands where the spacing of floats is 1: the sum is ``x`` rounded to
+#: the nearest integer, and its low mantissa bits hold that integer.
+ROUND_MAGIC = 12582912.0
+#: Inputs are clamped here first: ``2^x`` of anything lower (masked scores are ``-inf``) comes out
+#: as ``2^-125`` or so, a normal number that no sum or e4m3 rounding downstream can see.
+EXP2_POLY_MIN = -125.0
+
+
+def exp2_polynomial(x: np.ndarray) -> np.ndarray:
+    """``2^x`` for ``x <= 0`` in fp32 by the kernel's steps (`EXP2_POLY_COEFFS`): clamp to
+    `EXP2_POLY_MIN`; ``t = x + ROUND_MAGIC`` (``n = t - ROUND_MAGIC`` is ``x`` rounded);
+    ``f = x - n``; the cubic ``p(f) ≈ 2^f`` in [0.70, 1.42]; then ``n`` added to the exponent
+    field of ``p`` as an integer (``t``'s bits shifted left by 23 are ``n``'s, modulo 2^32)."""
+    c0, c1, c2, c3 = (np.float32(c) for c in EXP2_POLY_COEFFS)
+    x = np.maximum(np.asarray(x, dtype=np.float32), np.float32(EXP2_POLY_MIN))
+    t = x + np.float32(ROUND_MAGIC)
+    f = x - (t - np.float32(ROUND_MAGIC))
+    p = ((c3 * f + c2) * f + c1) * f + c0
+    bits = p.view(np.uint32) + (t.view(np.uint32) << np.uint32(23))
+    return bits.view(np.float32)
 
 
 def quantize_blocks(x: np.ndarray, block_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -118,8 +152,10 @@ def fp8_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, block_m: int, blo
 
 def p_rounding_bound(q: np.ndarray, k: np.ndarray, v: np.ndarray, block_m: int, block_n: int,
                      causal: bool = False, scale: float | None = None,
-                     rotation: np.ndarray | None = None, v_block: int | None = None) -> np.ndarray:
-    """Elementwise bound on ``|kernel − fp8_attention|`` from rounding P to e4m3.
+                     rotation: np.ndarray | None = None, v_block: int | None = None,
+                     unit_roundoff: float = UNIT_ROUNDOFF) -> np.ndarray:
+    """Elementwise bound on ``|kernel − fp8_attention|`` from rounding P to e4m3 (``u``:
+    ``unit_roundoff``, which a caller widens when p itself is approximate).
 
     The kernel rounds ``p = exp(s − m_run)`` (``m_run``: the running row max, ``p <= 1``) before
     the P·V matmul and sums the *unrounded* p into ℓ. A normal p moves by at most a relative
@@ -140,7 +176,7 @@ def p_rounding_bound(q: np.ndarray, k: np.ndarray, v: np.ndarray, block_m: int, 
     p = np.where(visible, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
     ell = np.maximum(p.sum(axis=-1, keepdims=True), 1e-300)
     abs_v = np.abs(vd)
-    return (UNIT_ROUNDOFF * (p @ abs_v) + SUBNORMAL_ABS_ERROR * (visible.astype(np.float64) @ abs_v)) / ell
+    return (unit_roundoff * (p @ abs_v) + SUBNORMAL_ABS_ERROR * (visible.astype(np.float64) @ abs_v)) / ell
 
 
 #: What Hopper's FP8 tensor cores keep of a running sum: about 14 bits (measured on an H800,

@@ -26,6 +26,8 @@ persistent_ex = pytest.mark.exercise(id="4.8", title="Persistent programs walkin
                                      points=3, kind="triton")
 relabel_ex = pytest.mark.exercise(id="4.9", title="Relabel, don't shuffle: the key order that keeps an 8-bit P in "
                                   "registers", points=2)
+exp2_ex = pytest.mark.exercise(id="4.10", title="2^x on the FMA units: an exponential without the exponential unit",
+                               points=2, kind="triton")
 
 
 def empty_state(rows, d):
@@ -552,3 +554,47 @@ def test_permute_keys_moves_keys_within_groups_only(impl, seed):
                                       err_msg=f"group {g}: key 16g + k must be vt's key 16g + order[k] (seed {seed})")
     with pytest.raises(ValueError):
         impl.permute_keys(vt[..., :40], order)  # 40 keys: not whole groups of 16
+
+
+# --- 4.10 ------------------------------------------------------------------------------------
+
+def exp2_inputs(rng, n):
+    """``n`` fp32 inputs <= 0: mostly spread over [-130, 0], with the points where rounding
+    changes its mind (k ± 1/2), 0, the clamp, values below it and ``-inf`` scattered among them."""
+    special = np.concatenate([np.arange(-124, 1) + 0.5, np.arange(-124, 1) - 0.5, [0.0, -125.0, -126.0, -1e4,
+                                                                                     -np.inf]])
+    x = -rng.exponential(8.0, n)
+    picks = rng.choice(n, size=min(n, special.size // 4), replace=False)
+    x[picks] = rng.choice(special, size=picks.size)
+    return np.minimum(x, 0.0).astype(np.float32)
+
+
+@exp2_ex
+@pytest.mark.parametrize("n", [1, 200, 4099])
+def test_exp2_on_fma(impl, n, device, seed):
+    """Within the cubic's error of 2^x, and the cubic's answer (a few ulp of
+    `minillm.reference.ch04_fp8.exp2_polynomial`, which ``tl.exp2`` is not: it is exact to an
+    ulp, where the cubic is off by up to 7.5e-5)."""
+    from minillm.reference import ch04_fp8 as ref8
+
+    x = exp2_inputs(np.random.default_rng(seed), n)
+    y = impl.exp2_on_fma(torch.from_numpy(x).to(device))
+    assert y.shape == (n,) and y.dtype == torch.float32
+    got = to_numpy(y)
+    exact = np.exp2(np.maximum(x.astype(np.float64), ref8.EXP2_POLY_MIN))
+    worst = np.argmax(np.abs(got / exact - 1))
+    assert np.abs(got[worst] / exact[worst] - 1) <= ref8.EXP2_POLY_REL_ERROR, \
+        f"2^{x[worst]} = {exact[worst]:.7e}, got {got[worst]:.7e} (seed {seed})"
+    want = ref8.exp2_polynomial(x).astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=8 * 2.0 ** -23, atol=0,
+                               err_msg=f"not the cubic's value: round, cubic in f, exponent bits (seed {seed})")
+
+
+@exp2_ex
+def test_exp2_kernel_leaves_the_rest_alone(impl, device, seed):
+    """Elements past ``n`` are not written: the output buffer is longer than the input."""
+    x = torch.from_numpy(exp2_inputs(np.random.default_rng(seed), 250)).to(device)
+    out = poisoned((384,), torch.float32, device)
+    impl.exp2_on_fma(x, out=out)
+    assert torch.isfinite(out[:250]).all(), f"the first 250 elements must be written (seed {seed})"
+    assert torch.isnan(out[250:]).all(), f"elements past n were written (seed {seed})"
