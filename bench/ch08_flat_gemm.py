@@ -3,7 +3,9 @@
 For each weight shape ``[N, K]`` and batch size ``M``: `gemv` (for ``M <= GEMV_MAX_M``),
 `flat_gemm` (autotuned on its first call for the shape; the config it chose is recorded) and
 the peer, cuBLAS through ``torch.nn.functional.linear``, on the same random inputs, no bias.
-Then, per shape, `find_inflection_points` turns the three curves into ``(M1, M2)``; the
+Then, per shape, `find_inflection_points` turns the three curves into ``(M1, M2)`` and
+`find_exceptions` adds the measured ``M`` where the thresholds' kernel is more than
+`EXCEPTION_MARGIN` slower than the fastest; the
 table of every shape swept is saved to ``bench/results/<gpu-slug>.flat_gemm.json``
 (`DispatchTable`; merged with the shapes an earlier run saved, ``MINILLM_RESULTS_DIR``
 overrides the folder; `minillm.engine.gemm_table`), the file the model's linear layers load at run time. Last,
@@ -78,7 +80,8 @@ import torch
 import torch.nn.functional as F
 
 from minillm.kernels.ch08_flat_gemm import (
-    DEFAULT_THRESHOLDS, DispatchTable, choose_kernel, find_inflection_points, flat_gemm, gemv, linear, pick_config,
+    DEFAULT_THRESHOLDS, EXCEPTION_MARGIN, DispatchTable, choose_kernel, find_exceptions, find_inflection_points,
+    flat_gemm, gemv, linear, pick_config,
 )
 from minillm.costs import gemm_bytes, gemm_flops
 from minillm.engine.gemm_table import load_table, save_table, table_path
@@ -160,7 +163,8 @@ def sweep(results: Results, device, shapes=None, ms=MS, gemv_max_m: int = GEMV_M
     path = table_path(results.device, table_dir)
     table = load_table(path) if path.is_file() else DispatchTable()  # keep the shapes it has
     table.info = {"device": results.device, "gpu_slug": results.slug, "dtype": "float16", "ms": list(ms),  # this run's
-                  "tolerance": TOLERANCE, "benchmark": BENCHMARK, "torch": results.env.get("torch"),
+                  "tolerance": TOLERANCE, "exception_margin": EXCEPTION_MARGIN, "benchmark": BENCHMARK,
+                  "torch": results.env.get("torch"),
                   "triton": results.env.get("triton"),
                   "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     point = dict(results=results, device=device, gen=gen, timer=timer, graph_timer=graph_timer, ceilings=ceilings,
@@ -181,8 +185,14 @@ def sweep(results: Results, device, shapes=None, ms=MS, gemv_max_m: int = GEMV_M
             m1, m2 = find_inflection_points(ms, sweep_times["gemv"], sweep_times["flat_gemm"],
                                             sweep_times["cublas"], tolerance=TOLERANCE)
             table.entries[(n, k)] = (m1, m2)
+            exceptions = find_exceptions(ms, sweep_times["gemv"], sweep_times["flat_gemm"], sweep_times["cublas"],
+                                         (m1, m2))
+            if exceptions:
+                table.exceptions[(n, k)] = exceptions
+            else:
+                table.exceptions.pop((n, k), None)
             save_table(table, path)
-            found = f", M1={m1} M2={m2}"
+            found = f", M1={m1} M2={m2}" + (f", exceptions {exceptions}" if exceptions else "")
             shape_params = {"shape": name, "n": n, "k": k, "dtype": "float16"}
             note = f"find_inflection_points over M in {list(ms)} of the graph times, tolerance {TOLERANCE}"
             results.add(BENCHMARK, shape_params, "m1", m1, note=note)

@@ -79,9 +79,11 @@ CUDA graph removes even that: the benchmark reports both timings.
 (cuBLAS, through ``torch.nn.functional.linear``) once ``M`` is large enough for its tiles.
 FlashDecoding++ finds the inflection points ``M1 < M2`` of every ``[N, K]`` offline and
 dispatches at run time; so do we. `bench.ch08_flat_gemm` times the three kernels over a
-sweep of ``M``, `find_inflection_points` turns the times into ``(M1, M2)`` per shape, and
-the table (`DispatchTable`) is saved as ``bench/results/<gpu-slug>.flat_gemm.json``. This
-module does no file I/O: `linear` takes a table (default `DEFAULT_TABLE`) and consults it
+sweep of ``M``, `find_inflection_points` turns the times into ``(M1, M2)`` per shape,
+`find_exceptions` adds the measured points where a library GEMM's own choices break the
+ranges (one batch size slower than its neighbours on both sides), and the table
+(`DispatchTable`) is saved as ``bench/results/<gpu-slug>.flat_gemm.json``. This module does
+no file I/O: `linear` takes a table (default `DEFAULT_TABLE`) and consults it
 through `choose_kernel`; loading the one of the GPU is the engine's business
 (`minillm.engine.gemm_table.table_for_device`, which the model's linear layers use).
 
@@ -110,8 +112,10 @@ from minillm.kernels.base import (
     dot_precision, interpreting, is_recording, launch, num_sms, record_call, tl, triton, unrecorded,
 )
 
-__all__ = ["gemv", "flat_gemm", "linear", "linear_into", "blas_linear", "store_result", "choose_kernel", "find_inflection_points", "DispatchTable", "DEFAULT_TABLE", "TileConfig",
-           "pick_config", "rows_bucket", "split_k_for", "GEMV_TILES", "FLAT_GEMM_TILES", "DEFAULT_THRESHOLDS", "KERNELS"]
+__all__ = ["gemv", "flat_gemm", "linear", "linear_into", "blas_linear", "store_result", "choose_kernel",
+           "find_inflection_points", "find_exceptions", "EXCEPTION_MARGIN", "DispatchTable", "DEFAULT_TABLE",
+           "TileConfig", "pick_config", "rows_bucket", "split_k_for", "GEMV_TILES", "FLAT_GEMM_TILES",
+           "DEFAULT_THRESHOLDS", "KERNELS"]
 
 #: The three kernels of the dispatcher, in the order ``M`` hands over from one to the next.
 KERNELS = ("gemv", "flat_gemm", "cublas")
@@ -651,12 +655,17 @@ def flat_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 # The heuristic dataflow
 # ----------------------------------------------------------------------------------------
 def choose_kernel(M: int, N: int, K: int, table: "DispatchTable | None" = None) -> str:
-    """Which kernel computes an ``[M, K] × [N, K]ᵀ`` linear layer: ``"gemv"`` for ``M <= M1``,
-    ``"flat_gemm"`` for ``M1 < M <= M2``, ``"cublas"`` beyond, with ``(M1, M2)`` the table's
-    thresholds for ``[N, K]`` (`DispatchTable.thresholds`; `DEFAULT_THRESHOLDS` without a
-    table). A pure function of its arguments."""
+    """Which kernel computes an ``[M, K] × [N, K]ᵀ`` linear layer: the table's exception for
+    exactly this ``[N, K]`` and ``M`` if it has one (`DispatchTable.exceptions`), else
+    ``"gemv"`` for ``M <= M1``, ``"flat_gemm"`` for ``M1 < M <= M2``, ``"cublas"`` beyond, with
+    ``(M1, M2)`` the table's thresholds for ``[N, K]`` (`DispatchTable.thresholds`;
+    `DEFAULT_THRESHOLDS` without a table). A pure function of its arguments."""
     if M < 0:
         raise ValueError(f"M must be >= 0, got {M}")
+    if table is not None and table.exceptions:
+        exception = table.exceptions.get((N, K), {}).get(M)
+        if exception is not None:
+            return exception
     m1, m2 = table.thresholds(N, K) if table is not None else DEFAULT_THRESHOLDS
     if M <= m1:
         return "gemv"
@@ -710,6 +719,37 @@ def find_inflection_points(ms, t_gemv, t_flat, t_cublas, tolerance: float = 0.02
     return max(pair for pair, r in regrets.items() if r <= least + 1e-12)
 
 
+#: `find_exceptions`' margin: the thresholds' kernel must be this much slower than the best at
+#: a measured M before that M gets an exception (well above the graph timings' noise, 1-3 %).
+EXCEPTION_MARGIN = 0.05
+
+
+def find_exceptions(ms, t_gemv, t_flat, t_cublas, thresholds: tuple[int, int],
+                    margin: float = EXCEPTION_MARGIN) -> dict[int, str]:
+    """The measured batch sizes where ``thresholds = (M1, M2)`` (`find_inflection_points`'
+    answer for the same sweep; arguments as there) choose a kernel more than ``margin``
+    slower than the fastest one, each mapped to the fastest: ``{M: kernel}`` (names of
+    `KERNELS`). Two thresholds give each kernel one range of M; a library GEMM that runs one
+    batch size inside its range with a slow configuration of its own choosing (and the next
+    one fast again) is a point no threshold can fix without handing many good points to the
+    wrong kernel, so the regret rule leaves it, and an exception catches it. An exception
+    covers its own M only: between measured points nothing is known."""
+    ms = [int(m) for m in ms]
+    times = [[_finite_or_inf(t) for t in ts] for ts in (t_gemv, t_flat, t_cublas)]
+    if any(len(ts) != len(ms) for ts in times):
+        raise ValueError("t_gemv, t_flat and t_cublas must have one time per entry of ms")
+    m1, m2 = thresholds
+    found = {}
+    for i, m in enumerate(ms):
+        best = min(range(3), key=lambda j: times[j][i])
+        if math.isinf(times[best][i]):
+            continue  # nothing measured here
+        chosen = 0 if m <= m1 else 1 if m <= m2 else 2
+        if times[chosen][i] > (1.0 + margin) * times[best][i]:
+            found[m] = KERNELS[best]
+    return found
+
+
 def _finite_or_inf(t) -> float:
     if t is None:
         return math.inf
@@ -722,7 +762,10 @@ class DispatchTable:
     """The inflection points ``(M1, M2)`` of each measured ``[N, K]``, for one GPU.
 
     ``entries``: ``{(N, K): (M1, M2)}``; ``default``: the thresholds when there is no entry
-    at all; ``info``: where the numbers come from (device, dtype, date, versions, the sweep).
+    at all; ``info``: where the numbers come from (device, dtype, date, versions, the sweep);
+    ``exceptions``: ``{(N, K): {M: kernel}}``, measured batch sizes of a shape where another
+    kernel than the thresholds' is faster by more than a margin (`find_exceptions`); they
+    apply to that exact shape and M only.
 
     A shape without an entry takes the thresholds of the **nearest** measured shape by
     weight count, ``|log(N·K / N'·K')|`` (ties: the smaller, then the first in (N, K)
@@ -736,6 +779,7 @@ class DispatchTable:
     entries: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     default: tuple[int, int] = DEFAULT_THRESHOLDS
     info: dict = field(default_factory=dict)
+    exceptions: dict[tuple[int, int], dict[int, str]] = field(default_factory=dict)
     # ``(N, K) -> nearest entry`` of the shapes looked up so far, with the entries it was built
     # for: an eager decode step asks for every layer's shapes (~100 lookups), and the search
     # over the entries was a tenth of the step's host time on an H100 host.
@@ -761,9 +805,13 @@ class DispatchTable:
 
     def to_dict(self) -> dict:
         return {"schema": self.SCHEMA, "kind": "flat_gemm_dispatch",
-                "rule": "M <= m1: gemv; m1 < M <= m2: flat_gemm; M > m2: cublas",
+                "rule": "M in a shape's exceptions: that kernel; else M <= m1: gemv; m1 < M <= m2: flat_gemm; "
+                        "M > m2: cublas",
                 "default": {"m1": self.default[0], "m2": self.default[1]},
-                "shapes": [{"n": n, "k": k, "m1": m1, "m2": m2} for (n, k), (m1, m2) in sorted(self.entries.items())],
+                "shapes": [{"n": n, "k": k, "m1": m1, "m2": m2,
+                            **({"exceptions": {str(m): kind for m, kind in sorted(self.exceptions[(n, k)].items())}}
+                               if self.exceptions.get((n, k)) else {})}
+                           for (n, k), (m1, m2) in sorted(self.entries.items())],
                 "info": dict(self.info)}
 
     @classmethod
@@ -771,15 +819,22 @@ class DispatchTable:
         if data.get("kind") != "flat_gemm_dispatch" or data.get("schema") != cls.SCHEMA:
             raise ValueError(f"not a flat GEMM dispatch table (schema {cls.SCHEMA}): kind={data.get('kind')!r}, "
                              f"schema={data.get('schema')!r}")
-        entries = {}
+        entries, exceptions = {}, {}
         for s in data.get("shapes", []):
             m1, m2 = int(s["m1"]), int(s["m2"])
             if not 0 <= m1 <= m2:
                 raise ValueError(f"shape [{s['n']}, {s['k']}]: need 0 <= m1 <= m2, got m1={m1}, m2={m2}")
             entries[(int(s["n"]), int(s["k"]))] = (m1, m2)
+            found = {int(m): kind for m, kind in (s.get("exceptions") or {}).items()}
+            bad = {m: kind for m, kind in found.items() if kind not in KERNELS or m < 1}
+            if bad:
+                raise ValueError(f"shape [{s['n']}, {s['k']}]: exceptions must map batch sizes >= 1 to one of "
+                                 f"{KERNELS}, got {bad}")
+            if found:
+                exceptions[(int(s["n"]), int(s["k"]))] = found
         d = data.get("default") or {}
         default = (int(d.get("m1", DEFAULT_THRESHOLDS[0])), int(d.get("m2", DEFAULT_THRESHOLDS[1])))
-        return cls(entries, default, dict(data.get("info") or {}))
+        return cls(entries, default, dict(data.get("info") or {}), exceptions)
 
 
 #: The table `linear` uses when it is given none: `DEFAULT_THRESHOLDS` for every shape.

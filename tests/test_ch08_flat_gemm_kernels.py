@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from minillm.kernels import ch08_flat_gemm as fg
 from minillm.engine.gemm_table import load_table, save_table, table_for_device, table_path
 from minillm.kernels.ch08_flat_gemm import (
-    DEFAULT_TABLE, DEFAULT_THRESHOLDS, DispatchTable, TileConfig, choose_kernel, find_inflection_points, flat_gemm,
+    DEFAULT_TABLE, DEFAULT_THRESHOLDS, DispatchTable, TileConfig, choose_kernel, find_exceptions,
+    find_inflection_points, flat_gemm,
     gemv, linear,
 )
 from minillm.reference import ch08_flat_gemm as ref
@@ -219,6 +220,52 @@ def test_dispatch_table_roundtrip_and_fallback(tmp_path):
     with pytest.raises(ValueError):
         DispatchTable.from_dict({**data, "shapes": [{"n": 1, "k": 1, "m1": 8, "m2": 4}]})
     assert table_for_device("cpu") == DispatchTable() == DEFAULT_TABLE, "no table off the GPU"
+
+
+def test_choose_kernel_honours_exceptions_of_its_shape_and_batch_only():
+    table = DispatchTable({(4096, 4096): (1, 48)}, exceptions={(4096, 4096): {96: "flat_gemm", 2: "cublas"}})
+    assert [choose_kernel(m, 4096, 4096, table) for m in (1, 2, 3, 48, 64, 95, 96, 97, 128)] == \
+        ["gemv", "cublas", "flat_gemm", "flat_gemm", "cublas", "cublas", "flat_gemm", "cublas", "cublas"]
+    # Another shape borrows the nearest shape's thresholds, not its exceptions.
+    assert choose_kernel(96, 4096, 4608, table) == "cublas"
+
+
+def test_dispatch_table_exceptions_roundtrip(tmp_path):
+    table = DispatchTable({(4096, 4096): (1, 48), (256, 256): (4, 256)}, info={"device": "NVIDIA Test GPU"},
+                          exceptions={(4096, 4096): {96: "flat_gemm"}})
+    path = save_table(table, table_path("NVIDIA Test GPU", tmp_path))
+    data = json.loads(path.read_text())
+    by_shape = {(s["n"], s["k"]): s for s in data["shapes"]}
+    assert by_shape[(4096, 4096)]["exceptions"] == {"96": "flat_gemm"}
+    assert "exceptions" not in by_shape[(256, 256)], "a shape without exceptions keeps the old form"
+    assert load_table(path) == table
+    old_form = {**data, "shapes": [{k: v for k, v in s.items() if k != "exceptions"} for s in data["shapes"]]}
+    assert DispatchTable.from_dict(old_form).exceptions == {}, "files written before exceptions still load"
+    for bad in ({"96": "cudnn"}, {"0": "gemv"}):
+        with pytest.raises(ValueError, match="exceptions"):
+            DispatchTable.from_dict({**data, "shapes": [{"n": 1, "k": 1, "m1": 1, "m2": 4, "exceptions": bad}]})
+
+
+def test_find_exceptions_catches_an_isolated_slow_point_only():
+    """The sweep of Llama-2-7B's O projection on an H200 (graph µs, fp16, 2026-11-28), where
+    cuBLAS ran M = 96 slower than both M = 64 and M = 128: the thresholds (the committed
+    table's (1, 48)) give M = 96 to cuBLAS, 6 % slower than the flat GEMM there, and the
+    exception hands it back. A 3 % gap is noise: no exception."""
+    ms = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    gemv = [11.15, 12.53, 18.13, 30.81, 43.13, 54.09] + [None] * 8
+    flat = [12.07, 11.7, 11.77, 12.29, 12.32, 12.61, 12.51, 12.91, 14.41, 14.56, 15.61, 15.93, 22.84, 23.12]
+    cublas = [13.99, 14.04, 14.07, 14.17, 13.6, 13.81, 14.43, 14.3, 14.82, 12.97, 16.55, 14.23, 17.34, 17.41]
+    thresholds = find_inflection_points(ms, gemv, flat, cublas)
+    assert thresholds == (1, 48)
+    assert find_exceptions(ms, gemv, flat, cublas, thresholds) == {96: "flat_gemm"}
+    assert find_exceptions(ms, gemv, flat, cublas, thresholds, margin=0.10) == {}
+    cublas[10] = flat[10] * 1.03
+    assert find_exceptions(ms, gemv, flat, cublas, thresholds) == {}
+    # Where the thresholds' kernel is the fastest everywhere, nothing.
+    g, f, c = [8.0, 14.0, 14.0], [10.0, 10.0, 12.0], [12.0, 12.0, 10.0]
+    assert find_exceptions([1, 2, 3], g, f, c, find_inflection_points([1, 2, 3], g, f, c)) == {}
+    with pytest.raises(ValueError):
+        find_exceptions([1, 2], g, f, c, (1, 2))
 
 
 def _regret(ms, times, m1, m2, tolerance):

@@ -9,9 +9,9 @@ are on (`table_for_device`, read once per process).
 File format (written by `save_table`; `DispatchTable.to_dict`)::
 
     {"schema": 1, "kind": "flat_gemm_dispatch",
-     "rule": "M <= m1: gemv; m1 < M <= m2: flat_gemm; M > m2: cublas",
+     "rule": "M in a shape's exceptions: that kernel; else M <= m1: gemv; ...",
      "default": {"m1": 4, "m2": 64},
-     "shapes": [{"n": 4096, "k": 4096, "m1": 8, "m2": 96}, ...],
+     "shapes": [{"n": 4096, "k": 4096, "m1": 1, "m2": 48, "exceptions": {"96": "flat_gemm"}}, ...],
      "info": {"device": "NVIDIA H200", "gpu_slug": "nvidia-h200", "dtype": "float16", ...}}
 
 (No top-level ``date``: `minillm.results.load_results` takes the newest ``*.json`` of the
