@@ -104,16 +104,24 @@ GLUON_VERSIONS = ((3, 6), (3, 9))
 # Helpers inside the kernel
 # ----------------------------------------------------------------------------------------
 @gluon.jit
+def _column_halves(x):
+    """``x [ROWS, W]`` as its two column halves ``[ROWS, W/2]``: each thread holds the
+    elements of both (the accumulator layout repeats every 8 columns), so no data moves."""
+    ROWS: gl.constexpr = x.shape[0]
+    W: gl.constexpr = x.shape[1]
+    return x.reshape([ROWS, 2, W // 2]).permute((0, 2, 1)).split()
+
+
+@gluon.jit
 def _fold_halves(x, MAX: gl.constexpr):
     """``x [ROWS, W]`` folded to ``[ROWS, 8]`` by adding (``MAX``: taking the larger of) its
     column halves (four times for W = 128): the elements of each half sit in the same thread
     as those of the other, so these are independent operations on registers (a tree), where
     `gl.max`/`gl.sum` along a thread's 32 elements of a row would be a chain of 32."""
-    ROWS: gl.constexpr = x.shape[0]
     W: gl.constexpr = x.shape[1]
     for i in gl.static_range(4):
         if (W >> i) > 8:  # down to 8 columns: two per thread of a quad
-            a, b = x.reshape([ROWS, 2, W // (2 << i)]).permute((0, 2, 1)).split()
+            a, b = _column_halves(x)
             if MAX:
                 x = gl.maximum(a, b)
             else:
@@ -139,15 +147,6 @@ def _exp2_on_fma(x):
     p = ((_EXP2_C3 * f + _EXP2_C2) * f + _EXP2_C1) * f + _EXP2_C0
     bits = p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)
     return bits.to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _column_halves(x):
-    """``x [ROWS, W]`` as its two column halves ``[ROWS, W/2]``: each thread holds the
-    elements of both (the accumulator layout repeats every 8 columns), so no data moves."""
-    ROWS: gl.constexpr = x.shape[0]
-    W: gl.constexpr = x.shape[1]
-    return x.reshape([ROWS, 2, W // 2]).permute((0, 2, 1)).split()
 
 
 @gluon.jit
