@@ -5,8 +5,10 @@ over 8 or 32 KV heads, batch 1/8/32, contexts 4k/32k/128k, 16-token blocks in a 
 pool), in the same process and on the same values:
 
 - ``gluon``: `flash_decode_attention_gluon` with its defaults (persistent programs, one per SM;
-  splits from `plan_splits`);
-- ``gluon_wave_splits``: the same kernel with the Triton kernel's split count
+  units of work with `plan_splits`'s split count);
+- ``gluon_line``: the same kernel on the balanced schedule (``schedule="line"``: the work
+  line cut into one equal chunk per program), which measures what balancing buys;
+- ``gluon_wave_splits``: the units with the Triton kernel's split count
   (`num_splits_heuristic`), which separates the kernel from the split plan;
 - ``triton``: `flash_decode_attention`, Chapter 7's kernel with its defaults;
 - the peers on a contiguous cache of the same values: SDPA pinned to cuDNN and to
@@ -19,12 +21,12 @@ of the largest point do not fit together). Caches of at most ``GRAPH_MAX_CACHE_B
 also timed replaying a CUDA graph (the GPU's time without launch overhead).
 
 Rows (``params``: kind "decode", batch, q_heads, kv_heads, context, head_dim, dtype,
-block_size, blocks, kernel, num_splits):
+block_size, blocks, kernel, num_splits; None for the line):
 
 ==================  ========================================================================
 ``time_ms``         kernel ``gluon``: one row per peer (sdpa_cudnn, sdpa_flash, triton),
-                    ratio = peer / ours (> 1: the Gluon kernel is faster); kernel
-                    ``gluon_wave_splits`` against ``gluon``; kernel ``triton`` against
+                    ratio = peer / ours (> 1: the Gluon kernel is faster); kernels
+                    ``gluon_line`` and ``gluon_wave_splits`` against ``gluon``; kernel ``triton`` against
                     ``sdpa_cudnn`` (the same run's reading of the chapter's kernel)
 ``graph_time_ms``   the same pairs as CUDA-graph times, where measured
 ``bandwidth_TBps``  useful bytes (`minillm.costs.paged_decode_attention_bytes`) / time of
@@ -126,11 +128,13 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
     k_pool, v_pool, tables = inputs
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     outs = {name: torch.empty(batch, Q_HEADS, HEAD_DIM, device=device, dtype=DTYPE) for name in
-            ("gluon", "gluon_wave_splits", "triton")}
+            ("gluon", "gluon_line", "gluon_wave_splits", "triton")}
     lse = torch.empty(batch, Q_HEADS, device=device, dtype=torch.float32)
     calls = {
         "gluon": lambda: flash_decode_attention_gluon(q, k_pool, v_pool, tables, lens, num_splits=plan,
                                                       out=outs["gluon"], lse=lse),
+        "gluon_line": lambda: flash_decode_attention_gluon(q, k_pool, v_pool, tables, lens, schedule="line",
+                                                           out=outs["gluon_line"], lse=lse),
         "gluon_wave_splits": lambda: flash_decode_attention_gluon(q, k_pool, v_pool, tables, lens,
                                                                   num_splits=wave_splits,
                                                                   out=outs["gluon_wave_splits"], lse=lse),
@@ -144,7 +148,7 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
     eager.update({name: sdpa[name][0] for name in ("sdpa_cudnn", "sdpa_flash")})
 
     def add(kernel, metric, ours, peer, peer_value, **kw):
-        splits = {"gluon": plan, "gluon_wave_splits": wave_splits, "triton": wave_splits}[kernel]
+        splits = {"gluon": plan, "gluon_line": None, "gluon_wave_splits": wave_splits, "triton": wave_splits}[kernel]
         results.add(BENCHMARK, {**base, "kernel": kernel, "num_splits": splits}, metric, ours, peer, peer_value, **kw)
 
     for peer in PEERS:
@@ -152,10 +156,12 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
         if use_graphs:
             add("gluon", "graph_time_ms", graph_ms["gluon"], peer, graph_ms.get(peer),
                 note=f"per call, replaying a CUDA graph of {GRAPH_REPEATS} calls")
-    add("gluon_wave_splits", "time_ms", eager["gluon_wave_splits"], "gluon", eager["gluon"])
+    for other in ("gluon_line", "gluon_wave_splits"):
+        add(other, "time_ms", eager[other], "gluon", eager["gluon"])
+        if use_graphs:
+            add(other, "graph_time_ms", graph_ms[other], "gluon", graph_ms["gluon"])
     add("triton", "time_ms", eager["triton"], "sdpa_cudnn", eager["sdpa_cudnn"])
     if use_graphs:
-        add("gluon_wave_splits", "graph_time_ms", graph_ms["gluon_wave_splits"], "gluon", graph_ms["gluon"])
         add("triton", "graph_time_ms", graph_ms["triton"], "sdpa_cudnn", graph_ms.get("sdpa_cudnn"))
     for kernel in ("gluon", "triton"):
         add(kernel, "bandwidth_TBps", tbps(eager[kernel]), "sdpa_cudnn", tbps(eager["sdpa_cudnn"]),
@@ -167,11 +173,13 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
 
 
 def summary(results: Results | dict) -> str:
-    """One line per point: the Gluon kernel's time and its ratios to cuDNN and to the Triton kernel."""
+    """One line per point: the Gluon kernel's time, its ratios to cuDNN and to the Triton kernel,
+    and the line's time over the units' (the default's)."""
     from minillm.results import rows as select
 
     data = results.to_dict() if isinstance(results, Results) else results
-    lines = [f"{'B':>3} {'Hkv':>4} {'L':>7} {'S':>4}  gluon us  /cuDNN  /triton  triton/cuDNN  graph: /cuDNN /triton"]
+    lines = [f"{'B':>3} {'Hkv':>4} {'L':>7} {'S':>4}  gluon us  /cuDNN  /triton  triton/cuDNN  graph: /cuDNN /triton"
+             "  line/units (graph)"]
     by_point: dict[tuple, dict] = {}
     for r in select(data, BENCHMARK):
         p = r["params"]
@@ -180,9 +188,11 @@ def summary(results: Results | dict) -> str:
     for (b, kv, L), rows in sorted(by_point.items()):
         g = rows.get(("gluon", "time_ms", "sdpa_cudnn"))
         us = f"{g['ours'] * 1e3:8.1f}" if g else "       —"
+        line = rows.get(("gluon_line", "graph_time_ms", "gluon")) or rows.get(("gluon_line", "time_ms", "gluon"))
         lines.append(f"{b:>3} {kv:>4} {L:>7} {g['params']['num_splits'] if g else '—':>4}  {us}  "
                      f"{fmt(g):>6}  {fmt(rows.get(('gluon', 'time_ms', 'triton'))):>7}  "
                      f"{fmt(rows.get(('triton', 'time_ms', 'sdpa_cudnn'))):>12}  "
                      f"{fmt(rows.get(('gluon', 'graph_time_ms', 'sdpa_cudnn'))):>13} "
-                     f"{fmt(rows.get(('gluon', 'graph_time_ms', 'triton'))):>7}")
+                     f"{fmt(rows.get(('gluon', 'graph_time_ms', 'triton'))):>7}  "
+                     f"{format(1 / line['ratio'], '.3f') if line and line.get('ratio') else '—':>18}")
     return "\n".join(lines)

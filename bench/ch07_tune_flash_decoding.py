@@ -2,7 +2,7 @@
 split count, the asynchronized softmax's variants and the host overhead of one call.
 
 Run on a GPU: ``python -m bench.ch07_tune_flash_decoding [part ...]`` (parts: overhead, config,
-async, splits, fused, hopper, hopper2, gluon; default all but the sm_90 parts). Prints compact
+async, splits, fused, hopper, hopper2, gluon, gluon_balance; default all but the sm_90 parts). Prints compact
 tables; times are per call replaying a CUDA graph of 16 calls (`bench.common.graph_time_ms`)
 unless marked eager."""
 from __future__ import annotations
@@ -391,10 +391,55 @@ def gluon():
               + " | ".join(f"{n} {t:.1f} ({base / t:.3f})" for n, t in rows.items()), flush=True)
 
 
+def gluon_balance():
+    """The Gluon kernel's schedules at every decode point: units with `plan_splits`'s count (one
+    unit per program where the batch allows) and with twice that count (the same tiles in
+    twice the pieces: what a piece costs), the balanced work line, and the line with a ring of
+    4 slots; against the Triton kernel. Small caches in CUDA-graph time (4
+    copies), the others eager, the variants taking turns (`interleaved_times`, median of 3).
+    Also the host's microseconds per call of each launcher (eager calls of small caches are
+    the host's time)."""
+    from bench.common import interleaved_times
+    from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, plan_splits
+
+    print("\n== gluon_balance: us per call (graph for caches up to 64 MB, else eager); ratio = triton / variant ==")
+    sms = fd.num_sms(DEV)
+    for hkv in (8, 32):
+        for b in (1, 8, 32):
+            for ctx in (4096, 32768, 131072):
+                small = b * hkv * ctx <= 8 * 32768
+                copies = [inputs(b, hkv, ctx) for _ in range(4 if small else 1)]
+                outs = [(torch.empty(c[0].shape, device=DEV, dtype=DT),
+                         torch.empty(c[0].shape[:2], device=DEV, dtype=torch.float32)) for c in copies]
+                wave = fd.num_splits_heuristic(b, hkv, ctx, sms, 128)
+                plan = plan_splits(b, hkv, ctx, sms)
+
+                def glu(**kw):
+                    return [lambda c=c, o=o: flash_decode_attention_gluon(*c, out=o[0], lse=o[1], **kw)
+                            for c, o in zip(copies, outs)]
+                variants = {"triton": [lambda c=c, o=o: fd.flash_decode_attention(*c, num_splits=wave, out=o[0],
+                                                                                  lse=o[1])
+                                       for c, o in zip(copies, outs)],
+                            "units": glu(num_splits=plan), "units 2S": glu(num_splits=2 * plan),
+                            "line": glu(schedule="line"), "line st4": glu(schedule="line", num_stages=4)}
+                if small:
+                    t = {n: graph_time_ms(fns, 16, timer) * 1e3 for n, fns in variants.items()}
+                else:
+                    t = {n: ms * 1e3 for n, ms in interleaved_times({n: f[0] for n, f in variants.items()}, timer,
+                                                                      3).items()}
+                host = {n: host_us(variants[n][0], 200) for n in ("triton", "units")} if small else {}
+                print(f"  B={b:2} Hkv={hkv:2} L={ctx:6} {'graph' if small else 'eager'} S plan {plan}: "
+                      + " | ".join(f"{n} {v:.1f} ({t['triton'] / v:.3f})" for n, v in t.items())
+                      + ("  host us: " + " ".join(f"{n} {v:.1f}" for n, v in host.items()) if host else ""),
+                      flush=True)
+                del copies, outs, variants
+                torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     parts = sys.argv[1:] or ["overhead", "config", "async", "splits", "fused"]
     t0 = time.time()
     for part in parts:
         {"overhead": overhead, "config": config, "async": async_variants, "splits": splits, "fused": fused,
-         "hopper": hopper, "hopper2": hopper2, "gluon": gluon}[part]()
+         "hopper": hopper, "hopper2": hopper2, "gluon": gluon, "gluon_balance": gluon_balance}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)

@@ -1,7 +1,7 @@
 """Chapter 7 exercises: flash-decoding. Grade your work with ``make grade CH=7``.
 
 Replace each ``raise NotImplementedError(...)`` with your implementation: in plain Python and
-NumPy for Exercises 7.1-7.3 and 7.6; Exercises 7.4 and 7.5 are the two Triton kernels of
+NumPy for Exercises 7.1-7.3, 7.6 and 7.7; Exercises 7.4 and 7.5 are the two Triton kernels of
 flash-decoding, whose launchers are written for you (write the kernel's body, then delete the
 launcher's ``raise``). The tests compare your code with the float64 references in
 `minillm.reference.ch07_flash_decoding` and with the split heuristics of
@@ -24,7 +24,8 @@ import torch
 # First, before Triton: without a GPU, this selects Triton's interpreter.
 from minillm.kernels.base import tl, triton  # Triton as this machine runs it (no GPU: the interpreter)
 
-__all__ = ["merge_splits", "fa2_num_splits", "split_partial", "flash_decode_split", "merge_partials", "plan_splits"]
+__all__ = ["merge_splits", "fa2_num_splits", "split_partial", "flash_decode_split", "merge_partials", "plan_splits",
+           "work_line_pieces"]
 
 
 def merge_splits(o: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -210,3 +211,29 @@ def plan_splits(batch: int, kv_heads: int, max_seq_len: int, programs: int, bloc
     The rule is the module's `minillm.kernels.ch07_flash_decoding_gluon.plan_splits`.
     """
     raise NotImplementedError("Exercise 7.6 (plan_splits): not started. Read its docstring; hints: python -m minillm.grade 7 --hint 7.6")
+
+
+# == Exercise 7.7: one equal chunk of work per program ===========================================
+
+def work_line_pieces(seq_lens, kv_heads: int, programs: int, box: int,
+                     capacity: int | None = None) -> list[list[tuple]]:
+    """Exercise 7.7 — the balanced schedule: which program computes which piece of which unit.
+
+    Whole units leave a tail: ``U`` units on ``P`` programs take ``⌈U / P⌉`` rounds. Instead,
+    lay every unit (sequence ``b``, KV head ``h``; sequence-major, ``h`` fastest) out on one
+    **line** as a run of ``max(⌈len_b / box⌉, 1)`` boxes of ``box`` keys (``len_b`` clamped
+    to ``[0, capacity]`` when a capacity is given; an empty sequence keeps one box), and cut
+    the line into chunks of ``chunk = max(1, ⌈line / programs⌉)`` boxes: chunk ``p`` is
+    program ``p``'s work (programs past the line's end get none).
+
+    Return one list per program of its pieces, in line order, each
+    ``(b, h, lo, hi, part, n_parts)``: the piece covers keys ``[lo, hi)`` of sequence ``b``
+    (box positions times ``box``, both clamped to the length: a piece past the length is
+    empty, ``lo == hi``), and it is piece ``part`` (from 0) of the ``n_parts`` chunks that
+    unit ``(b, h)`` meets. Example: lengths ``[5, 0, 40]``, 2 KV heads, 3 programs, boxes of
+    16: the line is ``1 + 1 + 1 + 1 + 3 + 3 = 10`` boxes, chunks of 4, and program 2 gets
+    ``[(2, 1, 16, 40, 1, 2)]``.
+
+    The kernel's schedule: `minillm.kernels.ch07_flash_decoding_gluon` with ``schedule="line"``.
+    """
+    raise NotImplementedError("Exercise 7.7 (work_line_pieces): not started. Read its docstring; hints: python -m minillm.grade 7 --hint 7.7")

@@ -7,10 +7,10 @@ a 16-token paged pool, whose 128-key tile is 8 blocks anywhere in memory, never 
 This module writes the same algorithm with Gluon (the layer under Triton, see Chapter 4's
 `minillm.kernels.ch04_flash_attention_gluon`), FlashAttention-3's way:
 
-- a **loader warp** reads a tile's block-table entries in one vector load and issues one TMA
-  copy per block (per 64 columns of the head) straight into the rows of a ring slot in shared
-  memory: the gather a paged tile needs happens in the copy engine, with no addresses in
-  registers;
+- a **loader warp** reads a tile's block-table entries in one vector load (a tile ahead) and
+  issues one TMA copy per block (per 64 columns of the head) straight into the rows of a ring
+  slot in shared memory: the gather a paged tile needs happens in the copy engine, with no
+  addresses in registers;
 - a **consumer warpgroup** runs the online softmax on ``wgmma``: the group's query heads are
   the rows of a 64-row tile (GQA 4:1 fills 4 of them; the other rows are zero and cost
   tensor-core time only, which a memory-bound loop has to spare);
@@ -18,6 +18,9 @@ This module writes the same algorithm with Gluon (the layer under Triton, see Ch
   split) in turn, so the loader fetches the next unit's first tiles while the consumer
   finishes this one; the split count (`plan_splits`) is the largest that gives each program
   at most one unit, instead of the Triton kernel's "one wave of two programs per SM";
+  ``schedule="line"`` instead cuts all the work (every unit's keys, in boxes of a block) into
+  one equal chunk per program, from the lengths, on the GPU (stream-K's answer to the tail
+  that whole units leave; measured in Chapter 7, slower except where programs are long);
 - the splits are merged in the same launch by the last of a group's programs to finish
   (an arrival counter, as `flash_decode_attention`'s one-launch merge).
 
@@ -48,7 +51,8 @@ from triton.experimental.gluon import language as gl
 from minillm.kernels.ch05_paged_attention import check_paged, decode_outputs
 from minillm.kernels.ch07_flash_decoding import MAX_SPLITS, cached_workspace
 
-__all__ = ["flash_decode_attention_gluon", "gluon_decode_applies", "plan_splits", "BLOCK_N", "NUM_STAGES", "ROWS"]
+__all__ = ["flash_decode_attention_gluon", "gluon_decode_applies", "plan_splits", "balanced_slots", "BLOCK_N",
+           "NUM_STAGES", "ROWS"]
 
 #: Keys per tile, and ring slots (each a K and a V tile: 32 KB at head dim 128). Chosen on an
 #: H200 (`bench.ch07_tune_flash_decoding` part ``gluon``, CUDA-graph times at six points,
@@ -68,36 +72,128 @@ ROWS = 64
 # Helpers inside the kernel
 # ----------------------------------------------------------------------------------------
 @gluon.jit
-def _unit_coordinates(unit, kv_heads, num_splits, seq_lens, max_blocks, block_size, BLOCK_N: gl.constexpr):
-    """Work unit ``unit = (b · kv_heads + kv_h) · S + split`` as ``(b, kv_h, split, seq_len,
-    lo, n_tiles)``: the unit's keys are tiles ``[lo, lo + n_tiles · BLOCK_N)`` of sequence
-    ``b``, each split ``⌈tiles / S⌉`` whole tiles of the sequence's own length (the last
-    tile ragged; a split past the end has none)."""
-    split = unit % num_splits
-    bh = unit // num_splits
-    kv_h = bh % kv_heads
-    b = bh // kv_heads
-    seq_len = gl.minimum(gl.maximum(gl.load(seq_lens + b).to(gl.int32), 0), max_blocks * block_size)
-    tiles = gl.cdiv(seq_len, BLOCK_N)
-    per_split = gl.cdiv(tiles, num_splits)
-    first = split * per_split
-    n_tiles = gl.maximum(gl.minimum(per_split, tiles - first), 0)
-    return b, kv_h, split, seq_len, first * BLOCK_N, n_tiles
+def _add(a, b):
+    return a + b
 
 
 @gluon.jit
-def _tile_rows(table, start, seq_len, block_size, num_blocks, max_blocks, BOX: gl.constexpr,
+def _sequence(seq_lens, b, batch, capacity, BOX: gl.constexpr):
+    """Sequence ``b``'s length, clamped to ``[0, capacity]``, and its boxes on the work line,
+    ``max(⌈len / BOX⌉, 1)`` (an empty sequence keeps one box: its unit still writes 0 and
+    -inf); past the batch, 0 and 0."""
+    inside = b < batch
+    n = gl.load(seq_lens + b, mask=inside, other=0).to(gl.int32)
+    n = gl.minimum(gl.maximum(n, 0), capacity)
+    return n, gl.where(inside, gl.maximum(gl.cdiv(n, BOX), 1), 0)
+
+
+@gluon.jit
+def _scan_lengths(seq_lens, batch, capacity, kv_heads, target, BOX: gl.constexpr, WARPS: gl.constexpr):
+    """One pass over the lengths, 128 at a time: the boxes of all sequences (one KV head's
+    share of the work line), and the sequence ``b`` whose units hold box ``target`` of the line,
+    with the boxes before it (``H · before <= target < H · (before + boxes_b)``; 0 and 0 when
+    no sequence does)."""
+    layout: gl.constexpr = gl.BlockedLayout([max(1, 128 // (32 * WARPS))], [32], [WARPS], [0])
+    offs = gl.arange(0, 128, layout)
+    total = 0
+    b = 0
+    before = 0
+    for s0 in range(0, batch, 128):
+        idx = s0 + offs
+        n = gl.load(seq_lens + idx, mask=idx < batch, other=0).to(gl.int32)
+        boxes = gl.where(idx < batch, gl.maximum(gl.cdiv(gl.minimum(gl.maximum(n, 0), capacity), BOX), 1), 0)
+        ends = gl.associative_scan(boxes, 0, _add) + total
+        starts = ends - boxes
+        hit = (idx < batch) & (starts * kv_heads <= target) & (target < ends * kv_heads)
+        b = gl.maximum(b, gl.max(gl.where(hit, idx, 0), axis=0))
+        before = gl.maximum(before, gl.max(gl.where(hit, starts, 0), axis=0))
+        total += gl.sum(boxes, axis=0)
+    return total, b, before
+
+
+# A program's walk over its work. Two schedules (``LINE`` constexpr):
+# - units: unit ``u = (b · H + kv_h) · S + split`` is split ``split`` of sequence ``b`` at KV
+#   head ``kv_h`` (``⌈tiles / S⌉`` whole tiles of the sequence's own length); the program
+#   takes units ``pid``, ``pid + P``, ...; state ``pos`` = the unit, ``end`` = ``B · H · S``;
+# - line: the work line lists the units (sequence, KV head) as runs of boxes, ``max(⌈len /
+#   BOX⌉, 1)`` each, and program ``pid`` takes boxes ``[pid · chunk, (pid + 1) · chunk)``,
+#   ``chunk = ⌈line / P⌉``, unit by unit: state ``pos`` = the next box, ``end`` = the chunk's
+#   end, and the current unit (``b``, ``kv_h``, its boxes ``[unit_start, unit_start +
+#   unit_len)``, the sequence's length).
+# `minillm.reference.ch07_flash_decoding.work_line_pieces` is the line in Python.
+@gluon.jit
+def _walk_start(seq_lens, batch, kv_heads, num_splits, capacity, LINE: gl.constexpr, BOX: gl.constexpr,
+                WARPS: gl.constexpr):
+    """The walk's first state: ``(pos, end, b, kv_h, unit_start, unit_len, seq_len, chunk)``."""
+    if LINE:
+        per_head, _b, _before = _scan_lengths(seq_lens, batch, capacity, kv_heads, -1, BOX, WARPS)
+        total = per_head * kv_heads
+        chunk = gl.cdiv(total, gl.num_programs(0))
+        pos = gl.program_id(0) * chunk
+        _total, b, before = _scan_lengths(seq_lens, batch, capacity, kv_heads, pos, BOX, WARPS)
+        seq_len, unit_len = _sequence(seq_lens, b, batch, capacity, BOX)
+        kv_h = (pos - before * kv_heads) // gl.maximum(unit_len, 1)
+        return (pos, gl.minimum(pos + chunk, total), b, kv_h, before * kv_heads + kv_h * unit_len, unit_len, seq_len,
+                chunk)
+    else:
+        return gl.program_id(0), batch * kv_heads * num_splits, 0, 0, 0, 0, 0, 0
+
+
+@gluon.jit
+def _walk_piece(pos, end, b, kv_h, unit_start, unit_len, seq_len, seq_lens, batch, kv_heads, num_splits, capacity,
+                LINE: gl.constexpr, BOX: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The piece at the walk's state: ``(b, kv_h, lo, hi)``, keys ``[lo, hi)`` of sequence
+    ``b`` at KV head ``kv_h`` (empty where the piece lies past the length)."""
+    if LINE:
+        piece_end = gl.minimum(unit_start + unit_len, end)
+        return b, kv_h, (pos - unit_start) * BOX, gl.minimum((piece_end - unit_start) * BOX, seq_len)
+    else:
+        split = pos % num_splits
+        bh = pos // num_splits
+        seq_len, _boxes = _sequence(seq_lens, bh // kv_heads, batch, capacity, BOX)
+        per_split = gl.cdiv(gl.cdiv(seq_len, BLOCK_N), num_splits) * BLOCK_N
+        lo = split * per_split
+        return bh // kv_heads, bh % kv_heads, lo, gl.minimum(lo + per_split, seq_len)
+
+
+@gluon.jit
+def _walk_part(pos, unit_start, unit_len, chunk, num_splits, LINE: gl.constexpr):
+    """Which of its unit's pieces the current one is, and how many the unit has."""
+    if LINE:
+        first = unit_start // chunk
+        return pos // chunk - first, (unit_start + unit_len - 1) // chunk - first + 1
+    else:
+        return pos % num_splits, num_splits
+
+
+@gluon.jit
+def _walk_next(pos, end, b, kv_h, unit_start, unit_len, seq_len, seq_lens, batch, kv_heads, capacity,
+               LINE: gl.constexpr, BOX: gl.constexpr):
+    """The state after the current piece: ``(pos, b, kv_h, unit_start, unit_len, seq_len)``
+    (line: the next unit, the next KV head or the next sequence's first; units: ``P`` units on)."""
+    if LINE:
+        wrap = kv_h + 1 == kv_heads
+        b = gl.where(wrap, b + 1, b)
+        next_len, next_boxes = _sequence(seq_lens, b, batch, capacity, BOX)
+        return (gl.minimum(unit_start + unit_len, end), b, gl.where(wrap, 0, kv_h + 1), unit_start + unit_len,
+                next_boxes, next_len)
+    else:
+        return pos + gl.num_programs(0), b, kv_h, unit_start, unit_len, seq_len
+
+
+@gluon.jit
+def _tile_rows(table, start, limit, block_size, num_blocks, max_blocks, BOX: gl.constexpr,
                BLOCK_N: gl.constexpr):
     """The pool rows (``block · block_size + offset``) of the first key of each of the
     ``BLOCK_N / BOX`` boxes of tile ``[start, start + BLOCK_N)``, through the sequence's block
     ``table``, in one vector load (the loader warp's lanes; one round trip per tile, not one
-    per block). Boxes past the length, and table entries that are not blocks, give
-    ``num_blocks · block_size``: past the pool's end, where TMA reads zeros."""
+    per block). Boxes from ``limit`` on (the piece's end), and table entries that are not
+    blocks, give ``num_blocks · block_size``: past the pool's end, where TMA reads zeros."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     pos = start + gl.arange(0, BLOCK_N // BOX, layout) * BOX
     idx = pos // block_size
     blk = gl.load(table + idx, mask=idx < max_blocks, other=-1)
-    ok = (blk >= 0) & (blk < num_blocks) & (pos < seq_len)
+    ok = (blk >= 0) & (blk < num_blocks) & (pos < limit)
     return gl.where(ok, blk, num_blocks) * block_size + pos % block_size
 
 
@@ -117,31 +213,37 @@ def _load_tile(desc, rows, col0, ready, ring, slot, BOX: gl.constexpr, BLOCK_N: 
 
 @gluon.jit
 def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, block_tables, seq_lens,
-            stride_tb, kv_heads, num_splits, n_units, block_size, num_blocks, max_blocks,
-            HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """One warp: the K and V tiles of this program's units (``pid``, ``pid + P``, ...) into the
-    rings, in the order the consumer uses them. A slot is refilled once the consumer has
-    arrived on its empty barrier (on the first pass the wait is for parity 1, which a fresh
-    barrier reports complete)."""
+            stride_tb, batch, kv_heads, num_splits, block_size, num_blocks, max_blocks, HEAD_D: gl.constexpr,
+            BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr, LINE: gl.constexpr):
+    """One warp: the K and V tiles of this program's pieces into the rings, in the order the
+    consumer uses them (the same walk). A slot is refilled once the consumer has arrived on
+    its empty barrier (on the first pass the wait is for parity 1, which a fresh barrier
+    reports complete)."""
     D_CHUNKS: gl.constexpr = HEAD_D // 64
+    capacity = max_blocks * block_size
+    pos, end, b, kv_h, unit_start, unit_len, seq_len, chunk = _walk_start(seq_lens, batch, kv_heads, num_splits,
+                                                                          capacity, LINE, BOX, 1)
     it = 0
-    unit = gl.program_id(0)
-    while unit < n_units:
-        b, kv_h, split, seq_len, lo, n_tiles = _unit_coordinates(unit, kv_heads, num_splits, seq_lens, max_blocks,
-                                                                 block_size, BLOCK_N)
-        table = block_tables + b.to(gl.int64) * stride_tb
-        col0 = kv_h * HEAD_D
-        for j in range(n_tiles):
+    while pos < end:
+        pb, pkv, lo, hi = _walk_piece(pos, end, b, kv_h, unit_start, unit_len, seq_len, seq_lens, batch, kv_heads,
+                                      num_splits, capacity, LINE, BOX, BLOCK_N)
+        table = block_tables + pb.to(gl.int64) * stride_tb
+        rows = _tile_rows(table, lo, hi, block_size, num_blocks, max_blocks, BOX, BLOCK_N)
+        for j in range(gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)):
             slot = it % NUM_STAGES
             free = ((it // NUM_STAGES) & 1) ^ 1
-            # The table's entries first: their round trip overlaps the wait for a free slot.
-            rows = _tile_rows(table, lo + j * BLOCK_N, seq_len, block_size, num_blocks, max_blocks, BOX, BLOCK_N)
+            # The next tile's table entries a tile ahead: their round trip overlaps this
+            # tile's wait for a free slot and its copies.
+            next_rows = _tile_rows(table, lo + (j + 1) * BLOCK_N, hi, block_size, num_blocks, max_blocks, BOX,
+                                   BLOCK_N)
             mbarrier.wait(k_empty.index(slot), free)
-            _load_tile(k_desc, rows, col0, k_ready.index(slot), k_smem, slot, BOX, BLOCK_N, D_CHUNKS)
+            _load_tile(k_desc, rows, pkv * HEAD_D, k_ready.index(slot), k_smem, slot, BOX, BLOCK_N, D_CHUNKS)
             mbarrier.wait(v_empty.index(slot), free)
-            _load_tile(v_desc, rows, col0, v_ready.index(slot), v_smem, slot, BOX, BLOCK_N, D_CHUNKS)
+            _load_tile(v_desc, rows, pkv * HEAD_D, v_ready.index(slot), v_smem, slot, BOX, BLOCK_N, D_CHUNKS)
+            rows = next_rows
             it += 1
-        unit += gl.num_programs(0)
+        pos, b, kv_h, unit_start, unit_len, seq_len = _walk_next(pos, end, b, kv_h, unit_start, unit_len, seq_len,
+                                                                 seq_lens, batch, kv_heads, capacity, LINE, BOX)
 
 
 @gluon.jit
@@ -255,15 +357,33 @@ def _merge_if_last(o_part, lse_part, out, lse, counter, group, num_splits, strid
 
 
 @gluon.jit
+def _finish_piece(acc0, acc1, m_i, l_i, o_part, lse_part, out, lse, counter, head0, lse0, part, n_parts, group,
+                  stride_ph, stride_ps, stride_lph, stride_oh, stride_lh, HEAD_D: gl.constexpr, MERGE_H: gl.constexpr,
+                  MERGE_S: gl.constexpr):
+    """A piece's result: the unit's output itself when the piece is its only one, else the
+    piece's partial at slot ``part`` (``head0``, ``lse0``: the group's first head's offsets in
+    the workspace) and the merge by the unit's last program to arrive."""
+    D_CHUNKS: gl.constexpr = HEAD_D // 64
+    if n_parts > 1:
+        _store_partial(acc0, acc1, m_i, l_i, o_part + head0 + part * stride_ps, lse_part + lse0 + part,
+                       stride_ph, stride_lph, group, D_CHUNKS)
+        _merge_if_last(o_part + head0, lse_part + lse0, out, lse, counter, group, n_parts, stride_ph, stride_ps,
+                       stride_lph, stride_oh, stride_lh, HEAD_D, MERGE_H, MERGE_S)
+    else:
+        _store_partial(acc0, acc1, m_i, l_i, out, lse, stride_oh, stride_lh, group, D_CHUNKS)
+
+
+@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr, seq_lens, o_part, lse_part, out,
               lse, counters, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_lpb, stride_lph,
-              stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, group, kv_heads, num_splits, n_units,
+              stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, batch, group, kv_heads, num_splits,
               block_size, max_blocks, qk_scale, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr):
-    """One warpgroup: for each of this program's units, the online softmax over its tiles
-    (base 2, FA2's unscaled accumulator), then the unit's partial; with ``SPLIT`` (``S > 1``)
-    a partial into the fp32 workspace and the merge by the group's last program
-    (`_merge_if_last`), else the output itself."""
+              NUM_STAGES: gl.constexpr, BOX: gl.constexpr, LINE: gl.constexpr, SPLIT: gl.constexpr,
+              MERGE_H: gl.constexpr, MERGE_S: gl.constexpr):
+    """One warpgroup: for each of this program's pieces, the online softmax over its tiles
+    (base 2, FA2's unscaled accumulator), then the piece's result: the output itself when the
+    piece is its unit's only one, else (``SPLIT``) a partial in the fp32 workspace and the
+    merge by the unit's last program to finish (`_merge_if_last`)."""
     D_CHUNKS: gl.constexpr = HEAD_D // 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -272,27 +392,28 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr,
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
     cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-
+    capacity = max_blocks * block_size
+    pos, end, b, kv_h, unit_start, unit_len, seq_len, chunk = _walk_start(seq_lens, batch, kv_heads, num_splits,
+                                                                          capacity, LINE, BOX, 4)
     it = 0
-    unit = gl.program_id(0)
-    while unit < n_units:
-        b, kv_h, split, seq_len, lo, n_tiles = _unit_coordinates(unit, kv_heads, num_splits, seq_lens, max_blocks,
-                                                                 block_size, BLOCK_N)
-        _load_queries(q_smem, q_ptr, b, kv_h, group, stride_qb, stride_qh, HEAD_D)
+    while pos < end:
+        pb, pkv, lo, hi = _walk_piece(pos, end, b, kv_h, unit_start, unit_len, seq_len, seq_lens, batch, kv_heads,
+                                      num_splits, capacity, LINE, BOX, BLOCK_N)
+        _load_queries(q_smem, q_ptr, pb, pkv, group, stride_qb, stride_qh, HEAD_D)
         m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
         acc0 = gl.zeros([64, 64], gl.float32, o_layout)
         acc1 = gl.zeros([64, 64], gl.float32, o_layout)
-        for j in range(n_tiles):
+        for j in range(gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)):
             slot = it % NUM_STAGES
             phase = (it // NUM_STAGES) & 1
             start = lo + j * BLOCK_N
             mbarrier.wait(k_ready.index(slot), phase)
             s = _scores(q_smem, k_smem, slot, s_zero, D_CHUNKS)
             mbarrier.arrive(k_empty.index(slot))
-            ragged = start + BLOCK_N > seq_len
-            if ragged:  # the sequence's last tile: no key past the length
-                s = gl.where((start + cols < seq_len)[None, :], s, float("-inf"))
+            ragged = start + BLOCK_N > hi
+            if ragged:  # the piece's last tile: no key past its end
+                s = gl.where((start + cols < hi)[None, :], s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
             p = gl.exp2(s * qk_scale - m_new[:, None])
             alpha = gl.exp2(m_i - m_new)
@@ -303,7 +424,7 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr,
             mbarrier.wait(v_ready.index(slot), phase)
             if ragged:
                 for c in gl.static_range(D_CHUNKS):
-                    _zero_rows_past(v_smem.index(slot * D_CHUNKS + c), seq_len - start)
+                    _zero_rows_past(v_smem.index(slot * D_CHUNKS + c), hi - start)
                 fence_async_shared()
                 _warps_barrier()
             acc0 = warpgroup_mma(p_op, v_smem.index(slot * D_CHUNKS), acc0 * alpha_o, is_async=True)
@@ -314,35 +435,33 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr,
                 acc0, p_op = warpgroup_mma_wait(0, deps=[acc0, p_op])
             mbarrier.arrive(v_empty.index(slot))
             it += 1
+        out_b = out + pb.to(gl.int64) * stride_ob + (pkv * group) * stride_oh
+        lse_b = lse + pb.to(gl.int64) * stride_lb + (pkv * group) * stride_lh
         if SPLIT:
-            head0 = b.to(gl.int64) * stride_pb + (kv_h * group) * stride_ph
-            lse0 = b.to(gl.int64) * stride_lpb + (kv_h * group) * stride_lph
-            _store_partial(acc0, acc1, m_i, l_i, o_part + head0 + split * stride_ps, lse_part + lse0 + split,
-                           stride_ph, stride_lph, group, D_CHUNKS)
-            _merge_if_last(o_part + head0, lse_part + lse0,
-                           out + b.to(gl.int64) * stride_ob + (kv_h * group) * stride_oh,
-                           lse + b.to(gl.int64) * stride_lb + (kv_h * group) * stride_lh,
-                           counters + b * stride_cb + kv_h, group, num_splits, stride_ph, stride_ps, stride_lph,
-                           stride_oh, stride_lh, HEAD_D, MERGE_H, MERGE_S)
-        else:
-            _store_partial(acc0, acc1, m_i, l_i, out + b.to(gl.int64) * stride_ob + (kv_h * group) * stride_oh,
-                           lse + b.to(gl.int64) * stride_lb + (kv_h * group) * stride_lh, stride_oh, stride_lh,
-                           group, D_CHUNKS)
-        unit += gl.num_programs(0)
+            part, n_parts = _walk_part(pos, unit_start, unit_len, chunk, num_splits, LINE)
+            _finish_piece(acc0, acc1, m_i, l_i, o_part, lse_part, out_b, lse_b, counters + pb * stride_cb + pkv,
+                          pb.to(gl.int64) * stride_pb + (pkv * group) * stride_ph,
+                          pb.to(gl.int64) * stride_lpb + (pkv * group) * stride_lph, part, n_parts, group,
+                          stride_ph, stride_ps, stride_lph, stride_oh, stride_lh, HEAD_D, MERGE_H, MERGE_S)
+        else:  # every unit is one piece: no merge code at all
+            _store_partial(acc0, acc1, m_i, l_i, out_b, lse_b, stride_oh, stride_lh, group, D_CHUNKS)
+        pos, b, kv_h, unit_start, unit_len, seq_len = _walk_next(pos, end, b, kv_h, unit_start, unit_len, seq_len,
+                                                                 seq_lens, batch, kv_heads, capacity, LINE, BOX)
 
 
 @gluon.jit
 def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_part, out, lse, counters,
                    stride_qb, stride_qh, stride_tb, stride_pb, stride_ph, stride_ps, stride_lpb, stride_lph,
                    stride_ob, stride_oh, stride_lb, stride_lh, stride_cb,
-                   group, kv_heads, num_splits, n_units, block_size, num_blocks, max_blocks, qk_scale,
+                   batch, group, kv_heads, num_splits, block_size, num_blocks, max_blocks, qk_scale,
                    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   SPLIT: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr,
+                   LINE: gl.constexpr, SPLIT: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr,
                    LOADER_REGS: gl.constexpr):
-    """A 1-d grid of at most one program per SM over ``n_units = batch · kv_heads · S`` units.
-    ``num_warps=4``: the consumer (the default partition) and a one-warp loader. Shared
-    memory: the query tile and ``NUM_STAGES`` slots of K and V, each as ``HEAD_D / 64`` tiles
-    of ``[BLOCK_N, 64]`` (the descriptors' layout)."""
+    """A 1-d grid of at most one program per SM, each walking its work: units ``pid``, ``pid +
+    P``, ..., or (``LINE``) its chunk of the work line. ``num_warps=4``: the consumer (the
+    default partition) and a one-warp loader. Shared memory: the query tile and
+    ``NUM_STAGES`` slots of K and V, each as ``HEAD_D / 64`` tiles of ``[BLOCK_N, 64]`` (the
+    descriptors' layout)."""
     D_CHUNKS: gl.constexpr = HEAD_D // 64
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_CHUNKS, 64, 64], q_layout)
@@ -363,12 +482,12 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
     gl.warp_specialize(
         [(_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr, seq_lens, o_part, lse_part,
                       out, lse, counters, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_lpb,
-                      stride_lph, stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, group, kv_heads,
-                      num_splits, n_units, block_size, max_blocks, qk_scale, HEAD_D, BLOCK_N, NUM_STAGES, SPLIT,
+                      stride_lph, stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, batch, group, kv_heads,
+                      num_splits, block_size, max_blocks, qk_scale, HEAD_D, BLOCK_N, NUM_STAGES, BOX, LINE, SPLIT,
                       MERGE_H, MERGE_S)),
          (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, block_tables, seq_lens,
-                    stride_tb, kv_heads, num_splits, n_units, block_size, num_blocks, max_blocks, HEAD_D, BLOCK_N,
-                    BOX, NUM_STAGES))],
+                    stride_tb, batch, kv_heads, num_splits, block_size, num_blocks, max_blocks, HEAD_D, BLOCK_N, BOX,
+                    NUM_STAGES, LINE))],
         [1],
         [LOADER_REGS],
     )
@@ -398,6 +517,15 @@ def plan_splits(batch: int, kv_heads: int, max_seq_len: int, programs: int, bloc
     most = max(1, min(max_splits, tiles, programs // max(1, batch * kv_heads)))
     per_unit = -(-tiles // most)
     return next(s for s in range(1, most + 1) if -(-tiles // s) == per_unit)
+
+
+def balanced_slots(programs: int, kv_heads: int, capacity_boxes: int) -> int:
+    """The most pieces a unit can be cut into by the balanced schedule (the workspace's slots per
+    head): a unit of ``u`` boxes shares the line with its sequence's other KV heads, so the line
+    has at least ``H · u`` boxes and the chunks at least ``H · u / P``; ``u`` boxes then meet
+    at most ``⌈P / H⌉ + 1`` chunks; and no more pieces than boxes (the table's capacity) or
+    programs."""
+    return max(1, min(programs, -(-programs // kv_heads) + 1, capacity_boxes))
 
 
 def gluon_decode_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -446,8 +574,9 @@ def _descriptor(pool: torch.Tensor, box: int):
 
 def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None, *,
-                                 num_splits: int | None = None, max_seq_len: int | None = None,
-                                 programs: int | None = None, block_n: int = BLOCK_N, num_stages: int = NUM_STAGES,
+                                 schedule: str = "units", num_splits: int | None = None,
+                                 max_seq_len: int | None = None, programs: int | None = None,
+                                 block_n: int = BLOCK_N, num_stages: int = NUM_STAGES,
                                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                                  loader_regs: int = 40, compile_only: bool = False):
     """`flash_decode_attention`'s contract (``q: [batch, q_heads, head_dim]``, pools
@@ -455,9 +584,13 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     int32, ``seq_lens: [batch]``; returns ``(out [batch, q_heads, head_dim] bf16, lse [batch,
     q_heads] fp32, natural log)``) on the Gluon kernel, within `gluon_decode_applies`'s scope.
 
-    - ``num_splits``: splits per sequence, default `plan_splits` (``max_seq_len`` bounds the
-      lengths for it; default the table's capacity);
-    - ``programs``: persistent programs (default one per SM; at most one per unit);
+    - ``schedule``: ``"units"`` (default): every (sequence, KV head) cut into ``num_splits``
+      splits of whole tiles of its own length, the units dealt to the programs in turn;
+      ``num_splits`` defaults to `plan_splits` (``max_seq_len`` bounds the lengths for it;
+      default the table's capacity). ``"line"``: the balanced schedule, every program one
+      equal chunk of the work line (all units' boxes of keys in a row), cut on the GPU from
+      the lengths (`minillm.reference.ch07_flash_decoding.work_line_pieces`);
+    - ``programs``: persistent programs (default one per SM);
     - ``block_n``: keys per tile (64 or 128); ``num_stages``: ring slots; ``loader_regs``:
       registers per thread of the loader warp (``setmaxnreg``; the consumer keeps what the
       program was compiled with);
@@ -471,37 +604,49 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
         block_tables = block_tables.to(torch.int32).contiguous()
     out, lse = decode_outputs(q, out, lse)
-    sms = num_sms(q.device)
     if block_n not in (64, 128) or (block_n % block_size and block_size % block_n):
         raise ValueError(f"block_n must be 64 or 128 and divide the block size or be a multiple of it, got {block_n}")
-    if num_splits is None:
-        bound = block_tables.shape[1] * block_size if max_seq_len is None else int(max_seq_len)
-        num_splits = plan_splits(batch, kv_heads, bound, programs or sms, block_n)
-    if int(num_splits) != num_splits or num_splits < 1:
-        raise ValueError(f"num_splits must be an integer >= 1, got {num_splits}")
+    if schedule not in ("units", "line"):
+        raise ValueError(f"schedule must be 'units' or 'line', got {schedule!r}")
+    if schedule == "line" and num_splits is not None:
+        raise ValueError("num_splits belongs to the 'units' schedule; the line cuts itself")
     if batch * q_heads == 0 and not compile_only:
         return out, lse
-    n_units = batch * kv_heads * num_splits
-    grid = (max(1, min(n_units, programs or sms)),)
-    split = num_splits > 1
+    box = min(block_size, block_n)
+    capacity = block_tables.shape[1] * block_size
+    programs = programs or num_sms(q.device)
+    if schedule == "line":
+        line_boxes = batch * kv_heads * max(1, -(-capacity // box))  # the line's longest
+        if line_boxes >= 2**31:
+            raise ValueError("the work line has too many boxes for 32-bit positions")
+        grid = max(1, min(programs, line_boxes))
+        num_splits = slots = balanced_slots(grid, kv_heads, -(-capacity // box))
+    else:
+        if num_splits is None:
+            bound = capacity if max_seq_len is None else int(max_seq_len)
+            num_splits = plan_splits(batch, kv_heads, bound, programs, block_n)
+        if int(num_splits) != num_splits or num_splits < 1:
+            raise ValueError(f"num_splits must be an integer >= 1, got {num_splits}")
+        num_splits = slots = int(num_splits)
+        grid = max(1, min(programs, batch * kv_heads * num_splits))
+    split = slots > 1
     if split:
-        o_part, lse_part, counters = cached_workspace(batch, q_heads, num_splits, head_dim, q.device)
+        o_part, lse_part, counters = cached_workspace(batch, q_heads, slots, head_dim, q.device)
     else:  # unused placeholders: the units write the output itself
         o_part, lse_part, counters = out[:, :, None], lse[:, :, None], seq_lens[:, None]
-    box = min(block_size, block_n)
     merge_h = triton.next_power_of_2(q_heads // kv_heads)
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
     args = (_descriptor(k_cache, box), _descriptor(v_cache, box), q, block_tables, seq_lens, o_part, lse_part, out,
             lse, counters, q.stride(0), q.stride(1), block_tables.stride(0), o_part.stride(0), o_part.stride(1),
             o_part.stride(2), lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-            lse.stride(1), counters.stride(0), q_heads // kv_heads, kv_heads, num_splits, n_units, block_size,
+            lse.stride(1), counters.stride(0), batch, q_heads // kv_heads, kv_heads, num_splits, block_size,
             num_blocks, block_tables.shape[1], qk_scale)
-    meta = dict(HEAD_D=head_dim, BLOCK_N=block_n, BOX=box, NUM_STAGES=num_stages, SPLIT=split,
-                MERGE_H=merge_h, LOADER_REGS=loader_regs, num_warps=4,
-                MERGE_S=max(1, min(MERGE_SPLITS, MERGE_ROWS // merge_h, triton.next_power_of_2(num_splits))))
+    meta = dict(HEAD_D=head_dim, BLOCK_N=block_n, BOX=box, NUM_STAGES=num_stages, LINE=schedule == "line",
+                SPLIT=split, MERGE_H=merge_h, LOADER_REGS=loader_regs, num_warps=4,
+                MERGE_S=max(1, min(MERGE_SPLITS, MERGE_ROWS // merge_h, triton.next_power_of_2(slots))))
     if compile_only:
-        return _decode_kernel.warmup(*args, grid=grid, **meta)
+        return _decode_kernel.warmup(*args, grid=(grid,), **meta)
     if q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("q and out must have a unit stride along head_dim")
-    launch(_decode_kernel, grid, *args, **meta)
+    launch(_decode_kernel, (grid,), *args, **meta)
     return out, lse

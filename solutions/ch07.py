@@ -182,3 +182,28 @@ def plan_splits(batch: int, kv_heads: int, max_seq_len: int, programs: int, bloc
     most = max(1, min(max_splits, tiles, programs // max(1, batch * kv_heads)))
     per_unit = -(-tiles // most)
     return next(s for s in range(1, most + 1) if -(-tiles // s) == per_unit)
+
+
+def work_line_pieces(seq_lens, kv_heads: int, programs: int, box: int,
+                     capacity: int | None = None) -> list[list[tuple]]:
+    """Exercise 7.7: each program walks its chunk of the line, unit by unit, as the kernel does."""
+    lens = [max(int(n), 0) if capacity is None else min(max(int(n), 0), capacity) for n in seq_lens]
+    boxes = [max(-(-n // box), 1) for n in lens]
+    starts = np.concatenate([[0], np.cumsum(boxes)]) * kv_heads     # where each sequence's units begin
+    line = int(starts[-1])
+    chunk = max(1, -(-line // programs))
+    out = []
+    for p in range(programs):
+        pos, end, pieces = p * chunk, min((p + 1) * chunk, line), []
+        while pos < end:
+            b = int(np.searchsorted(starts, pos, side="right")) - 1  # the sequence whose units hold pos
+            h = (pos - int(starts[b])) // boxes[b]
+            unit_start = int(starts[b]) + h * boxes[b]
+            unit_end = unit_start + boxes[b]
+            piece_end = min(unit_end, end)
+            first, last = unit_start // chunk, (unit_end - 1) // chunk
+            pieces.append((b, h, min((pos - unit_start) * box, lens[b]), min((piece_end - unit_start) * box, lens[b]),
+                           p - first, last - first + 1))
+            pos = piece_end
+        out.append(pieces)
+    return out

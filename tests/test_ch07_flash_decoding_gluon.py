@@ -2,25 +2,30 @@
 
 - GPU (sm_90, `make gpu`): Chapter 5's shuffled, NaN-poisoned pools (`minillm.testing.PagedPool`)
   with blocks of 16, 32, 64, 128 and 256 tokens; MHA, GQA 4, 8 and 16; head dims 64 and 128;
-  lengths 0, 1, 127, 128, 129 and a few thousand in one batch; one split, several, more
-  splits than tiles and the planned count; one program per SM, or three programs each taking
-  many units; table entries that are not blocks (read as zeros), lengths past the table
-  (clamped). Out and lse against `minillm.reference.ch07_flash_decoding` with the bf16
-  tolerance; the arrival counters back at zero after every call, and a second call equal to
-  the first.
-- CPU: `plan_splits` on hand-computed cases, the scope checks, and (with a Triton whose
+  lengths 0, 1, 127, 128, 129 and a few thousand in one batch; the units (one split, several,
+  more splits than tiles, the planned count; one program per SM, or a few taking many units)
+  and the balanced line (one program per SM, a few programs whose chunks hold many units, a
+  batch of more than 128 sequences, which the kernel's scan of the lengths takes in several
+  steps, one program for the whole line); table entries that are not
+  blocks (read as zeros), lengths past the table (clamped). Out and lse against
+  `minillm.reference.ch07_flash_decoding` with the bf16 tolerance; the arrival counters back
+  at zero after every call, and a second call equal to the first.
+- CPU: `plan_splits` on hand-computed cases; the argument checks; the balanced work line
+  (`minillm.reference.ch07_flash_decoding.work_line_pieces`) covers every key once and cuts no
+  unit into more pieces than `balanced_slots`; the scope checks; and (with a Triton whose
   Gluon API the module knows) the kernel compiled for sm_90 with a stand-in driver: one TMA
   copy per block and 64 columns, asynchronous wgmma, register reallocation, the merge's
-  atomics only with splits, no spills, shared memory within an SM's.
+  atomics only where a unit can have several pieces, no spills, shared memory within an SM's.
 """
 import numpy as np
 import pytest
 import torch
 
+from minillm.kernels.base import triton
 from minillm.kernels.ch04_flash_attention_gluon import GLUON_VERSIONS
 from minillm.kernels.ch07_flash_decoding import cached_workspace
 from minillm.kernels.ch07_flash_decoding_gluon import (
-    BLOCK_N, flash_decode_attention_gluon, gluon_decode_applies, plan_splits,
+    BLOCK_N, balanced_slots, flash_decode_attention_gluon, gluon_decode_applies, plan_splits,
 )
 from minillm.paged import PAD
 from minillm.reference import attention
@@ -83,6 +88,46 @@ def test_plan_splits_hand_checked():
         assert plan_splits(batch, kv, length, programs, max_splits=max_splits) == want
 
 
+def test_work_line_covers_every_key_once():
+    """The balanced schedule on random batches: every unit's pieces are numbered 0..n-1, their
+    key ranges tile ``[0, len)`` (length clamped to the capacity), no unit has more pieces than
+    `balanced_slots` (the workspace the launcher allocates), and no program gets more than
+    ``⌈line / P⌉`` boxes."""
+    rng = np.random.default_rng(0)
+    for _ in range(1500):
+        batch, kv, programs = int(rng.integers(1, 12)), int(rng.choice([1, 2, 8, 32])), int(rng.integers(1, 200))
+        box, capacity = int(rng.choice([16, 64])), int(rng.integers(0, 5000))
+        lens = rng.integers(0, 2 * capacity + 1, batch)
+        pieces = ref.work_line_pieces(lens, kv, programs, box, capacity)
+        line = kv * sum(max(-(-min(int(n), capacity) // box), 1) for n in lens)
+        units: dict[tuple, list] = {}
+        for program in pieces:
+            boxes = sum(max(-(-(hi - lo) // box), 0) for *_, lo, hi, _, _ in program)
+            assert boxes <= -(-line // programs)
+            for b, h, lo, hi, part, n_parts in program:
+                units.setdefault((b, h), []).append((part, n_parts, lo, hi))
+        assert len(units) == batch * kv
+        slots = balanced_slots(programs, kv, -(-capacity // box))
+        for (b, _h), got in units.items():
+            assert sorted(p for p, *_ in got) == list(range(got[0][1])) and got[0][1] <= slots
+            end = 0
+            for lo, hi in sorted((lo, hi) for _, _, lo, hi in got if hi > lo):
+                assert lo == end
+                end = hi
+            assert end == min(int(lens[b]), capacity)
+
+
+def test_work_line_hand_checked():
+    """Batch 1, 8 KV heads, 32k keys in boxes of 16 on 132 programs: 16384 boxes, chunks of
+    125 (2000 keys); the first unit (boxes 0-2047) meets chunks 0-16, program 16 finishes it
+    and starts the second; the last unit (boxes 14336-16383) meets chunks 114-131, and the
+    last chunk holds its final 9 boxes."""
+    pieces = ref.work_line_pieces([32768], 8, 132, 16)
+    assert pieces[0] == [(0, 0, 0, 2000, 0, 17)]
+    assert pieces[16] == [(0, 0, 32000, 32768, 16, 17), (0, 1, 0, 1232, 0, 17)]
+    assert pieces[131] == [(0, 7, 32624, 32768, 17, 18)]
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(dtype=torch.float16), "bf16"),
     (dict(head_dim=96), "head_dim"),
@@ -102,6 +147,17 @@ def test_refuses_inputs_out_of_scope(change, match):
     assert not gluon_decode_applies(q, pool, pool)
 
 
+@pytest.mark.parametrize("kw, match", [(dict(schedule="waves"), "schedule"),
+                                       (dict(schedule="line", num_splits=4), "num_splits"),
+                                       (dict(num_splits=0), "num_splits")])
+def test_refuses_bad_schedules(kw, match):
+    q = torch.zeros(2, 8, 64, dtype=DTYPE)
+    pool = torch.zeros(4, 16, 2, 64, dtype=DTYPE)
+    with pytest.raises(ValueError, match=match):
+        flash_decode_attention_gluon(q, pool, pool, torch.zeros(2, 1, dtype=torch.int32),
+                                     torch.zeros(2, dtype=torch.int32), compile_only=True, **kw)
+
+
 def test_does_not_apply_off_the_gpu():
     q = torch.zeros(1, 8, 128, dtype=DTYPE)
     pool = torch.zeros(4, 16, 2, 128, dtype=DTYPE)
@@ -117,11 +173,13 @@ from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_glu
 facts = {}
 for head_dim in (64, 128):
     for block_size in (16, 256):
-        for splits in (1, 4):
+        for splits in (1, 4, "line"):
             q = torch.zeros(2, 8, head_dim, dtype=torch.bfloat16)
             pool = torch.zeros(64, block_size, 2, head_dim, dtype=torch.bfloat16)
             compiled = flash_decode_attention_gluon(q, pool, pool, torch.zeros(2, 8, dtype=torch.int32),
-                                                    torch.zeros(2, dtype=torch.int32), num_splits=splits,
+                                                    torch.zeros(2, dtype=torch.int32),
+                                                    schedule="line" if splits == "line" else "units",
+                                                    num_splits=None if splits == "line" else splits,
                                                     compile_only=True)
             ptx = compiled.asm["ptx"]
             facts[f"{head_dim} {block_size} {splits}"] = {
@@ -141,38 +199,50 @@ def sm90_compiled():
 @sm90_compile_mark(GLUON_VERSIONS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 256])
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("splits", [1, 4, "line"])
 def test_compiles_for_sm90(sm90_compiled, head_dim, block_size, splits):
     """Per K or V tile the loader issues one copy per block (or one per tile when a block
     holds whole tiles) and per 64 columns; the scores and P·V are asynchronous wgmma; the
     loader warp gives its registers to the consumer; the merge's counter (a global atomic)
-    only when there are splits to merge; nothing spilled."""
+    only where a unit can have several pieces (the balanced schedule, or splits); nothing
+    spilled, except that Triton 3.9's ptxas keeps up to 32 bytes of the balanced schedule's
+    per-piece scalars on the stack (stored and reloaded outside the key loop: checked by hand
+    in the SASS); Triton 3.6's, the version the GPU runs, keeps none."""
     facts = sm90_compiled[f"{head_dim} {block_size} {splits}"]
     copies_per_tile = (BLOCK_N // min(block_size, BLOCK_N)) * (head_dim // 64)
     assert facts["tma"] == 2 * copies_per_tile  # K and V, unrolled
     assert facts["wgmma"] > 0 and facts["setmaxnreg"]
-    assert facts["atomics"] == (splits > 1)
-    assert not facts["local"] and facts["stack"] == 0
+    assert facts["atomics"] == (splits == "line" or splits > 1)
+    triton_3_6 = triton.__version__.startswith("3.6.")
+    assert not facts["local"] and facts["stack"] <= (32 if splits == "line" and not triton_3_6 else 0)
     assert facts["shared"] <= 227 * 1024
 
 
 # ----------------------------------------------------------------------------------------
 # GPU: against the reference
 # ----------------------------------------------------------------------------------------
-# (q_heads, kv_heads, head_dim, block_size, seq_lens, num_splits, programs)
+# (q_heads, kv_heads, head_dim, block_size, seq_lens, num_splits, programs); num_splits "line":
+# the balanced schedule; None: the units with the planned count
 CASES = [
-    (32, 8, 128, 16, [4097, 1, 129, 0, 128, 127], None, None),  # GQA 4:1, the planned splits
-    (32, 8, 128, 16, [2000, 300], 7, 3),                         # 3 programs take 28 units in turn
-    (8, 8, 128, 32, [1000, 5, 333], 3, None),                    # MHA, blocks of 32
-    (16, 2, 64, 64, [777, 2048], 2, None),                       # GQA 8:1, head dim 64, blocks of 64
-    (64, 4, 64, 128, [5000, 1], 40, None),                       # GQA 16:1, more splits than tiles
-    (8, 2, 128, 256, [3000, 256, 255], 1, 2),                    # one split: the output directly; 2 programs
-    (32, 32, 64, 16, [640, 640], 5, None),                       # MHA, head dim 64, equal lengths
+    (32, 8, 128, 16, [4097, 1, 129, 0, 128, 127], None, None),    # GQA 4:1, the planned splits
+    (32, 8, 128, 16, [4097, 1, 129, 0, 128, 127], "line", None),  # the same on the line, one program per SM
+    (32, 8, 128, 16, [2000, 300], "line", 3),                      # 3 programs: chunks of many units
+    (8, 2, 64, 16, [37 * i % 300 for i in range(150)], "line", None),  # 150 sequences: the scan in two steps
+    (32, 8, 128, 16, [32768], "line", None),                       # one long sequence: 17-18 pieces per unit
+    (32, 8, 128, 16, [2000, 300], 7, 3),                           # 3 programs take 28 units in turn
+    (8, 8, 128, 32, [1000, 5, 333], 3, None),                      # MHA, blocks of 32
+    (16, 2, 64, 64, [777, 2048], 2, None),                         # GQA 8:1, head dim 64, blocks of 64
+    (16, 2, 64, 64, [777, 2048], "line", 7),                       # the same on the line, 7 programs
+    (64, 4, 64, 128, [5000, 1], 40, None),                         # GQA 16:1, more splits than tiles
+    (64, 4, 64, 128, [5000, 1], "line", None),                     # the same on the line
+    (8, 2, 128, 256, [3000, 256, 255], 1, 2),                      # one split: the output directly; 2 programs
+    (8, 2, 128, 256, [3000, 256, 255], "line", 1),                 # one program: the whole line, no merge
+    (32, 32, 64, 16, [640, 640], 5, None),                         # MHA, head dim 64, equal lengths
 ]
 
 
 def _case_id(c):
-    return f"h{c[0]}-kv{c[1]}-d{c[2]}-bs{c[3]}-S{c[5]}-P{c[6]}"
+    return f"h{c[0]}-kv{c[1]}-d{c[2]}-bs{c[3]}-B{len(c[4])}-S{c[5]}-P{c[6]}"
 
 
 @hopper_only
@@ -183,16 +253,21 @@ def test_against_reference(q_heads, kv_heads, head_dim, block_size, seq_lens, nu
     pool = PagedPool(seq_lens, block_size, kv_heads, head_dim, DTYPE, device, gen)
     q = random_tensor((len(seq_lens), q_heads, head_dim), DTYPE, device, gen)
     want_out, want_lse = reference(q, pool)
-    out, lse = flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, pool.lens(device), num_splits=num_splits,
-                                            programs=programs)
+    kw = dict(schedule="line") if num_splits == "line" else dict(num_splits=num_splits)
+    out, lse = flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, pool.lens(device), programs=programs, **kw)
     assert_close(out, want_out, DTYPE, "out", seed)
     assert_close(lse, want_lse, DTYPE, "lse", seed)
-    splits = num_splits or plan_splits(len(seq_lens), kv_heads, pool.tables.shape[1] * block_size,
-                                       torch.cuda.get_device_properties(0).multi_processor_count)
-    if splits > 1:
-        assert not counters_of(len(seq_lens), q_heads, splits, head_dim, device).any(), "counters not reset"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    capacity = pool.tables.shape[1] * block_size
+    if num_splits == "line":
+        boxes = -(-capacity // min(block_size, BLOCK_N))
+        slots = balanced_slots(min(programs or sms, len(seq_lens) * kv_heads * boxes), kv_heads, boxes)
+    else:
+        slots = num_splits or plan_splits(len(seq_lens), kv_heads, capacity, programs or sms)
+    if slots > 1:
+        assert not counters_of(len(seq_lens), q_heads, slots, head_dim, device).any(), "counters not reset"
     again, again_lse = flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, pool.lens(device),
-                                                    num_splits=num_splits, programs=programs)
+                                                    programs=programs, **kw)
     assert torch.equal(again, out) and torch.equal(again_lse, lse)
 
 

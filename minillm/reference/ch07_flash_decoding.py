@@ -20,7 +20,9 @@ The functions follow the kernels step by step:
   unified max ``φ``, including the kernel's window check and exact fallback per (KV head,
   split), and which splits fell back;
 - `flash_decode_partials` and `flash_decode_attention`: the same over a paged cache (gathered
-  with `minillm.reference.ch05_paged_attention.gather_paged_kv`).
+  with `minillm.reference.ch05_paged_attention.gather_paged_kv`);
+- `work_line_pieces`: the schedule of the persistent Gluon kernel (which program computes
+  which piece of which sequence and KV head).
 
 The safe window of the asynchronized softmax is a parameter here (``window = (lo, hi)``, in
 log2 units of ``max(x) − φ``); the kernels' values are `minillm.kernels.ch07_flash_decoding.async_window`.
@@ -35,7 +37,7 @@ from minillm.reference.ch01_naive_attention import kv_head_for
 from minillm.reference.ch05_paged_attention import gather_paged_kv
 
 __all__ = ["split_bounds", "split_partials", "merge_partials", "async_partials", "flash_decode_partials",
-           "flash_decode_attention"]
+           "flash_decode_attention", "work_line_pieces"]
 
 
 def split_bounds(seq_len: int, num_splits: int, block_n: int = 1) -> list[tuple[int, int]]:
@@ -196,3 +198,32 @@ def flash_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_spli
     o, lse, _ = flash_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, num_splits, block_n, scale,
                                       phi, window)
     return merge_partials(o, lse)
+
+
+def work_line_pieces(seq_lens, kv_heads: int, programs: int, box: int,
+                     capacity: int | None = None) -> list[list[tuple]]:
+    """The persistent Gluon decode kernel's balanced schedule (``schedule="line"``): for each
+    of ``programs`` programs, its pieces ``(b, kv_h, lo, hi, part, n_parts)`` in the order it
+    computes them: keys ``[lo, hi)`` of sequence ``b`` at KV head ``kv_h``, piece ``part`` of
+    the ``n_parts`` that its unit (sequence, KV head) is cut into (``lo == hi``: an empty
+    sequence's one piece, which still writes the output's 0 and -inf).
+
+    The **work line** lists the units in order (sequence-major), each as a run of
+    ``max(⌈len / box⌉, 1)`` boxes of ``box`` keys (the length clamped to ``capacity``), and
+    is cut into chunks of ``chunk = ⌈line / programs⌉`` boxes, chunk ``p`` to program ``p``:
+    equal up to a box. A chunk boundary inside a unit makes two pieces of it."""
+    lens = [max(int(n), 0) if capacity is None else min(max(int(n), 0), capacity) for n in seq_lens]
+    sizes = [max(-(-n // box), 1) for n in lens]
+    chunk = max(1, -(-kv_heads * sum(sizes) // programs))
+    pieces: list[list[tuple]] = [[] for _ in range(programs)]
+    unit_start = 0
+    for b, n in enumerate(lens):
+        for h in range(kv_heads):
+            unit_end = unit_start + sizes[b]
+            first, last = unit_start // chunk, (unit_end - 1) // chunk
+            for k in range(first, last + 1):
+                lo_box, hi_box = max(unit_start, k * chunk), min(unit_end, (k + 1) * chunk)
+                pieces[k].append((b, h, min((lo_box - unit_start) * box, n), min((hi_box - unit_start) * box, n),
+                                  k - first, last - first + 1))
+            unit_start = unit_end
+    return pieces

@@ -22,6 +22,7 @@ split_kernel_ex = pytest.mark.exercise(id="7.4", title="The split kernel: partia
                                        points=3, kind="triton")
 merge_kernel_ex = pytest.mark.exercise(id="7.5", title="The merge kernel", points=2, kind="triton")
 plan_ex = pytest.mark.exercise(id="7.6", title="Splits for persistent programs", points=2)
+line_ex = pytest.mark.exercise(id="7.7", title="One equal chunk of work per program", points=2)
 
 
 # --- 7.1 -------------------------------------------------------------------------------------
@@ -370,3 +371,36 @@ def test_plan_matches_the_kernel_module(impl, trial, seed):
         got = impl.plan_splits(batch, kv_heads, length, programs, block_n, max_splits)
         assert got == want, (f"plan_splits({batch}, {kv_heads}, {length}, {programs}, {block_n}, "
                              f"max_splits={max_splits}) = {got}, want {want} (seed {seed + trial})")
+
+
+# --- 7.7 -------------------------------------------------------------------------------------
+
+@line_ex
+def test_line_hand_computed(impl):
+    got = impl.work_line_pieces([5, 0, 40], 2, 3, 16)
+    assert got == [[(0, 0, 0, 5, 0, 1), (0, 1, 0, 5, 0, 1), (1, 0, 0, 0, 0, 1), (1, 1, 0, 0, 0, 1)],
+                   [(2, 0, 0, 40, 0, 1), (2, 1, 0, 16, 0, 2)],
+                   [(2, 1, 16, 40, 1, 2)]], \
+        "lengths [5, 0, 40], 2 KV heads, 3 programs, boxes of 16: a line of 10 boxes in chunks of 4"
+    assert impl.work_line_pieces([100, 7], 1, 4, 16, capacity=64) == \
+        [[(0, 0, 0, 32, 0, 2)], [(0, 0, 32, 64, 1, 2)], [(1, 0, 0, 7, 0, 1)], []], \
+        "a length past the capacity is clamped (100 -> 64 keys, 4 boxes); a program past the line's end gets none"
+    line = impl.work_line_pieces([32768], 8, 132, 16)
+    assert line[16] == [(0, 0, 32000, 32768, 16, 17), (0, 1, 0, 1232, 0, 17)], \
+        "batch 1, 8 KV heads, 32k keys on 132 programs: chunks of 125 boxes; program 16 finishes a unit, starts the next"
+
+
+@line_ex
+@pytest.mark.parametrize("trial", range(3))
+def test_line_matches_the_reference(impl, trial, seed):
+    rng = np.random.default_rng(seed + trial)
+    for _ in range(200):
+        batch, kv_heads = int(rng.integers(1, 12)), int(rng.choice([1, 2, 8, 32]))
+        programs, box = int(rng.integers(1, 200)), int(rng.choice([16, 64]))
+        capacity = None if rng.random() < 0.3 else int(rng.integers(0, 5000))
+        lens = [int(x) for x in rng.integers(0, 2 * (capacity or 3000) + 1, batch)]
+        want = ref.work_line_pieces(lens, kv_heads, programs, box, capacity)
+        got = impl.work_line_pieces(lens, kv_heads, programs, box, capacity)
+        assert [list(map(tuple, p)) for p in got] == want, \
+            (f"work_line_pieces({lens}, {kv_heads}, {programs}, {box}, capacity={capacity}) differs from the "
+             f"reference (seed {seed + trial})")
