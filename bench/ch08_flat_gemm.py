@@ -311,15 +311,11 @@ def _dispatch_point(name: str, weights: list[torch.Tensor], m: int, table: Dispa
     best_call = {"cublas": F.linear, "flat_gemm": flat_gemm, "gemv": gemv}[best_kind]
     dispatch_fns = [lambda w=w: linear(x, w, table=table) for w in weights]
     best_fns = [lambda w=w: best_call(x, w) for w in weights]
-    rounds = []
+    times = {"dispatch": [], "best": []}
     for i in range(DISPATCH_ROUNDS):
-        if i % 2:
-            best_ms_i = graph_timer(best_fns)
-            rounds.append((graph_timer(dispatch_fns), best_ms_i))
-        else:
-            rounds.append((graph_timer(dispatch_fns), graph_timer(best_fns)))
-    gms = statistics.median(d for d, _ in rounds)
-    best_ms = statistics.median(b for _, b in rounds)
+        for name in ("dispatch", "best")[::1 if i % 2 == 0 else -1]:
+            times[name].append(graph_timer(dispatch_fns if name == "dispatch" else best_fns))
+    gms, best_ms = statistics.median(times["dispatch"]), statistics.median(times["best"])
     nbytes = gemm_bytes(m, n, k, weight.element_size())
     results.add(BENCHMARK, params, "time_ms", ms, note=f"chose {chosen} (eager)")
     results.add(BENCHMARK, params, "graph_time_ms", gms, "best_of_three", best_ms,

@@ -77,14 +77,19 @@ def _add(a, b):
 
 
 @gluon.jit
-def _sequence(seq_lens, b, batch, capacity, BOX: gl.constexpr):
-    """Sequence ``b``'s length, clamped to ``[0, capacity]``, and its boxes on the work line,
-    ``max(⌈len / BOX⌉, 1)`` (an empty sequence keeps one box: its unit still writes 0 and
-    -inf); past the batch, 0 and 0."""
-    inside = b < batch
-    n = gl.load(seq_lens + b, mask=inside, other=0).to(gl.int32)
+def _length_and_boxes(n, inside, capacity, BOX: gl.constexpr):
+    """A length clamped to ``[0, capacity]`` and its boxes on the work line, ``max(⌈len /
+    BOX⌉, 1)`` (an empty sequence keeps one box: its unit still writes 0 and -inf); 0 boxes
+    where not ``inside`` the batch. Scalars or vectors alike."""
     n = gl.minimum(gl.maximum(n, 0), capacity)
     return n, gl.where(inside, gl.maximum(gl.cdiv(n, BOX), 1), 0)
+
+
+@gluon.jit
+def _sequence(seq_lens, b, batch, capacity, BOX: gl.constexpr):
+    """Sequence ``b``'s length and boxes (`_length_and_boxes`); past the batch, 0 and 0."""
+    inside = b < batch
+    return _length_and_boxes(gl.load(seq_lens + b, mask=inside, other=0).to(gl.int32), inside, capacity, BOX)
 
 
 @gluon.jit
@@ -100,8 +105,8 @@ def _scan_lengths(seq_lens, batch, capacity, kv_heads, target, BOX: gl.constexpr
     before = 0
     for s0 in range(0, batch, 128):
         idx = s0 + offs
-        n = gl.load(seq_lens + idx, mask=idx < batch, other=0).to(gl.int32)
-        boxes = gl.where(idx < batch, gl.maximum(gl.cdiv(gl.minimum(gl.maximum(n, 0), capacity), BOX), 1), 0)
+        _n, boxes = _length_and_boxes(gl.load(seq_lens + idx, mask=idx < batch, other=0).to(gl.int32),
+                                      idx < batch, capacity, BOX)
         ends = gl.associative_scan(boxes, 0, _add) + total
         starts = ends - boxes
         hit = (idx < batch) & (starts * kv_heads <= target) & (target < ends * kv_heads)
