@@ -10,14 +10,19 @@ pool), in the same process and on the same values:
   line cut into one equal chunk per program), which measures what balancing buys;
 - ``gluon_wave_splits``: the units with the Triton kernel's split count
   (`num_splits_heuristic`), which separates the kernel from the split plan;
+- ``gluon_hnd``: the default kernel on the same values in a head-major pool (``kv_layout="HND"``:
+  ``[num_blocks, kv_heads, block_size, head_dim]``, one KV head's 16 keys one run of 4 KB
+  instead of 16 rows of 256 bytes ``kv_heads · 256`` bytes apart), the same tables;
 - ``triton``: `flash_decode_attention`, Chapter 7's kernel with its defaults;
 - the peers on a contiguous cache of the same values: SDPA pinned to cuDNN and to
   FlashAttention-2 (``sdpa_cudnn``, ``sdpa_flash``).
 
-The three paged kernels are timed taking turns (`bench.common.interleaved_times`, the median
+The paged kernels are timed taking turns (`bench.common.interleaved_times`, the median
 of ``MINILLM_CH07_GLUON_ROUNDS`` rounds, default 3), so that a difference of a few percent
 is not clock drift; SDPA is timed on its own cache before the pool is built (the two layouts
-of the largest point do not fit together). Caches of at most ``GRAPH_MAX_CACHE_BYTES`` are
+of the largest point do not fit together). Where the head-major copy of the pool does not
+fit beside it, the pool is converted one tensor at a time after the others were timed, and
+``gluon_hnd`` is timed alone (its rows say so). Caches of at most ``GRAPH_MAX_CACHE_BYTES`` are
 also timed replaying a CUDA graph (the GPU's time without launch overhead).
 
 Rows (``params``: kind "decode", batch, q_heads, kv_heads, context, head_dim, dtype,
@@ -26,13 +31,16 @@ block_size, blocks, kernel, num_splits; None for the line):
 ==================  ========================================================================
 ``time_ms``         kernel ``gluon``: one row per peer (sdpa_cudnn, sdpa_flash, triton),
                     ratio = peer / ours (> 1: the Gluon kernel is faster); kernels
-                    ``gluon_line`` and ``gluon_wave_splits`` against ``gluon``; kernel ``triton`` against
+                    ``gluon_line``, ``gluon_wave_splits`` and ``gluon_hnd`` against ``gluon``;
+                    ``gluon_hnd`` against ``sdpa_cudnn`` too; kernel ``triton`` against
                     ``sdpa_cudnn`` (the same run's reading of the chapter's kernel)
 ``graph_time_ms``   the same pairs as CUDA-graph times, where measured
 ``bandwidth_TBps``  useful bytes (`minillm.costs.paged_decode_attention_bytes`) / time of
-                    ``gluon`` and ``triton`` (eager), fraction of the measured copy bandwidth
+                    ``gluon``, ``gluon_hnd`` and ``triton`` (eager, and graph time where
+                    measured), fraction of the measured copy bandwidth
 ``rel_err``         ‖gluon − SDPA‖ / ‖SDPA‖ (the first SDPA backend that ran) and against
-                    the Triton kernel's output
+                    the Triton kernel's output; ``gluon_hnd`` against ``gluon`` (the same
+                    arithmetic in the same order: 0 unless the layouts' reads differ)
 ==================  ========================================================================
 
 The sweep stops starting points after ``MINILLM_CH07_GLUON_BUDGET_S`` seconds (default 240).
@@ -57,12 +65,14 @@ from bench.ch07_flash_decoding import (
     MAX_CACHE_BYTES, Q_HEADS, REP_MS, WARMUP_MS, sdpa_peers,
 )
 from bench.common import (
-    Results, attempt, cuda_device, dtype_name, fraction, free_memory, graph_time_ms, interleaved_times, paged_cache,
-    rel_err, sweep_start,
+    Results, attempt, cuda_device, dtype_name, fraction, free_device_bytes, free_memory, graph_time_ms,
+    interleaved_times, paged_cache, rel_err, sweep_start,
 )
 
 BENCHMARK = "ch07_gluon"
 PEERS = ("sdpa_cudnn", "sdpa_flash", "triton")
+#: Head room asked of the GPU's free memory for building the head-major pool beside the other.
+HND_MEMORY_MARGIN = 1.1
 
 
 def budget_s() -> float:
@@ -125,11 +135,20 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
     if inputs is None:
         results.add(BENCHMARK, {**base, "kernel": "gluon"}, "oom", True, note=f"paged inputs: {status}")
         return
-    k_pool, v_pool, tables = inputs
+    pools = {"NHD": inputs[:2]}
+    tables = inputs[2]
+    del inputs
+    pool_bytes = 2 * pools["NHD"][0].numel() * pools["NHD"][0].element_size()
+    hnd_together = pool_bytes * HND_MEMORY_MARGIN < free_device_bytes(device)
+    if hnd_together:
+        pools["HND"] = tuple(p.transpose(1, 2).contiguous() for p in pools["NHD"])
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     outs = {name: torch.empty(batch, Q_HEADS, HEAD_DIM, device=device, dtype=DTYPE) for name in
-            ("gluon", "gluon_line", "gluon_wave_splits", "triton")}
+            ("gluon", "gluon_line", "gluon_wave_splits", "triton", "gluon_hnd")}
     lse = torch.empty(batch, Q_HEADS, device=device, dtype=torch.float32)
+    hnd_call = lambda: flash_decode_attention_gluon(q, *pools["HND"], tables, lens, num_splits=plan,  # noqa: E731
+                                                    kv_layout="HND", out=outs["gluon_hnd"], lse=lse)
+    k_pool, v_pool = pools["NHD"]
     calls = {
         "gluon": lambda: flash_decode_attention_gluon(q, k_pool, v_pool, tables, lens, num_splits=plan,
                                                       out=outs["gluon"], lse=lse),
@@ -141,14 +160,29 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
         "triton": lambda: flash_decode_attention(q, k_pool, v_pool, tables, lens, num_splits=wave_splits,
                                                  out=outs["triton"], lse=lse),
     }
+    if hnd_together:
+        calls["gluon_hnd"] = hnd_call
     eager = interleaved_times(calls, timer, timing_rounds())
     if use_graphs:
         for name, fn in calls.items():
             graph_ms[name] = graph_time_ms(fn, GRAPH_REPEATS, timer)
+    if not hnd_together:  # convert one tensor at a time: the NHD pool goes as the HND one comes
+        del calls, k_pool, v_pool
+        converted = []
+        for i in range(2):
+            converted.append(pools["NHD"][i].transpose(1, 2).contiguous())
+            pools["NHD"] = (None, pools["NHD"][1]) if i == 0 else None
+            free_memory()
+        pools["HND"] = tuple(converted)
+        del converted
+        hnd_call()
+        eager["gluon_hnd"] = timer(hnd_call)
+    hnd_note = None if hnd_together else "timed alone, after the others (the two pools do not fit together)"
     eager.update({name: sdpa[name][0] for name in ("sdpa_cudnn", "sdpa_flash")})
 
     def add(kernel, metric, ours, peer, peer_value, **kw):
-        splits = {"gluon": plan, "gluon_line": None, "gluon_wave_splits": wave_splits, "triton": wave_splits}[kernel]
+        splits = {"gluon": plan, "gluon_line": None, "gluon_wave_splits": wave_splits, "triton": wave_splits,
+                  "gluon_hnd": plan}[kernel]
         results.add(BENCHMARK, {**base, "kernel": kernel, "num_splits": splits}, metric, ours, peer, peer_value, **kw)
 
     for peer in PEERS:
@@ -156,30 +190,39 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
         if use_graphs:
             add("gluon", "graph_time_ms", graph_ms["gluon"], peer, graph_ms.get(peer),
                 note=f"per call, replaying a CUDA graph of {GRAPH_REPEATS} calls")
-    for other in ("gluon_line", "gluon_wave_splits"):
-        add(other, "time_ms", eager[other], "gluon", eager["gluon"])
-        if use_graphs:
+    for other in ("gluon_line", "gluon_wave_splits", "gluon_hnd"):
+        add(other, "time_ms", eager[other], "gluon", eager["gluon"], note=hnd_note if other == "gluon_hnd" else None)
+        if use_graphs and other in graph_ms:
             add(other, "graph_time_ms", graph_ms[other], "gluon", graph_ms["gluon"])
+    add("gluon_hnd", "time_ms", eager["gluon_hnd"], "sdpa_cudnn", eager["sdpa_cudnn"], note=hnd_note)
+    if use_graphs and "gluon_hnd" in graph_ms:
+        add("gluon_hnd", "graph_time_ms", graph_ms["gluon_hnd"], "sdpa_cudnn", graph_ms.get("sdpa_cudnn"))
     add("triton", "time_ms", eager["triton"], "sdpa_cudnn", eager["sdpa_cudnn"])
     if use_graphs:
         add("triton", "graph_time_ms", graph_ms["triton"], "sdpa_cudnn", graph_ms.get("sdpa_cudnn"))
-    for kernel in ("gluon", "triton"):
+    for kernel in ("gluon", "gluon_hnd", "triton"):
         add(kernel, "bandwidth_TBps", tbps(eager[kernel]), "sdpa_cudnn", tbps(eager["sdpa_cudnn"]),
             fraction_of_ceiling=fraction(tbps(eager[kernel]), copy_tbps),
             note="paged_decode_attention_bytes / eager time")
+        if use_graphs and kernel in graph_ms:
+            add(kernel, "graph_bandwidth_TBps", tbps(graph_ms[kernel]), "sdpa_cudnn", tbps(graph_ms.get("sdpa_cudnn")),
+                fraction_of_ceiling=fraction(tbps(graph_ms[kernel]), copy_tbps),
+                note="paged_decode_attention_bytes / graph time")
     add("gluon", "rel_err", rel_err(outs["gluon"], sdpa_out[1]) if sdpa_out else None, "sdpa", None,
         note=f"whole batch against {sdpa_out[0]}" if sdpa_out else "no SDPA backend ran")
     add("gluon", "rel_err", rel_err(outs["gluon"], outs["triton"]), "triton", None)
+    add("gluon_hnd", "rel_err", rel_err(outs["gluon_hnd"], outs["gluon"]), "gluon", None)
 
 
 def summary(results: Results | dict) -> str:
     """One line per point: the Gluon kernel's time, its ratios to cuDNN and to the Triton kernel,
-    and the line's time over the units' (the default's)."""
+    the line's time over the units' (the default's), and the head-major pool's ratio to cuDNN
+    (graph time where measured)."""
     from minillm.results import rows as select
 
     data = results.to_dict() if isinstance(results, Results) else results
     lines = [f"{'B':>3} {'Hkv':>4} {'L':>7} {'S':>4}  gluon us  /cuDNN  /triton  triton/cuDNN  graph: /cuDNN /triton"
-             "  line/units (graph)"]
+             "  line/units (graph)  HND/cuDNN (graph)"]
     by_point: dict[tuple, dict] = {}
     for r in select(data, BENCHMARK):
         p = r["params"]
@@ -189,10 +232,12 @@ def summary(results: Results | dict) -> str:
         g = rows.get(("gluon", "time_ms", "sdpa_cudnn"))
         us = f"{g['ours'] * 1e3:8.1f}" if g else "       —"
         line = rows.get(("gluon_line", "graph_time_ms", "gluon")) or rows.get(("gluon_line", "time_ms", "gluon"))
+        hnd = rows.get(("gluon_hnd", "graph_time_ms", "sdpa_cudnn")) or rows.get(("gluon_hnd", "time_ms", "sdpa_cudnn"))
         lines.append(f"{b:>3} {kv:>4} {L:>7} {g['params']['num_splits'] if g else '—':>4}  {us}  "
                      f"{fmt(g):>6}  {fmt(rows.get(('gluon', 'time_ms', 'triton'))):>7}  "
                      f"{fmt(rows.get(('triton', 'time_ms', 'sdpa_cudnn'))):>12}  "
                      f"{fmt(rows.get(('gluon', 'graph_time_ms', 'sdpa_cudnn'))):>13} "
                      f"{fmt(rows.get(('gluon', 'graph_time_ms', 'triton'))):>7}  "
-                     f"{format(1 / line['ratio'], '.3f') if line and line.get('ratio') else '—':>18}")
+                     f"{format(1 / line['ratio'], '.3f') if line and line.get('ratio') else '—':>18}  "
+                     f"{fmt(hnd):>17}")
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 split count, the asynchronized softmax's variants and the host overhead of one call.
 
 Run on a GPU: ``python -m bench.ch07_tune_flash_decoding [part ...]`` (parts: overhead, config,
-async, splits, fused, hopper, hopper2, gluon, gluon_balance; default all but the sm_90 parts). Prints compact
+async, splits, fused, hopper, hopper2, gluon, gluon_balance, gluon_layout; default all but the sm_90 parts). Prints compact
 tables; times are per call replaying a CUDA graph of 16 calls (`bench.common.graph_time_ms`)
 unless marked eager."""
 from __future__ import annotations
@@ -436,10 +436,51 @@ def gluon_balance():
                 torch.cuda.empty_cache()
 
 
+def gluon_layout():
+    """The Gluon kernel on the two pool layouts of the same values (``kv_layout`` NHD, the
+    chapters' ``[blocks, block_size, kv_heads, head_dim]``, and HND, ``[blocks, kv_heads,
+    block_size, head_dim]``), with the planned splits, and on HND with 4 ring slots and with
+    128-key tiles (deeper rings and larger tiles lost on NHD: do they once a box is one run of
+    memory?). Small caches in CUDA-graph time (4 copies), the others eager, taking turns
+    (median of 3); ratio = NHD / variant."""
+    from bench.common import interleaved_times
+    from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, plan_splits
+
+    print("\n== gluon_layout: us per call (graph for caches up to 64 MB, else eager); ratio = NHD / variant ==")
+    sms = fd.num_sms(DEV)
+    for b, hkv, ctx in [(1, 8, 4096), (1, 32, 4096), (8, 8, 4096), (1, 8, 32768), (1, 8, 131072), (8, 8, 32768),
+                        (8, 32, 32768), (32, 8, 32768), (32, 32, 32768)]:
+        small = b * hkv * ctx <= 8 * 32768
+        copies = []
+        for _ in range(4 if small else 1):
+            q, k, v, tables, lens = inputs(b, hkv, ctx)
+            copies.append((q, (k, v), (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()), tables,
+                           lens, torch.empty(q.shape, device=DEV, dtype=DT),
+                           torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)))
+        plan = plan_splits(b, hkv, ctx, sms)
+
+        def glu(layout, splits=plan, **kw):
+            return [lambda c=c: flash_decode_attention_gluon(c[0], *(c[1] if layout == "NHD" else c[2]), c[3], c[4],
+                                                             num_splits=splits, out=c[5], lse=c[6], kv_layout=layout,
+                                                             **kw) for c in copies]
+        variants = {"NHD": glu("NHD"), "HND": glu("HND"), "HND st4": glu("HND", num_stages=4),
+                    "HND bn128": glu("HND", plan_splits(b, hkv, ctx, sms, 128), block_n=128)}
+        if small:
+            t = {n: graph_time_ms(fns, 16, timer) * 1e3 for n, fns in variants.items()}
+        else:
+            t = {n: ms * 1e3 for n, ms in interleaved_times({n: f[0] for n, f in variants.items()}, timer, 3).items()}
+        print(f"  B={b:2} Hkv={hkv:2} L={ctx:6} {'graph' if small else 'eager'} S plan {plan}: "
+              + " | ".join(f"{n} {v:.1f} ({t['NHD'] / v:.3f})" for n, v in t.items())
+              + f"  HND at {frac(b, hkv, ctx, t['HND'] * 1e-3):.2f} of copy", flush=True)
+        del copies, variants
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     parts = sys.argv[1:] or ["overhead", "config", "async", "splits", "fused"]
     t0 = time.time()
     for part in parts:
         {"overhead": overhead, "config": config, "async": async_variants, "splits": splits, "fused": fused,
-         "hopper": hopper, "hopper2": hopper2, "gluon": gluon, "gluon_balance": gluon_balance}[part]()
+         "hopper": hopper, "hopper2": hopper2, "gluon": gluon, "gluon_balance": gluon_balance,
+         "gluon_layout": gluon_layout}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)

@@ -206,6 +206,15 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def free_device_bytes(device) -> float:
+    """Bytes the driver reports free on a CUDA ``device`` (what a new tensor can take beyond the
+    caching allocator's own free blocks); unbounded on a CPU, where a dry run has no limit."""
+    import torch
+
+    device = torch.device(device)
+    return float(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else math.inf
+
+
 def attempt(fn: Callable[[], Any], allow_errors: bool = False) -> tuple[Any, str | None]:
     """Run ``fn()``; returns ``(value, None)``, or ``(None, "oom")`` if the GPU ran out of
     memory (the memory is then freed). With ``allow_errors`` any other exception gives

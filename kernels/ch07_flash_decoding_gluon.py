@@ -26,6 +26,7 @@ This module writes the same algorithm with Gluon (the layer under Triton, see Ch
 
 Scope (`gluon_decode_applies`): an sm_90 GPU, bf16, head_dim 64 or 128, any GQA group up to
 64 query heads per KV head, a paged pool ``[num_blocks, block_size, kv_heads, head_dim]``
+(or, ``kv_layout="HND"``, ``[num_blocks, kv_heads, block_size, head_dim]``: see `_pool_view`)
 that is contiguous, with ``block_size`` a multiple of 16 that divides the tile (`BLOCK_N`
 keys) or is a multiple of it. K and V sit in shared memory as tiles of 64 columns: 64 bf16
 are one 128-byte row of the swizzle pattern, so a box of 16 keys lands as whole rows of a
@@ -51,8 +52,8 @@ from triton.experimental.gluon import language as gl
 from minillm.kernels.ch05_paged_attention import check_paged, decode_outputs
 from minillm.kernels.ch07_flash_decoding import MAX_SPLITS, cached_workspace
 
-__all__ = ["flash_decode_attention_gluon", "gluon_decode_applies", "plan_splits", "balanced_slots", "BLOCK_N",
-           "NUM_STAGES", "ROWS"]
+__all__ = ["flash_decode_attention_gluon", "gluon_decode_applies", "plan_splits", "balanced_slots", "as_token_major",
+           "BLOCK_N", "NUM_STAGES", "ROWS", "KV_LAYOUTS"]
 
 #: Keys per tile, and ring slots (each a K and a V tile: 32 KB at head dim 128). Chosen on an
 #: H200 (`bench.ch07_tune_flash_decoding` part ``gluon``, CUDA-graph times at six points,
@@ -187,19 +188,20 @@ def _walk_next(pos, end, b, kv_h, unit_start, unit_len, seq_len, seq_lens, batch
 
 
 @gluon.jit
-def _tile_rows(table, start, limit, block_size, num_blocks, max_blocks, BOX: gl.constexpr,
+def _tile_rows(table, start, limit, block_size, block_rows, head_row, num_blocks, max_blocks, BOX: gl.constexpr,
                BLOCK_N: gl.constexpr):
-    """The pool rows (``block · block_size + offset``) of the first key of each of the
-    ``BLOCK_N / BOX`` boxes of tile ``[start, start + BLOCK_N)``, through the sequence's block
-    ``table``, in one vector load (the loader warp's lanes; one round trip per tile, not one
-    per block). Boxes from ``limit`` on (the piece's end), and table entries that are not
-    blocks, give ``num_blocks · block_size``: past the pool's end, where TMA reads zeros."""
+    """The rows of the pool's 2-d view (``block · block_rows + head_row + offset``, see
+    `_pool_view`) of the first key of each of the ``BLOCK_N / BOX`` boxes of tile ``[start,
+    start + BLOCK_N)``, through the sequence's block ``table``, in one vector load (the loader
+    warp's lanes; one round trip per tile, not one per block). Boxes from ``limit`` on (the
+    piece's end), and table entries that are not blocks, give a row from ``num_blocks ·
+    block_rows`` on: past the view's end, where TMA reads zeros."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     pos = start + gl.arange(0, BLOCK_N // BOX, layout) * BOX
     idx = pos // block_size
     blk = gl.load(table + idx, mask=idx < max_blocks, other=-1)
     ok = (blk >= 0) & (blk < num_blocks) & (pos < limit)
-    return gl.where(ok, blk, num_blocks) * block_size + pos % block_size
+    return gl.where(ok, blk, num_blocks) * block_rows + head_row + pos % block_size
 
 
 @gluon.jit
@@ -218,12 +220,14 @@ def _load_tile(desc, rows, col0, ready, ring, slot, BOX: gl.constexpr, BLOCK_N: 
 
 @gluon.jit
 def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, block_tables, seq_lens,
-            stride_tb, batch, kv_heads, num_splits, block_size, num_blocks, max_blocks, HEAD_D: gl.constexpr,
-            BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr, LINE: gl.constexpr):
+            stride_tb, batch, kv_heads, num_splits, block_size, block_rows, head_rows, head_cols, num_blocks,
+            max_blocks, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr,
+            LINE: gl.constexpr):
     """One warp: the K and V tiles of this program's pieces into the rings, in the order the
     consumer uses them (the same walk). A slot is refilled once the consumer has arrived on
     its empty barrier (on the first pass the wait is for parity 1, which a fresh barrier
-    reports complete)."""
+    reports complete). KV head ``h``'s keys sit ``h · head_rows`` rows and ``h · head_cols``
+    columns into a block of the pool's 2-d view (`_pool_view`)."""
     D_CHUNKS: gl.constexpr = HEAD_D // 64
     capacity = max_blocks * block_size
     pos, end, b, kv_h, unit_start, unit_len, seq_len, chunk = _walk_start(seq_lens, batch, kv_heads, num_splits,
@@ -233,18 +237,20 @@ def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 
         pb, pkv, lo, hi = _walk_piece(pos, end, b, kv_h, unit_start, unit_len, seq_len, seq_lens, batch, kv_heads,
                                       num_splits, capacity, LINE, BOX, BLOCK_N)
         table = block_tables + pb.to(gl.int64) * stride_tb
-        rows = _tile_rows(table, lo, hi, block_size, num_blocks, max_blocks, BOX, BLOCK_N)
+        head_row = pkv * head_rows
+        col0 = pkv * head_cols
+        rows = _tile_rows(table, lo, hi, block_size, block_rows, head_row, num_blocks, max_blocks, BOX, BLOCK_N)
         for j in range(gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)):
             slot = it % NUM_STAGES
             free = ((it // NUM_STAGES) & 1) ^ 1
             # The next tile's table entries a tile ahead: their round trip overlaps this
             # tile's wait for a free slot and its copies.
-            next_rows = _tile_rows(table, lo + (j + 1) * BLOCK_N, hi, block_size, num_blocks, max_blocks, BOX,
-                                   BLOCK_N)
+            next_rows = _tile_rows(table, lo + (j + 1) * BLOCK_N, hi, block_size, block_rows, head_row, num_blocks,
+                                   max_blocks, BOX, BLOCK_N)
             mbarrier.wait(k_empty.index(slot), free)
-            _load_tile(k_desc, rows, pkv * HEAD_D, k_ready.index(slot), k_smem, slot, BOX, BLOCK_N, D_CHUNKS)
+            _load_tile(k_desc, rows, col0, k_ready.index(slot), k_smem, slot, BOX, BLOCK_N, D_CHUNKS)
             mbarrier.wait(v_empty.index(slot), free)
-            _load_tile(v_desc, rows, pkv * HEAD_D, v_ready.index(slot), v_smem, slot, BOX, BLOCK_N, D_CHUNKS)
+            _load_tile(v_desc, rows, col0, v_ready.index(slot), v_smem, slot, BOX, BLOCK_N, D_CHUNKS)
             rows = next_rows
             it += 1
         pos, b, kv_h, unit_start, unit_len, seq_len = _walk_next(pos, end, b, kv_h, unit_start, unit_len, seq_len,
@@ -458,7 +464,8 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr,
 def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_part, out, lse, counters,
                    stride_qb, stride_qh, stride_tb, stride_pb, stride_ph, stride_ps, stride_lpb, stride_lph,
                    stride_ob, stride_oh, stride_lb, stride_lh, stride_cb,
-                   batch, group, kv_heads, num_splits, block_size, num_blocks, max_blocks, qk_scale,
+                   batch, group, kv_heads, num_splits, block_size, block_rows, head_rows, head_cols, num_blocks,
+                   max_blocks, qk_scale,
                    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr,
                    LINE: gl.constexpr, SPLIT: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr,
                    LOADER_REGS: gl.constexpr):
@@ -491,8 +498,8 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
                       num_splits, block_size, max_blocks, qk_scale, HEAD_D, BLOCK_N, NUM_STAGES, BOX, LINE, SPLIT,
                       MERGE_H, MERGE_S)),
          (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, block_tables, seq_lens,
-                    stride_tb, batch, kv_heads, num_splits, block_size, num_blocks, max_blocks, HEAD_D, BLOCK_N, BOX,
-                    NUM_STAGES, LINE))],
+                    stride_tb, batch, kv_heads, num_splits, block_size, block_rows, head_rows, head_cols, num_blocks,
+                    max_blocks, HEAD_D, BLOCK_N, BOX, NUM_STAGES, LINE))],
         [1],
         [LOADER_REGS],
     )
@@ -533,22 +540,40 @@ def balanced_slots(programs: int, kv_heads: int, capacity_boxes: int) -> int:
     return max(1, min(programs, -(-programs // kv_heads) + 1, capacity_boxes))
 
 
-def gluon_decode_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+#: The pool layouts the kernel reads (FlashInfer's names): ``"NHD"``, a block's tokens then
+#: heads, ``[num_blocks, block_size, kv_heads, head_dim]`` (every other chapter's); ``"HND"``,
+#: heads then tokens, ``[num_blocks, kv_heads, block_size, head_dim]`` (one KV head's share of
+#: a block is contiguous).
+KV_LAYOUTS = ("NHD", "HND")
+
+
+def as_token_major(cache: torch.Tensor, kv_layout: str) -> torch.Tensor:
+    """A pool of ``kv_layout`` seen as ``[num_blocks, block_size, kv_heads, head_dim]`` (a view)."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    return cache.transpose(1, 2) if kv_layout == "HND" and cache.dim() == 4 else cache
+
+
+def gluon_decode_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         kv_layout: str = "NHD") -> bool:
     """Whether `flash_decode_attention_gluon` takes these inputs (see the module's scope)."""
-    return _reason(q, k_cache, v_cache) is None
+    return _reason(q, k_cache, v_cache, kv_layout) is None
 
 
-def _reason(q, k_cache, v_cache) -> str | None:
+def _reason(q, k_cache, v_cache, kv_layout) -> str | None:
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
         return "the Gluon decode kernel needs an sm_90 GPU (H100/H200)"
-    return _layout_reason(q, k_cache, v_cache)
+    return _layout_reason(q, k_cache, v_cache, kv_layout)
 
 
-def _layout_reason(q, k_cache, v_cache) -> str | None:
+def _layout_reason(q, k_cache, v_cache, kv_layout="NHD") -> str | None:
     """What rules out these tensors, device aside (None: they qualify)."""
+    if kv_layout not in KV_LAYOUTS:
+        return f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}"
     if k_cache.dim() != 4 or q.dim() != 3:
-        return "q must be [batch, q_heads, head_dim] and the caches [num_blocks, block_size, kv_heads, head_dim]"
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+        return ("q must be [batch, q_heads, head_dim] and the caches [num_blocks, block_size, kv_heads, head_dim] "
+                "(NHD) or [num_blocks, kv_heads, block_size, head_dim] (HND)")
+    num_blocks, block_size, kv_heads, head_dim = as_token_major(k_cache, kv_layout).shape
     if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16):
         return "bf16 only"
     if head_dim not in (64, 128):
@@ -559,22 +584,33 @@ def _layout_reason(q, k_cache, v_cache) -> str | None:
         return f"block_size must be a multiple of 16 that divides {BLOCK_N} or is a multiple of it, got {block_size}"
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
         return "the pools must be contiguous and 16-byte aligned"
-    if (num_blocks + 1) * block_size >= 2**31:
+    if (num_blocks + 1) * block_size * (kv_heads if kv_layout == "HND" else 1) >= 2**31:
         return "the pool has too many rows for 32-bit TMA coordinates"
     return None
 
 
-def _descriptor(pool: torch.Tensor, box: int):
-    """A TMA descriptor over the (contiguous) pool seen as ``[num_blocks · block_size, kv_heads ·
-    head_dim]``, boxes of ``[box, 64]``, reused across calls; it holds the pool's address, not
-    the pool."""
-    num_blocks, block_size, kv_heads, head_dim = pool.shape
-    shape, strides = [num_blocks * block_size, kv_heads * head_dim], [kv_heads * head_dim, 1]
+def _pool_view(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, kv_layout: str):
+    """The contiguous pool as the 2-d tensor the copies read, and where a KV head sits in it:
+    ``(shape, block_rows, head_rows, head_cols)``. Key ``t`` of KV head ``h`` in block ``b`` is
+    row ``b · block_rows + h · head_rows + t``, columns from ``h · head_cols``.
 
+    - NHD: ``[num_blocks · block_size, kv_heads · head_dim]``; a head is ``head_dim`` columns
+      of every row, and a box of 16 keys is 16 pieces of ``2 · head_dim`` bytes, one per row
+      of the block (``kv_heads · head_dim`` elements apart);
+    - HND: ``[num_blocks · kv_heads · block_size, head_dim]``; a head's share of a block is
+      ``block_size`` consecutive rows, one run of ``block_size · 2 · head_dim`` bytes."""
+    if kv_layout == "HND":
+        return [num_blocks * kv_heads * block_size, head_dim], kv_heads * block_size, block_size, 0
+    return [num_blocks * block_size, kv_heads * head_dim], block_size, 0, head_dim
+
+
+def _descriptor(pool: torch.Tensor, shape: list[int], box: int):
+    """A TMA descriptor over the contiguous ``pool`` seen as the 2-d ``shape`` (`_pool_view`),
+    boxes of ``[box, 64]``, reused across calls; it holds the pool's address, not the pool."""
     def make():
         layout = gl.NVMMASharedLayout.get_default_for([box, 64], gl.bfloat16)
-        return TensorDescriptor(TensorAddress(pool.data_ptr(), pool.dtype), shape, strides, [box, 64], layout)
-    return cached_descriptor((pool.data_ptr(), pool.device.index, *pool.shape, pool.dtype, "gluon", box), make)
+        return TensorDescriptor(TensorAddress(pool.data_ptr(), pool.dtype), shape, [shape[1], 1], [box, 64], layout)
+    return cached_descriptor((pool.data_ptr(), pool.device.index, *shape, pool.dtype, "gluon", box), make)
 
 
 def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -583,11 +619,15 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                                  max_seq_len: int | None = None, programs: int | None = None,
                                  block_n: int = BLOCK_N, num_stages: int = NUM_STAGES,
                                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                                 loader_regs: int = 40, compile_only: bool = False):
+                                 kv_layout: str = "NHD", loader_regs: int = 40, compile_only: bool = False):
     """`flash_decode_attention`'s contract (``q: [batch, q_heads, head_dim]``, pools
     ``[num_blocks, block_size, kv_heads, head_dim]``, ``block_tables: [batch, max_blocks]``
     int32, ``seq_lens: [batch]``; returns ``(out [batch, q_heads, head_dim] bf16, lse [batch,
     q_heads] fp32, natural log)``) on the Gluon kernel, within `gluon_decode_applies`'s scope.
+
+    - ``kv_layout``: ``"NHD"`` (default, the pools above) or ``"HND"``: pools ``[num_blocks,
+      kv_heads, block_size, head_dim]``, where a KV head's keys in a block are one run of
+      memory (`_pool_view`); the tables and lengths are the same;
 
     - ``schedule``: ``"units"`` (default): every (sequence, KV head) cut into ``num_splits``
       splits of whole tiles of its own length, the units dealt to the programs in turn;
@@ -600,12 +640,12 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
       registers per thread of the loader warp (``setmaxnreg``; the consumer keeps what the
       program was compiled with);
     - ``compile_only``: compile for the current device without launching; returns the kernel."""
-    reason = _layout_reason(q, k_cache, v_cache) if compile_only else _reason(q, k_cache, v_cache)
+    reason = (_layout_reason if compile_only else _reason)(q, k_cache, v_cache, kv_layout)
     if reason:
         raise ValueError(reason)
     batch = q.shape[0]
-    num_blocks, block_size, kv_heads, head_dim, q_heads = check_paged(q, k_cache, v_cache, block_tables, seq_lens,
-                                                                      batch)
+    num_blocks, block_size, kv_heads, head_dim, q_heads = check_paged(
+        q, as_token_major(k_cache, kv_layout), as_token_major(v_cache, kv_layout), block_tables, seq_lens, batch)
     if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
         block_tables = block_tables.to(torch.int32).contiguous()
     out, lse = decode_outputs(q, out, lse)
@@ -641,11 +681,13 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         o_part, lse_part, counters = out[:, :, None], lse[:, :, None], seq_lens[:, None]
     merge_h = triton.next_power_of_2(q_heads // kv_heads)
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
-    args = (_descriptor(k_cache, box), _descriptor(v_cache, box), q, block_tables, seq_lens, o_part, lse_part, out,
+    view, block_rows, head_rows, head_cols = _pool_view(num_blocks, block_size, kv_heads, head_dim, kv_layout)
+    args = (_descriptor(k_cache, view, box), _descriptor(v_cache, view, box), q, block_tables, seq_lens, o_part,
+            lse_part, out,
             lse, counters, q.stride(0), q.stride(1), block_tables.stride(0), o_part.stride(0), o_part.stride(1),
             o_part.stride(2), lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1), lse.stride(0),
             lse.stride(1), counters.stride(0), batch, q_heads // kv_heads, kv_heads, num_splits, block_size,
-            num_blocks, block_tables.shape[1], qk_scale)
+            block_rows, head_rows, head_cols, num_blocks, block_tables.shape[1], qk_scale)
     meta = dict(HEAD_D=head_dim, BLOCK_N=block_n, BOX=box, NUM_STAGES=num_stages, LINE=schedule == "line",
                 SPLIT=split, MERGE_H=merge_h, LOADER_REGS=loader_regs, num_warps=4,
                 MERGE_S=max(1, min(MERGE_SPLITS, MERGE_ROWS // merge_h, triton.next_power_of_2(slots))))

@@ -7,7 +7,8 @@
   and the balanced line (one program per SM, a few programs whose chunks hold many units, a
   batch of more than 128 sequences, which the kernel's scan of the lengths takes in several
   steps, one program for the whole line); table entries that are not
-  blocks (read as zeros), lengths past the table (clamped). Out and lse against
+  blocks (read as zeros), lengths past the table (clamped); every case on both pool layouts
+  (NHD, and HND: the same values with each block's heads before its tokens). Out and lse against
   `minillm.reference.ch07_flash_decoding` with the bf16 tolerance; the arrival counters back
   at zero after every call, and a second call equal to the first.
 - CPU: `plan_splits` on hand-computed cases; the argument checks; the balanced work line
@@ -25,7 +26,8 @@ from minillm.kernels.base import triton
 from minillm.kernels.ch04_flash_attention_gluon import GLUON_VERSIONS
 from minillm.kernels.ch07_flash_decoding import cached_workspace
 from minillm.kernels.ch07_flash_decoding_gluon import (
-    BLOCK_N, balanced_slots, flash_decode_attention_gluon, gluon_decode_applies, plan_splits,
+    BLOCK_N, KV_LAYOUTS, as_token_major, balanced_slots, flash_decode_attention_gluon, gluon_decode_applies,
+    plan_splits,
 )
 from minillm.paged import PAD
 from minillm.reference import attention
@@ -149,13 +151,30 @@ def test_refuses_inputs_out_of_scope(change, match):
 
 @pytest.mark.parametrize("kw, match", [(dict(schedule="waves"), "schedule"),
                                        (dict(schedule="line", num_splits=4), "num_splits"),
-                                       (dict(num_splits=0), "num_splits")])
+                                       (dict(num_splits=0), "num_splits"),
+                                       (dict(kv_layout="nhd"), "kv_layout")])
 def test_refuses_bad_schedules(kw, match):
     q = torch.zeros(2, 8, 64, dtype=DTYPE)
     pool = torch.zeros(4, 16, 2, 64, dtype=DTYPE)
     with pytest.raises(ValueError, match=match):
         flash_decode_attention_gluon(q, pool, pool, torch.zeros(2, 1, dtype=torch.int32),
                                      torch.zeros(2, dtype=torch.int32), compile_only=True, **kw)
+
+
+def test_head_major_pools():
+    """An HND pool is read through its token-major view (the shapes the checks see), must be
+    contiguous as stored, and is refused where its shape does not fit the scope."""
+    q = torch.zeros(2, 8, 64, dtype=DTYPE)
+    hnd = torch.zeros(4, 2, 16, 64, dtype=DTYPE)   # [num_blocks, kv_heads, block_size, head_dim]
+    assert as_token_major(hnd, "HND").shape == (4, 16, 2, 64) and as_token_major(hnd, "NHD") is hnd
+    tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    assert not gluon_decode_applies(q, hnd, hnd, "HND")  # (no GPU here; the sm_90 compile is tested below)
+    with pytest.raises(ValueError, match="contiguous"):
+        strided = as_token_major(torch.zeros(4, 16, 2, 64, dtype=DTYPE), "HND")  # an NHD pool's HND-shaped view
+        flash_decode_attention_gluon(q, strided, strided, tables, lens, kv_layout="HND", compile_only=True)
+    with pytest.raises(ValueError, match="block_size"):  # 8-token blocks, seen through the HND axes
+        odd = torch.zeros(4, 2, 8, 64, dtype=DTYPE)
+        flash_decode_attention_gluon(q, odd, odd, tables, lens, kv_layout="HND", compile_only=True)
 
 
 def test_does_not_apply_off_the_gpu():
@@ -174,15 +193,17 @@ facts = {}
 for head_dim in (64, 128):
     for block_size in (16, 256):
         for splits in (1, 4, "line"):
+          for layout in ("NHD", "HND"):
             q = torch.zeros(2, 8, head_dim, dtype=torch.bfloat16)
-            pool = torch.zeros(64, block_size, 2, head_dim, dtype=torch.bfloat16)
+            shape = (64, block_size, 2, head_dim) if layout == "NHD" else (64, 2, block_size, head_dim)
+            pool = torch.zeros(shape, dtype=torch.bfloat16)
             compiled = flash_decode_attention_gluon(q, pool, pool, torch.zeros(2, 8, dtype=torch.int32),
                                                     torch.zeros(2, dtype=torch.int32),
                                                     schedule="line" if splits == "line" else "units",
                                                     num_splits=None if splits == "line" else splits,
-                                                    compile_only=True)
+                                                    kv_layout=layout, compile_only=True)
             ptx = compiled.asm["ptx"]
-            facts[f"{head_dim} {block_size} {splits}"] = {
+            facts[f"{head_dim} {block_size} {splits} {layout}"] = {
                 "tma": ptx.count("cp.async.bulk.tensor"), "wgmma": ptx.count("wgmma.mma_async"),
                 "setmaxnreg": "setmaxnreg" in ptx, "atomics": "atom.global" in ptx,
                 "local": "ld.local" in ptx or "st.local" in ptx, "stack": stack_bytes(compiled.asm["cubin"]),
@@ -200,15 +221,17 @@ def sm90_compiled():
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("splits", [1, 4, "line"])
-def test_compiles_for_sm90(sm90_compiled, head_dim, block_size, splits):
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+def test_compiles_for_sm90(sm90_compiled, head_dim, block_size, splits, kv_layout):
     """Per K or V tile the loader issues one copy per block (or one per tile when a block
     holds whole tiles) and per 64 columns; the scores and P·V are asynchronous wgmma; the
     loader warp gives its registers to the consumer; the merge's counter (a global atomic)
     only where a unit can have several pieces (the balanced schedule, or splits); nothing
     spilled, except that Triton 3.9's ptxas keeps up to 32 bytes of the balanced schedule's
     per-piece scalars on the stack (stored and reloaded outside the key loop: checked by hand
-    in the SASS); Triton 3.6's, the version the GPU runs, keeps none."""
-    facts = sm90_compiled[f"{head_dim} {block_size} {splits}"]
+    in the SASS); Triton 3.6's, the version the GPU runs, keeps none. The two pool layouts
+    differ only in the copies' coordinates."""
+    facts = sm90_compiled[f"{head_dim} {block_size} {splits} {kv_layout}"]
     copies_per_tile = (BLOCK_N // min(block_size, BLOCK_N)) * (head_dim // 64)
     assert facts["tma"] == 2 * copies_per_tile  # K and V, unrolled
     assert facts["wgmma"] > 0 and facts["setmaxnreg"]
@@ -245,16 +268,28 @@ def _case_id(c):
     return f"h{c[0]}-kv{c[1]}-d{c[2]}-bs{c[3]}-B{len(c[4])}-S{c[5]}-P{c[6]}"
 
 
+def pools_in(pool: PagedPool, kv_layout: str):
+    """The test pool's K and V in ``kv_layout``: as built (NHD), or copied head-major (HND),
+    the unused slots' NaNs included."""
+    if kv_layout == "NHD":
+        return pool.k, pool.v
+    return pool.k.transpose(1, 2).contiguous(), pool.v.transpose(1, 2).contiguous()
+
+
 @hopper_only
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,seq_lens,num_splits,programs",
                          [pytest.param(*c, id=_case_id(c)) for c in CASES])
-def test_against_reference(q_heads, kv_heads, head_dim, block_size, seq_lens, num_splits, programs, gen, seed):
+def test_against_reference(q_heads, kv_heads, head_dim, block_size, seq_lens, num_splits, programs, kv_layout, gen,
+                           seed):
     device = torch.device("cuda")
     pool = PagedPool(seq_lens, block_size, kv_heads, head_dim, DTYPE, device, gen)
     q = random_tensor((len(seq_lens), q_heads, head_dim), DTYPE, device, gen)
     want_out, want_lse = reference(q, pool)
     kw = dict(schedule="line") if num_splits == "line" else dict(num_splits=num_splits)
-    out, lse = flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, pool.lens(device), programs=programs, **kw)
+    k_pool, v_pool = pools_in(pool, kv_layout)
+    kw["kv_layout"] = kv_layout
+    out, lse = flash_decode_attention_gluon(q, k_pool, v_pool, pool.tables, pool.lens(device), programs=programs, **kw)
     assert_close(out, want_out, DTYPE, "out", seed)
     assert_close(lse, want_lse, DTYPE, "lse", seed)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -266,15 +301,17 @@ def test_against_reference(q_heads, kv_heads, head_dim, block_size, seq_lens, nu
         slots = num_splits or plan_splits(len(seq_lens), kv_heads, capacity, programs or sms)
     if slots > 1:
         assert not counters_of(len(seq_lens), q_heads, slots, head_dim, device).any(), "counters not reset"
-    again, again_lse = flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, pool.lens(device),
+    again, again_lse = flash_decode_attention_gluon(q, k_pool, v_pool, pool.tables, pool.lens(device),
                                                     programs=programs, **kw)
     assert torch.equal(again, out) and torch.equal(again_lse, lse)
 
 
 @hopper_only
-def test_invalid_blocks_read_zeros_and_lengths_are_clamped(gen, seed):
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+def test_invalid_blocks_read_zeros_and_lengths_are_clamped(kv_layout, gen, seed):
     """A table entry inside a length that is not a block (-1, or past the pool) reads as zero
-    keys and values; a length past the table is clamped to the table's capacity."""
+    keys and values (in HND, past the pool means past every head's rows too); a length past
+    the table is clamped to the table's capacity."""
     device = torch.device("cuda")
     block_size, q_heads, kv_heads, head_dim = 16, 8, 2, 128
     pool = PagedPool([300, 208], block_size, kv_heads, head_dim, DTYPE, device, gen)  # (208: whole blocks)
@@ -283,7 +320,8 @@ def test_invalid_blocks_read_zeros_and_lengths_are_clamped(gen, seed):
     tables[1, 0] = pool.k.shape[0] + 5
     lens = torch.tensor([300, 10**6], dtype=torch.int32, device=device)
     q = random_tensor((2, q_heads, head_dim), DTYPE, device, gen)
-    out, lse = flash_decode_attention_gluon(q, pool.k, pool.v, tables, lens, num_splits=3)
+    out, lse = flash_decode_attention_gluon(q, *pools_in(pool, kv_layout), tables, lens, num_splits=3,
+                                            kv_layout=kv_layout)
     k, v, _ = pool.numpy()
     k_flat, v_flat = k.reshape(-1, kv_heads, head_dim), v.reshape(-1, kv_heads, head_dim)
     capacity = tables.shape[1] * block_size
@@ -299,3 +337,57 @@ def test_invalid_blocks_read_zeros_and_lengths_are_clamped(gen, seed):
         o, l = attention(to_numpy(q[b])[None, :, None], kb.transpose(1, 0, 2)[None], vb.transpose(1, 0, 2)[None])
         assert_close(out[b], o[0, :, 0], DTYPE, f"out (sequence {b})", seed)
         assert_close(lse[b], l[0, :, 0], DTYPE, f"lse (sequence {b})", seed)
+
+
+# ----------------------------------------------------------------------------------------
+# CPU: the benchmark's bookkeeping, with a stand-in for the kernels
+# ----------------------------------------------------------------------------------------
+def _stand_in_decode(q, k_cache, v_cache, tables, lens, *, out, lse, kv_layout="NHD", **_kw):
+    """Exact decode attention in float32 torch over the pools read through the tables (what
+    the kernels compute), for the benchmark's dry run: ``kv_layout`` as the Gluon launcher's."""
+    k_cache, v_cache = as_token_major(k_cache, kv_layout), as_token_major(v_cache, kv_layout)
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    for b, n in enumerate(lens.tolist()):
+        pos = torch.arange(n)
+        slots = tables[b].long()[pos // block_size] * block_size + pos % block_size
+        k = k_cache.reshape(-1, kv_heads, k_cache.shape[3])[slots].float().repeat_interleave(group, 1)
+        v = v_cache.reshape(-1, kv_heads, v_cache.shape[3])[slots].float().repeat_interleave(group, 1)
+        s = torch.einsum("hd,nhd->hn", q[b].float(), k) / q.shape[2] ** 0.5
+        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v).to(out.dtype)
+        lse[b] = torch.logsumexp(s, -1)
+    return out, lse
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_benchmark_dry_run(monkeypatch, together):
+    """`bench.ch07_gluon.sweep` end to end on CPU with the kernels and CUDA graphs stood in:
+    every point adds the head-major pool's rows (against the row-major kernel and cuDNN, its
+    bandwidth, its output equal to the row-major one's), whether the two pools fit together
+    (timed in turn) or not (converted one tensor at a time, then timed alone, and said so)."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from bench import ch07_gluon as bench
+    from bench.common import Results
+
+    monkeypatch.setattr(bench, "flash_decode_attention_gluon", _stand_in_decode)
+    monkeypatch.setattr(bench, "flash_decode_attention", _stand_in_decode)
+    monkeypatch.setattr(bench, "graph_time_ms", lambda fn, repeats, timer: timer(fn))
+    if not together:
+        monkeypatch.setattr(bench, "free_device_bytes", lambda device: 0.0)
+    results = Results("dry run", {"copy_TBps": 1.0}, env={})
+    points = [(1, 8, 64), (2, 8, 48)]
+    bench.sweep(results, torch.device("cpu"), points=points, timer=lambda fn: (fn(), 1.0)[1])
+    hnd = [r for r in results.rows if r["params"]["kernel"] == "gluon_hnd"]
+    by = {(r["params"]["batch"], r["metric"], r["peer"]): r for r in hnd}
+    for batch, _kv, _ctx in points:
+        assert by[(batch, "time_ms", "gluon")]["ratio"] == 1.0
+        assert (batch, "time_ms", "sdpa_cudnn") in by and (batch, "bandwidth_TBps", "sdpa_cudnn") in by
+        assert by[(batch, "rel_err", "gluon")]["ours"] == 0.0
+        assert ((batch, "graph_time_ms", "gluon") in by) == together
+        assert (by[(batch, "time_ms", "gluon")].get("note") is None) == together
+    assert "HND/cuDNN" in bench.summary(results)
