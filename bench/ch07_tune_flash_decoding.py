@@ -2,11 +2,14 @@
 split count, the asynchronized softmax's variants and the host overhead of one call.
 
 Run on a GPU: ``python -m bench.ch07_tune_flash_decoding [part ...]`` (parts: overhead, config,
-async, splits, fused, hopper, hopper2, gluon, gluon_balance, gluon_layout; default all but the sm_90 parts). Prints compact
+async, splits, fused, hopper, hopper2, gluon, gluon_balance, gluon_layout,
+gluon_placement, gluon_fixed_cost, gluon_grid; default all but the sm_90 parts). Prints compact
 tables; times are per call replaying a CUDA graph of 16 calls (`bench.common.graph_time_ms`)
 unless marked eager."""
 from __future__ import annotations
 
+import math
+import statistics
 import sys
 import time
 
@@ -476,11 +479,169 @@ def gluon_layout():
         torch.cuda.empty_cache()
 
 
+def placement_tables(tables: torch.Tensor, run: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A placement of the pool's blocks that keeps runs of ``run`` consecutive blocks of a
+    sequence together: ``(order, new_tables)``, where ``pool[order]`` is the re-placed pool and
+    ``new_tables`` its tables. ``run = 1`` shuffles every block; ``run`` = all blocks sorts them
+    (each sequence's blocks in order, one sequence after another)."""
+    flat = tables.reshape(-1).long()  # sequence-major: slot i holds the i-th block in order
+    run = math.gcd(run, flat.numel())  # whole runs only
+    perm = torch.randperm(flat.numel() // run, generator=gen, device="cpu").to(flat.device)
+    i = torch.arange(flat.numel(), device=flat.device)
+    new_pos = perm[i // run] * run + i % run
+    order = torch.empty_like(flat)
+    order[new_pos] = flat
+    return order, new_pos.view(tables.shape).to(torch.int32)
+
+
+def gluon_placement():
+    """Where the blocks lie, with the kernels unchanged: at the batch-filling points and the
+    long batch-1 one, the Gluon and Triton kernels on the same values placed three ways in the
+    pool (every block shuffled, as the benchmarks; shuffled in runs of 2 MiB of one pool, the
+    GPU's large page; each sequence's blocks in order), against SDPA cuDNN on a contiguous
+    cache of the same values; eager, taking turns, median of 3; ratio = cuDNN / variant."""
+    from torch.nn.attention import SDPBackend
+
+    from bench.common import contiguous_cache, interleaved_times, time_sdpa
+    from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, plan_splits
+
+    print("\n== gluon_placement: eager us per call; ratio = SDPA cuDNN (contiguous) / variant ==")
+    sms = fd.num_sms(DEV)
+    for b, hkv, ctx in [(8, 32, 32768), (32, 8, 32768), (8, 8, 131072), (1, 8, 131072), (32, 32, 32768),
+                        (8, 32, 131072)]:
+        k_c, v_c = contiguous_cache(3, b, hkv, ctx, D, DT, DEV)
+        q = torch.randn(b, HQ, D, device=DEV, dtype=DT)
+        cudnn_ms = statistics.median(time_sdpa(q, k_c, v_c, SDPBackend.CUDNN_ATTENTION, timer)[0] for _ in range(3))
+        del k_c, v_c
+        torch.cuda.empty_cache()
+        gen = torch.Generator(device=DEV)
+        gen.manual_seed(0)
+        k, v, tables = paged_cache(3, b, hkv, ctx, D, BS, DT, DEV, gen)
+        lens = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
+        block_bytes = BS * hkv * D * k.element_size()
+        cpu_gen = torch.Generator()
+        cpu_gen.manual_seed(1)
+        placed = {"shuffled": (k, v, tables)}
+        for name, run in (("2MiB runs", max(1, (2 << 20) // block_bytes)), ("in order", tables.numel())):
+            order, new_tables = placement_tables(tables, run, cpu_gen)
+            placed[name] = (k[order], v[order], new_tables)
+        out = torch.empty(q.shape, device=DEV, dtype=DT)
+        lse = torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)
+        plan, wave = plan_splits(b, hkv, ctx, sms), fd.num_splits_heuristic(b, hkv, ctx, sms, 128)
+        calls = {}
+        for name, (kp, vp, tb) in placed.items():
+            calls[f"gluon {name}"] = lambda kp=kp, vp=vp, tb=tb: flash_decode_attention_gluon(
+                q, kp, vp, tb, lens, num_splits=plan, out=out, lse=lse)
+            calls[f"triton {name}"] = lambda kp=kp, vp=vp, tb=tb: fd.flash_decode_attention(
+                q, kp, vp, tb, lens, num_splits=wave, out=out, lse=lse)
+        t = interleaved_times(calls, timer, 3)
+        print(f"  B={b:2} Hkv={hkv:2} L={ctx:6}: cuDNN {cudnn_ms * 1e3:.1f} | "
+              + " | ".join(f"{n} {ms * 1e3:.1f} ({cudnn_ms / ms:.3f})" for n, ms in t.items()), flush=True)
+        del placed, calls, k, v
+        torch.cuda.empty_cache()
+
+
+def gluon_fixed_cost():
+    """A decode call's fixed cost and streaming rate: at batch 1 with 8 KV heads, CUDA-graph
+    times of the Gluon kernel (planned splits), the Triton kernel and SDPA cuDNN (contiguous)
+    over contexts 1k-64k, each call on its own copy of the cache (enough copies to pass 128 MB,
+    so no call finds its cache in L2), and the straight line t = t0 + bytes / rate fitted to
+    each: t0 is what a call costs before and after its bytes, the rate what it streams at."""
+    import numpy as np
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from bench.common import contiguous_cache
+    from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, plan_splits
+
+    print("\n== gluon_fixed_cost: B=1 Hkv=8, graph us per call (copies past 128 MB) ==")
+    sms = fd.num_sms(DEV)
+    b, hkv = 1, 8
+    contexts = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+    times: dict[str, list[float]] = {"gluon": [], "triton": [], "cudnn": []}
+    n_bytes = []
+    for ctx in contexts:
+        cache_bytes = b * ctx * hkv * D * 2 * 2
+        n_copies = max(1, min(32, -(-(128 << 20) // cache_bytes)))
+        copies = [inputs(b, hkv, ctx) for _ in range(n_copies)]
+        outs = [(torch.empty(c[0].shape, device=DEV, dtype=DT),
+                 torch.empty(c[0].shape[:2], device=DEV, dtype=torch.float32)) for c in copies]
+        plan, wave = plan_splits(b, hkv, ctx, sms), fd.num_splits_heuristic(b, hkv, ctx, sms, 128)
+        gluon = [lambda c=c, o=o: flash_decode_attention_gluon(*c, num_splits=plan, out=o[0], lse=o[1])
+                 for c, o in zip(copies, outs)]
+        triton_ = [lambda c=c, o=o: fd.flash_decode_attention(*c, num_splits=wave, out=o[0], lse=o[1])
+                   for c, o in zip(copies, outs)]
+        row = {"gluon": graph_time_ms(gluon, 32, timer), "triton": graph_time_ms(triton_, 32, timer)}
+        del copies, outs, gluon, triton_
+        torch.cuda.empty_cache()
+        contiguous = [contiguous_cache(3 + i, b, hkv, ctx, D, DT, DEV) for i in range(n_copies)]
+        q4 = torch.randn(b, HQ, 1, D, device=DEV, dtype=DT)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            row["cudnn"] = graph_time_ms([lambda kv=kv: F.scaled_dot_product_attention(q4, kv[0], kv[1], enable_gqa=True)
+                                          for kv in contiguous], 32, timer)
+        del contiguous
+        torch.cuda.empty_cache()
+        n_bytes.append(paged_decode_attention_bytes([ctx] * b, HQ, hkv, D, 2, BS))
+        for name, ms in row.items():
+            times[name].append(ms * 1e3)
+        print(f"  L={ctx:6} ({n_copies} copies, S plan {plan}): "
+              + " | ".join(f"{n} {ms * 1e3:.1f}" for n, ms in row.items())
+              + f" | gluon/cuDNN {row['cudnn'] / row['gluon']:.3f}", flush=True)
+    x = np.array(n_bytes, dtype=float)
+    for name, ts in times.items():
+        slope, t0 = np.polyfit(x, np.array(ts), 1)  # us per byte, us
+        print(f"  fit {name}: t0 {t0:.2f} us, rate {1e-6 / slope:.2f} TB/s "
+              f"(max residual {np.max(np.abs(np.polyval([slope, t0], x) - ts)):.2f} us)", flush=True)
+
+
+def gluon_grid():
+    """The persistent grid's size at the points where units outnumber the SMs: with ``U`` units
+    on ``P`` programs the last round is partial unless ``P`` divides ``U``; the smallest grid
+    with the same number of rounds, ``⌈U / ⌈U / P⌉⌉``, gives every program the same work.
+    Against SDPA cuDNN (contiguous) in the same run; eager, taking turns, median of 3;
+    ratio = cuDNN / variant."""
+    from torch.nn.attention import SDPBackend
+
+    from bench.common import contiguous_cache, interleaved_times, time_sdpa
+    from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, plan_splits
+
+    print("\n== gluon_grid: eager us per call; ratio = SDPA cuDNN (contiguous) / variant ==")
+    sms = fd.num_sms(DEV)
+    for b, hkv, ctx in [(8, 32, 32768), (32, 8, 32768), (8, 32, 131072), (32, 8, 131072), (32, 32, 4096),
+                        (32, 32, 32768), (8, 8, 131072), (32, 8, 4096)]:
+        k_c, v_c = contiguous_cache(3, b, hkv, ctx, D, DT, DEV)
+        q = torch.randn(b, HQ, D, device=DEV, dtype=DT)
+        cudnn_ms = statistics.median(time_sdpa(q, k_c, v_c, SDPBackend.CUDNN_ATTENTION, timer)[0] for _ in range(3))
+        del k_c, v_c
+        torch.cuda.empty_cache()
+        gen = torch.Generator(device=DEV)
+        gen.manual_seed(0)
+        k, v, tables = paged_cache(3, b, hkv, ctx, D, BS, DT, DEV, gen)
+        lens = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
+        out = torch.empty(q.shape, device=DEV, dtype=DT)
+        lse = torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)
+        plan = plan_splits(b, hkv, ctx, sms)
+        units = b * hkv * plan
+        even = -(-units // -(-units // sms))
+        grids = {f"P={sms}": sms, f"P={even} (even)": even, "P=128": 128, "P=120": 120}
+        calls = {name: lambda p=p: flash_decode_attention_gluon(q, k, v, tables, lens, num_splits=plan, programs=p,
+                                                                 out=out, lse=lse)
+                 for name, p in grids.items()}
+        calls["triton"] = lambda: fd.flash_decode_attention(q, k, v, tables, lens, out=out, lse=lse,
+                                                            num_splits=fd.num_splits_heuristic(b, hkv, ctx, sms, 128))
+        t = interleaved_times(calls, timer, 3)
+        print(f"  B={b:2} Hkv={hkv:2} L={ctx:6} S={plan} U={units}: cuDNN {cudnn_ms * 1e3:.1f} | "
+              + " | ".join(f"{n} {ms * 1e3:.1f} ({cudnn_ms / ms:.3f})" for n, ms in t.items()), flush=True)
+        del calls, k, v
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     parts = sys.argv[1:] or ["overhead", "config", "async", "splits", "fused"]
     t0 = time.time()
     for part in parts:
         {"overhead": overhead, "config": config, "async": async_variants, "splits": splits, "fused": fused,
          "hopper": hopper, "hopper2": hopper2, "gluon": gluon, "gluon_balance": gluon_balance,
-         "gluon_layout": gluon_layout}[part]()
+         "gluon_layout": gluon_layout, "gluon_placement": gluon_placement,
+         "gluon_fixed_cost": gluon_fixed_cost, "gluon_grid": gluon_grid}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)
