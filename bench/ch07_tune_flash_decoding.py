@@ -3,7 +3,7 @@ split count, the asynchronized softmax's variants and the host overhead of one c
 
 Run on a GPU: ``python -m bench.ch07_tune_flash_decoding [part ...]`` (parts: overhead, config,
 async, splits, fused, hopper, hopper2, gluon, gluon_balance, gluon_layout,
-gluon_placement, gluon_fixed_cost, gluon_grid; default all but the sm_90 parts). Prints compact
+gluon_placement, gluon_fixed_cost, gluon_grid, gluon_pipeline; default all but the sm_90 parts). Prints compact
 tables; times are per call replaying a CUDA graph of 16 calls (`bench.common.graph_time_ms`)
 unless marked eager."""
 from __future__ import annotations
@@ -439,44 +439,66 @@ def gluon_balance():
                 torch.cuda.empty_cache()
 
 
+LAYOUT_POINTS = [(1, 8, 4096), (1, 32, 4096), (8, 8, 4096), (1, 8, 32768), (1, 8, 131072), (8, 8, 32768),
+                 (8, 32, 32768), (32, 8, 32768), (32, 32, 32768)]
+
+
+def _gluon_variants(title: str, points, variants_of, base: str, hnd: bool = False):
+    """Time the Gluon kernel's ``variants_of(glu, b, hkv, ctx)`` (``{name: [callable per copy]}``,
+    ``glu(layout="NHD", **kw)`` building one) at ``points``: small caches in CUDA-graph time on 4
+    copies, the others eager, taking turns (median of 3); ratio = ``base`` / variant. ``hnd``:
+    also build each copy's head-major pool."""
+    from bench.common import interleaved_times
+    from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, plan_splits
+
+    print(f"\n== {title}: us per call (graph for caches up to 64 MB, else eager); ratio = {base} / variant ==")
+    sms = fd.num_sms(DEV)
+    for b, hkv, ctx in points:
+        small = b * hkv * ctx <= 8 * 32768
+        copies = []
+        for _ in range(4 if small else 1):
+            q, k, v, tables, lens = inputs(b, hkv, ctx)
+            head_major = (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()) if hnd else None
+            copies.append((q, {"NHD": (k, v), "HND": head_major}, tables, lens,
+                           torch.empty(q.shape, device=DEV, dtype=DT),
+                           torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)))
+
+        def glu(layout="NHD", block_n=64, **kw):
+            splits = plan_splits(b, hkv, ctx, sms, block_n)
+            return [lambda c=c: flash_decode_attention_gluon(c[0], *c[1][layout], c[2], c[3], num_splits=splits,
+                                                             block_n=block_n, out=c[4], lse=c[5], kv_layout=layout,
+                                                             **kw) for c in copies]
+        variants = variants_of(glu, b, hkv, ctx)
+        if small:
+            t = {n: graph_time_ms(fns, 16, timer) * 1e3 for n, fns in variants.items()}
+        else:
+            t = {n: ms * 1e3 for n, ms in interleaved_times({n: f[0] for n, f in variants.items()}, timer, 3).items()}
+        print(f"  B={b:2} Hkv={hkv:2} L={ctx:6} {'graph' if small else 'eager'} S plan {plan_splits(b, hkv, ctx, sms)}: "
+              + " | ".join(f"{n} {v:.1f} ({t[base] / v:.3f})" for n, v in t.items())
+              + f"  {base} at {frac(b, hkv, ctx, t[base] * 1e-3):.2f} of copy", flush=True)
+        del copies, variants
+        torch.cuda.empty_cache()
+
+
 def gluon_layout():
     """The Gluon kernel on the two pool layouts of the same values (``kv_layout`` NHD, the
     chapters' ``[blocks, block_size, kv_heads, head_dim]``, and HND, ``[blocks, kv_heads,
     block_size, head_dim]``), with the planned splits, and on HND with 4 ring slots and with
     128-key tiles (deeper rings and larger tiles lost on NHD: do they once a box is one run of
-    memory?). Small caches in CUDA-graph time (4 copies), the others eager, taking turns
-    (median of 3); ratio = NHD / variant."""
-    from bench.common import interleaved_times
-    from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, plan_splits
+    memory?)."""
+    _gluon_variants("gluon_layout", LAYOUT_POINTS, lambda glu, *_: {
+        "NHD": glu(), "HND": glu("HND"), "HND st4": glu("HND", num_stages=4), "HND bn128": glu("HND", 128)},
+        "NHD", hnd=True)
 
-    print("\n== gluon_layout: us per call (graph for caches up to 64 MB, else eager); ratio = NHD / variant ==")
-    sms = fd.num_sms(DEV)
-    for b, hkv, ctx in [(1, 8, 4096), (1, 32, 4096), (8, 8, 4096), (1, 8, 32768), (1, 8, 131072), (8, 8, 32768),
-                        (8, 32, 32768), (32, 8, 32768), (32, 32, 32768)]:
-        small = b * hkv * ctx <= 8 * 32768
-        copies = []
-        for _ in range(4 if small else 1):
-            q, k, v, tables, lens = inputs(b, hkv, ctx)
-            copies.append((q, (k, v), (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()), tables,
-                           lens, torch.empty(q.shape, device=DEV, dtype=DT),
-                           torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)))
-        plan = plan_splits(b, hkv, ctx, sms)
 
-        def glu(layout, splits=plan, **kw):
-            return [lambda c=c: flash_decode_attention_gluon(c[0], *(c[1] if layout == "NHD" else c[2]), c[3], c[4],
-                                                             num_splits=splits, out=c[5], lse=c[6], kv_layout=layout,
-                                                             **kw) for c in copies]
-        variants = {"NHD": glu("NHD"), "HND": glu("HND"), "HND st4": glu("HND", num_stages=4),
-                    "HND bn128": glu("HND", plan_splits(b, hkv, ctx, sms, 128), block_n=128)}
-        if small:
-            t = {n: graph_time_ms(fns, 16, timer) * 1e3 for n, fns in variants.items()}
-        else:
-            t = {n: ms * 1e3 for n, ms in interleaved_times({n: f[0] for n, f in variants.items()}, timer, 3).items()}
-        print(f"  B={b:2} Hkv={hkv:2} L={ctx:6} {'graph' if small else 'eager'} S plan {plan}: "
-              + " | ".join(f"{n} {v:.1f} ({t['NHD'] / v:.3f})" for n, v in t.items())
-              + f"  HND at {frac(b, hkv, ctx, t['HND'] * 1e-3):.2f} of copy", flush=True)
-        del copies, variants
-        torch.cuda.empty_cache()
+def gluon_pipeline():
+    """The consumer's two orders: each tile's S = Q Kᵀ, softmax and P·V in turn (the default),
+    and pipelined (tile j's scores started before tile j-1's P·V, FlashAttention-3's overlap
+    inside the warpgroup), also with 4 ring slots and with 128-key tiles."""
+    points = LAYOUT_POINTS + [(8, 32, 131072), (32, 8, 131072), (1, 32, 131072)]
+    _gluon_variants("gluon_pipeline", points, lambda glu, *_: {
+        "in turn": glu(), "pipelined": glu(pipeline=True), "pipelined st4": glu(pipeline=True, num_stages=4),
+        "pipelined bn128": glu(block_n=128, pipeline=True)}, "in turn")
 
 
 def placement_tables(tables: torch.Tensor, run: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -643,5 +665,6 @@ if __name__ == "__main__":
         {"overhead": overhead, "config": config, "async": async_variants, "splits": splits, "fused": fused,
          "hopper": hopper, "hopper2": hopper2, "gluon": gluon, "gluon_balance": gluon_balance,
          "gluon_layout": gluon_layout, "gluon_placement": gluon_placement,
-         "gluon_fixed_cost": gluon_fixed_cost, "gluon_grid": gluon_grid}[part]()
+         "gluon_fixed_cost": gluon_fixed_cost, "gluon_grid": gluon_grid,
+         "gluon_pipeline": gluon_pipeline}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)

@@ -284,13 +284,19 @@ def _zero_rows_past(v_tile, n_valid):
 
 
 @gluon.jit
-def _scores(q_smem, k_smem, slot, s_zero, D_CHUNKS: gl.constexpr):
-    """``S = Q Kᵀ`` for the tile in ring slot ``slot``, one ``wgmma`` per 64 columns."""
+def _start_scores(q_smem, k_smem, slot, s_zero, D_CHUNKS: gl.constexpr):
+    """``S = Q Kᵀ`` for the tile in ring slot ``slot``, started: one ``wgmma`` per 64 columns."""
     s = s_zero
     for c in gl.static_range(D_CHUNKS):
         s = warpgroup_mma(q_smem.index(c), k_smem.index(slot * D_CHUNKS + c).permute((1, 0)), s, use_acc=c > 0,
                           is_async=True)
-    return warpgroup_mma_wait(0, deps=[s])
+    return s
+
+
+@gluon.jit
+def _scores(q_smem, k_smem, slot, s_zero, D_CHUNKS: gl.constexpr):
+    """``S = Q Kᵀ`` for the tile in ring slot ``slot``, finished."""
+    return warpgroup_mma_wait(0, deps=[_start_scores(q_smem, k_smem, slot, s_zero, D_CHUNKS)])
 
 
 @gluon.jit
@@ -385,12 +391,118 @@ def _finish_piece(acc0, acc1, m_i, l_i, o_part, lse_part, out, lse, counter, hea
 
 
 @gluon.jit
+def _softmax_tile(s, m_i, l_i, start, hi, cols, qk_scale, p_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One tile's online-softmax step (base 2, FA2's unscaled accumulator) on the scores ``s``
+    of keys ``[start, start + BLOCK_N)``, none past ``hi`` (the piece's end): ``(P as the bf16
+    register operand of P·V, alpha = 2^(m_old - m_new), m_new, l_new)``."""
+    if start + BLOCK_N > hi:  # the piece's last tile: no key past its end
+        s = gl.where((start + cols < hi)[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return gl.convert_layout(p.to(gl.bfloat16), p_layout), alpha, m_new, l_i
+
+
+@gluon.jit
+def _start_pv(p_op, v_smem, slot, acc0, acc1, alpha, start, hi, o_rows: gl.constexpr, BLOCK_N: gl.constexpr,
+              D_CHUNKS: gl.constexpr):
+    """``acc = alpha · acc + P V`` for the V tile in ring slot ``slot`` (keys from ``start``),
+    started asynchronously, one ``wgmma`` per 64 columns; a ragged tile's rows past ``hi`` are
+    zeroed in shared memory first (`_zero_rows_past`)."""
+    if start + BLOCK_N > hi:
+        for c in gl.static_range(D_CHUNKS):
+            _zero_rows_past(v_smem.index(slot * D_CHUNKS + c), hi - start)
+        fence_async_shared()
+        _warps_barrier()
+    alpha_o = gl.convert_layout(alpha, o_rows)[:, None]
+    acc0 = warpgroup_mma(p_op, v_smem.index(slot * D_CHUNKS), acc0 * alpha_o, is_async=True)
+    if D_CHUNKS == 2:
+        acc1 = warpgroup_mma(p_op, v_smem.index(slot * D_CHUNKS + 1), acc1 * alpha_o, is_async=True)
+    return acc0, acc1
+
+
+@gluon.jit
+def _wait_pv(acc0, acc1, p_op, D_CHUNKS: gl.constexpr):
+    """Wait for every matmul in flight (P·V): the accumulators, and P's registers, which must
+    not be reused before the matmul has read them."""
+    if D_CHUNKS == 2:
+        acc0, acc1, p_op = warpgroup_mma_wait(0, deps=[acc0, acc1, p_op])
+    else:
+        acc0, p_op = warpgroup_mma_wait(0, deps=[acc0, p_op])
+    return acc0, acc1
+
+
+@gluon.jit
+def _keys_in_turn(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, acc0, acc1, m_i, l_i, s_zero, cols,
+                  it, lo, hi, n_tiles, qk_scale, p_layout: gl.constexpr, o_rows: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, D_CHUNKS: gl.constexpr):
+    """A piece's keys ``[lo, hi)``, ``n_tiles`` tiles from ring position ``it``, one after the
+    other: per tile S = Q Kᵀ (wait), the softmax, P·V (wait). Returns ``(acc0, acc1, m, l)``."""
+    for j in range(n_tiles):
+        slot = (it + j) % NUM_STAGES
+        phase = ((it + j) // NUM_STAGES) & 1
+        start = lo + j * BLOCK_N
+        mbarrier.wait(k_ready.index(slot), phase)
+        s = _scores(q_smem, k_smem, slot, s_zero, D_CHUNKS)
+        mbarrier.arrive(k_empty.index(slot))
+        p_op, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, start, hi, cols, qk_scale, p_layout, BLOCK_N)
+        mbarrier.wait(v_ready.index(slot), phase)
+        acc0, acc1 = _start_pv(p_op, v_smem, slot, acc0, acc1, alpha, start, hi, o_rows, BLOCK_N, D_CHUNKS)
+        acc0, acc1 = _wait_pv(acc0, acc1, p_op, D_CHUNKS)
+        mbarrier.arrive(v_empty.index(slot))
+    return acc0, acc1, m_i, l_i
+
+
+@gluon.jit
+def _keys_pipelined(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, acc0, acc1, m_i, l_i, s_zero,
+                    cols, it, lo, hi, n_tiles, qk_scale, p_layout: gl.constexpr, o_rows: gl.constexpr,
+                    NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, D_CHUNKS: gl.constexpr):
+    """`_keys_in_turn`'s result with FlashAttention-3's overlap inside the warpgroup: tile j's
+    S = Q Kⱼᵀ is started before tile j-1's P·V, so that while the softmax of tile j runs on
+    the CUDA cores, P·V of tile j-1 runs on the tensor cores, and the scores' latency is
+    spent once per piece instead of once per tile.
+
+    Iteration j: start S_j; start acc = alpha_{j-1} acc + P_{j-1} V_{j-1}; wait for S_j only
+    (matmul groups retire in order); softmax(S_j); wait for P·V."""
+    if n_tiles > 0:
+        slot = it % NUM_STAGES
+        mbarrier.wait(k_ready.index(slot), (it // NUM_STAGES) & 1)
+        s = _scores(q_smem, k_smem, slot, s_zero, D_CHUNKS)
+        mbarrier.arrive(k_empty.index(slot))
+        p_op, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, lo, hi, cols, qk_scale, p_layout, BLOCK_N)
+        for j in range(1, n_tiles):
+            slot = (it + j) % NUM_STAGES
+            prev = (it + j - 1) % NUM_STAGES
+            mbarrier.wait(k_ready.index(slot), ((it + j) // NUM_STAGES) & 1)
+            s = _start_scores(q_smem, k_smem, slot, s_zero, D_CHUNKS)
+            mbarrier.wait(v_ready.index(prev), ((it + j - 1) // NUM_STAGES) & 1)
+            # (tile j-1 is not the piece's last, so never ragged)
+            acc0, acc1 = _start_pv(p_op, v_smem, prev, acc0, acc1, alpha, lo + (j - 1) * BLOCK_N, hi, o_rows,
+                                   BLOCK_N, D_CHUNKS)
+            s = warpgroup_mma_wait(D_CHUNKS, deps=[s])  # S_j done; P·V's D_CHUNKS matmuls may still run
+            mbarrier.arrive(k_empty.index(slot))
+            p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, lo + j * BLOCK_N, hi, cols, qk_scale, p_layout,
+                                                    BLOCK_N)
+            acc0, acc1 = _wait_pv(acc0, acc1, p_op, D_CHUNKS)
+            mbarrier.arrive(v_empty.index(prev))
+            p_op = p_next
+        last = (it + n_tiles - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // NUM_STAGES) & 1)
+        acc0, acc1 = _start_pv(p_op, v_smem, last, acc0, acc1, alpha, lo + (n_tiles - 1) * BLOCK_N, hi, o_rows,
+                               BLOCK_N, D_CHUNKS)
+        acc0, acc1 = _wait_pv(acc0, acc1, p_op, D_CHUNKS)
+        mbarrier.arrive(v_empty.index(last))
+    return acc0, acc1, m_i, l_i
+
+
+@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr, seq_lens, o_part, lse_part, out,
               lse, counters, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_lpb, stride_lph,
               stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, batch, group, kv_heads, num_splits,
               block_size, max_blocks, qk_scale, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, BOX: gl.constexpr, LINE: gl.constexpr, SPLIT: gl.constexpr,
-              MERGE_H: gl.constexpr, MERGE_S: gl.constexpr):
+              MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, PIPELINE: gl.constexpr):
     """One warpgroup: for each of this program's pieces, the online softmax over its tiles
     (base 2, FA2's unscaled accumulator), then the piece's result: the output itself when the
     piece is its unit's only one, else (``SPLIT``) a partial in the fp32 workspace and the
@@ -415,37 +527,16 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr,
         l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
         acc0 = gl.zeros([64, 64], gl.float32, o_layout)
         acc1 = gl.zeros([64, 64], gl.float32, o_layout)
-        for j in range(gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)):
-            slot = it % NUM_STAGES
-            phase = (it // NUM_STAGES) & 1
-            start = lo + j * BLOCK_N
-            mbarrier.wait(k_ready.index(slot), phase)
-            s = _scores(q_smem, k_smem, slot, s_zero, D_CHUNKS)
-            mbarrier.arrive(k_empty.index(slot))
-            ragged = start + BLOCK_N > hi
-            if ragged:  # the piece's last tile: no key past its end
-                s = gl.where((start + cols < hi)[None, :], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-            p = gl.exp2(s * qk_scale - m_new[:, None])
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-            alpha_o = gl.convert_layout(alpha, o_rows)[:, None]
-            mbarrier.wait(v_ready.index(slot), phase)
-            if ragged:
-                for c in gl.static_range(D_CHUNKS):
-                    _zero_rows_past(v_smem.index(slot * D_CHUNKS + c), hi - start)
-                fence_async_shared()
-                _warps_barrier()
-            acc0 = warpgroup_mma(p_op, v_smem.index(slot * D_CHUNKS), acc0 * alpha_o, is_async=True)
-            if D_CHUNKS == 2:
-                acc1 = warpgroup_mma(p_op, v_smem.index(slot * D_CHUNKS + 1), acc1 * alpha_o, is_async=True)
-                acc0, acc1, p_op = warpgroup_mma_wait(0, deps=[acc0, acc1, p_op])
-            else:
-                acc0, p_op = warpgroup_mma_wait(0, deps=[acc0, p_op])
-            mbarrier.arrive(v_empty.index(slot))
-            it += 1
+        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        if PIPELINE:
+            acc0, acc1, m_i, l_i = _keys_pipelined(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, acc0,
+                                                   acc1, m_i, l_i, s_zero, cols, it, lo, hi, n_tiles, qk_scale,
+                                                   p_layout, o_rows, NUM_STAGES, BLOCK_N, D_CHUNKS)
+        else:
+            acc0, acc1, m_i, l_i = _keys_in_turn(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, acc0,
+                                                 acc1, m_i, l_i, s_zero, cols, it, lo, hi, n_tiles, qk_scale,
+                                                 p_layout, o_rows, NUM_STAGES, BLOCK_N, D_CHUNKS)
+        it += n_tiles
         out_b = out + pb.to(gl.int64) * stride_ob + (pkv * group) * stride_oh
         lse_b = lse + pb.to(gl.int64) * stride_lb + (pkv * group) * stride_lh
         if SPLIT:
@@ -468,7 +559,7 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
                    max_blocks, qk_scale,
                    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr,
                    LINE: gl.constexpr, SPLIT: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr,
-                   LOADER_REGS: gl.constexpr):
+                   LOADER_REGS: gl.constexpr, PIPELINE: gl.constexpr):
     """A 1-d grid of at most one program per SM, each walking its work: units ``pid``, ``pid +
     P``, ..., or (``LINE``) its chunk of the work line. ``num_warps=4``: the consumer (the
     default partition) and a one-warp loader. Shared memory: the query tile and
@@ -496,7 +587,7 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
                       out, lse, counters, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_lpb,
                       stride_lph, stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, batch, group, kv_heads,
                       num_splits, block_size, max_blocks, qk_scale, HEAD_D, BLOCK_N, NUM_STAGES, BOX, LINE, SPLIT,
-                      MERGE_H, MERGE_S)),
+                      MERGE_H, MERGE_S, PIPELINE)),
          (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, block_tables, seq_lens,
                     stride_tb, batch, kv_heads, num_splits, block_size, block_rows, head_rows, head_cols, num_blocks,
                     max_blocks, HEAD_D, BLOCK_N, BOX, NUM_STAGES, LINE))],
@@ -619,7 +710,8 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                                  max_seq_len: int | None = None, programs: int | None = None,
                                  block_n: int = BLOCK_N, num_stages: int = NUM_STAGES,
                                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                                 kv_layout: str = "NHD", loader_regs: int = 40, compile_only: bool = False):
+                                 kv_layout: str = "NHD", pipeline: bool = False, loader_regs: int = 40,
+                                 compile_only: bool = False):
     """`flash_decode_attention`'s contract (``q: [batch, q_heads, head_dim]``, pools
     ``[num_blocks, block_size, kv_heads, head_dim]``, ``block_tables: [batch, max_blocks]``
     int32, ``seq_lens: [batch]``; returns ``(out [batch, q_heads, head_dim] bf16, lse [batch,
@@ -636,6 +728,9 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
       equal chunk of the work line (all units' boxes of keys in a row), cut on the GPU from
       the lengths (`minillm.reference.ch07_flash_decoding.work_line_pieces`);
     - ``programs``: persistent programs (default one per SM);
+    - ``pipeline``: overlap tile j's scores with tile j-1's P·V in the consumer
+      (`_keys_pipelined`, FlashAttention-3's intra-warpgroup overlap) instead of taking each
+      tile's two matmuls in turn (`_keys_in_turn`);
     - ``block_n``: keys per tile (64 or 128); ``num_stages``: ring slots; ``loader_regs``:
       registers per thread of the loader warp (``setmaxnreg``; the consumer keeps what the
       program was compiled with);
@@ -689,7 +784,7 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
             lse.stride(1), counters.stride(0), batch, q_heads // kv_heads, kv_heads, num_splits, block_size,
             block_rows, head_rows, head_cols, num_blocks, block_tables.shape[1], qk_scale)
     meta = dict(HEAD_D=head_dim, BLOCK_N=block_n, BOX=box, NUM_STAGES=num_stages, LINE=schedule == "line",
-                SPLIT=split, MERGE_H=merge_h, LOADER_REGS=loader_regs, num_warps=4,
+                SPLIT=split, MERGE_H=merge_h, LOADER_REGS=loader_regs, PIPELINE=bool(pipeline), num_warps=4,
                 MERGE_S=max(1, min(MERGE_SPLITS, MERGE_ROWS // merge_h, triton.next_power_of_2(slots))))
     if compile_only:
         return _decode_kernel.warmup(*args, grid=(grid,), **meta)

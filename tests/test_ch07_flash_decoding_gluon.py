@@ -8,7 +8,8 @@
   batch of more than 128 sequences, which the kernel's scan of the lengths takes in several
   steps, one program for the whole line); table entries that are not
   blocks (read as zeros), lengths past the table (clamped); every case on both pool layouts
-  (NHD, and HND: the same values with each block's heads before its tokens). Out and lse against
+  (NHD, and HND: the same values with each block's heads before its tokens), and on NHD with
+  the pipelined consumer (scores of tile j beside P·V of tile j-1). Out and lse against
   `minillm.reference.ch07_flash_decoding` with the bf16 tolerance; the arrival counters back
   at zero after every call, and a second call equal to the first.
 - CPU: `plan_splits` on hand-computed cases; the argument checks; the balanced work line
@@ -193,7 +194,9 @@ facts = {}
 for head_dim in (64, 128):
     for block_size in (16, 256):
         for splits in (1, 4, "line"):
-          for layout in ("NHD", "HND"):
+          for layout in ("NHD", "HND", "pipelined"):
+            pipelined = layout == "pipelined"
+            layout = "NHD" if pipelined else layout
             q = torch.zeros(2, 8, head_dim, dtype=torch.bfloat16)
             shape = (64, block_size, 2, head_dim) if layout == "NHD" else (64, 2, block_size, head_dim)
             pool = torch.zeros(shape, dtype=torch.bfloat16)
@@ -201,9 +204,10 @@ for head_dim in (64, 128):
                                                     torch.zeros(2, dtype=torch.int32),
                                                     schedule="line" if splits == "line" else "units",
                                                     num_splits=None if splits == "line" else splits,
-                                                    kv_layout=layout, compile_only=True)
+                                                    kv_layout=layout, pipeline=pipelined, compile_only=True)
             ptx = compiled.asm["ptx"]
-            facts[f"{head_dim} {block_size} {splits} {layout}"] = {
+            facts[f"{head_dim} {block_size} {splits} {'pipelined' if pipelined else layout}"] = {
+                "partial_waits": sum(ptx.count(f"wgmma.wait_group.sync.aligned {n};") for n in (1, 2)),
                 "tma": ptx.count("cp.async.bulk.tensor"), "wgmma": ptx.count("wgmma.mma_async"),
                 "setmaxnreg": "setmaxnreg" in ptx, "atomics": "atom.global" in ptx,
                 "local": "ld.local" in ptx or "st.local" in ptx, "stack": stack_bytes(compiled.asm["cubin"]),
@@ -221,8 +225,8 @@ def sm90_compiled():
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("splits", [1, 4, "line"])
-@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
-def test_compiles_for_sm90(sm90_compiled, head_dim, block_size, splits, kv_layout):
+@pytest.mark.parametrize("variant", [*KV_LAYOUTS, "pipelined"])
+def test_compiles_for_sm90(sm90_compiled, head_dim, block_size, splits, variant):
     """Per K or V tile the loader issues one copy per block (or one per tile when a block
     holds whole tiles) and per 64 columns; the scores and P·V are asynchronous wgmma; the
     loader warp gives its registers to the consumer; the merge's counter (a global atomic)
@@ -230,8 +234,11 @@ def test_compiles_for_sm90(sm90_compiled, head_dim, block_size, splits, kv_layou
     spilled, except that Triton 3.9's ptxas keeps up to 32 bytes of the balanced schedule's
     per-piece scalars on the stack (stored and reloaded outside the key loop: checked by hand
     in the SASS); Triton 3.6's, the version the GPU runs, keeps none. The two pool layouts
-    differ only in the copies' coordinates."""
-    facts = sm90_compiled[f"{head_dim} {block_size} {splits} {kv_layout}"]
+    differ only in the copies' coordinates. The pipelined consumer (NHD) waits for the scores
+    with P·V's matmuls still in flight (a ``wgmma`` wait that leaves groups outstanding); the
+    other consumer always waits for all."""
+    facts = sm90_compiled[f"{head_dim} {block_size} {splits} {variant}"]
+    assert (facts["partial_waits"] > 0) == (variant == "pipelined")
     copies_per_tile = (BLOCK_N // min(block_size, BLOCK_N)) * (head_dim // 64)
     assert facts["tma"] == 2 * copies_per_tile  # K and V, unrolled
     assert facts["wgmma"] > 0 and facts["setmaxnreg"]
@@ -277,18 +284,19 @@ def pools_in(pool: PagedPool, kv_layout: str):
 
 
 @hopper_only
-@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+@pytest.mark.parametrize("kv_layout,pipeline", [("NHD", False), ("HND", False), ("NHD", True)],
+                         ids=["NHD", "HND", "pipelined"])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,seq_lens,num_splits,programs",
                          [pytest.param(*c, id=_case_id(c)) for c in CASES])
-def test_against_reference(q_heads, kv_heads, head_dim, block_size, seq_lens, num_splits, programs, kv_layout, gen,
-                           seed):
+def test_against_reference(q_heads, kv_heads, head_dim, block_size, seq_lens, num_splits, programs, kv_layout,
+                           pipeline, gen, seed):
     device = torch.device("cuda")
     pool = PagedPool(seq_lens, block_size, kv_heads, head_dim, DTYPE, device, gen)
     q = random_tensor((len(seq_lens), q_heads, head_dim), DTYPE, device, gen)
     want_out, want_lse = reference(q, pool)
     kw = dict(schedule="line") if num_splits == "line" else dict(num_splits=num_splits)
     k_pool, v_pool = pools_in(pool, kv_layout)
-    kw["kv_layout"] = kv_layout
+    kw.update(kv_layout=kv_layout, pipeline=pipeline)
     out, lse = flash_decode_attention_gluon(q, k_pool, v_pool, pool.tables, pool.lens(device), programs=programs, **kw)
     assert_close(out, want_out, DTYPE, "out", seed)
     assert_close(lse, want_lse, DTYPE, "lse", seed)
