@@ -3,7 +3,8 @@ split count, the asynchronized softmax's variants and the host overhead of one c
 
 Run on a GPU: ``python -m bench.ch07_tune_flash_decoding [part ...]`` (parts: overhead, config,
 async, splits, fused, hopper, hopper2, gluon, gluon_balance, gluon_layout,
-gluon_placement, gluon_fixed_cost, gluon_grid, gluon_pipeline; default all but the sm_90 parts). Prints compact
+gluon_placement, gluon_fixed_cost, gluon_grid, gluon_pipeline,
+gluon_contiguous; default all but the sm_90 parts). Prints compact
 tables; times are per call replaying a CUDA graph of 16 calls (`bench.common.graph_time_ms`)
 unless marked eager."""
 from __future__ import annotations
@@ -658,6 +659,51 @@ def gluon_grid():
         torch.cuda.empty_cache()
 
 
+def gluon_contiguous():
+    """The Gluon kernel on SDPA's own cache: a contiguous ``[batch, kv_heads, context,
+    head_dim]`` tensor is an HND pool of ``batch`` blocks of ``context`` tokens (tables ``[[0],
+    [1], ...]``), so the kernel reads exactly the bytes cuDNN reads, in the same places. Beside
+    it, the same values in the shuffled 16-token pool (Gluon and Triton), taking turns (median
+    of 3), and cuDNN timed before them (median of 3); eager; ratio = cuDNN / variant."""
+    from torch.nn.attention import SDPBackend
+
+    from bench.common import contiguous_cache, interleaved_times, time_sdpa
+    from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, plan_splits
+
+    print("\n== gluon_contiguous: eager us per call; ratio = SDPA cuDNN / variant ==")
+    sms = fd.num_sms(DEV)
+    for b, hkv, ctx in [(8, 32, 32768), (32, 8, 32768), (8, 8, 131072), (8, 32, 131072), (1, 8, 131072),
+                        (32, 32, 32768)]:
+        k_c, v_c = contiguous_cache(3, b, hkv, ctx, D, DT, DEV)
+        q = torch.randn(b, HQ, D, device=DEV, dtype=DT)
+        gen = torch.Generator(device=DEV)
+        gen.manual_seed(0)
+        k, v, tables = paged_cache(3, b, hkv, ctx, D, BS, DT, DEV, gen)
+        lens = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
+        one_block = torch.arange(b, device=DEV, dtype=torch.int32)[:, None]
+        out = torch.empty(q.shape, device=DEV, dtype=DT)
+        lse = torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)
+        plan = plan_splits(b, hkv, ctx, sms)
+        sdpa = [time_sdpa(q, k_c, v_c, SDPBackend.CUDNN_ATTENTION, timer) for _ in range(3)]
+        cudnn_ms, ref = statistics.median(ms for ms, _ in sdpa), sdpa[0][1].float()
+        calls = {
+            "gluon on SDPA's cache": lambda: flash_decode_attention_gluon(q, k_c, v_c, one_block, lens, num_splits=plan,
+                                                                         kv_layout="HND", out=out, lse=lse),
+            "gluon paged": lambda: flash_decode_attention_gluon(q, k, v, tables, lens, num_splits=plan, out=out,
+                                                                lse=lse),
+            "triton paged": lambda: fd.flash_decode_attention(q, k, v, tables, lens, out=out, lse=lse,
+                                                              num_splits=fd.num_splits_heuristic(b, hkv, ctx, sms, 128)),
+        }
+        t = interleaved_times(calls, timer, 3)
+        got = flash_decode_attention_gluon(q, k_c, v_c, one_block, lens, num_splits=plan, kv_layout="HND")[0].float()
+        err = ((got - ref).norm() / ref.norm()).item()
+        print(f"  B={b:2} Hkv={hkv:2} L={ctx:6} S={plan}: cuDNN {cudnn_ms * 1e3:.1f} | "
+              + " | ".join(f"{n} {ms * 1e3:.1f} ({cudnn_ms / ms:.3f})" for n, ms in t.items())
+              + f" | rel err on SDPA's cache {err:.1e}", flush=True)
+        del calls, k, v, k_c, v_c
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     parts = sys.argv[1:] or ["overhead", "config", "async", "splits", "fused"]
     t0 = time.time()
@@ -666,5 +712,5 @@ if __name__ == "__main__":
          "hopper": hopper, "hopper2": hopper2, "gluon": gluon, "gluon_balance": gluon_balance,
          "gluon_layout": gluon_layout, "gluon_placement": gluon_placement,
          "gluon_fixed_cost": gluon_fixed_cost, "gluon_grid": gluon_grid,
-         "gluon_pipeline": gluon_pipeline}[part]()
+         "gluon_pipeline": gluon_pipeline, "gluon_contiguous": gluon_contiguous}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)
