@@ -517,30 +517,39 @@ def placement_tables(tables: torch.Tensor, run: int, gen: torch.Generator) -> tu
     return order, new_pos.view(tables.shape).to(torch.int32)
 
 
+def cudnn_then_pool(b: int, hkv: int, ctx: int):
+    """``(q, cudnn_ms, (k_pool, v_pool, tables, lens))``: SDPA cuDNN timed on a contiguous cache
+    of the point's values (median of 3, the cache freed before the pool is built), then the
+    shuffled 16-token pool of the same values."""
+    from torch.nn.attention import SDPBackend
+
+    from bench.common import contiguous_cache, time_sdpa
+
+    k_c, v_c = contiguous_cache(3, b, hkv, ctx, D, DT, DEV)
+    q = torch.randn(b, HQ, D, device=DEV, dtype=DT)
+    cudnn_ms = statistics.median(time_sdpa(q, k_c, v_c, SDPBackend.CUDNN_ATTENTION, timer)[0] for _ in range(3))
+    del k_c, v_c
+    torch.cuda.empty_cache()
+    gen = torch.Generator(device=DEV)
+    gen.manual_seed(0)
+    k, v, tables = paged_cache(3, b, hkv, ctx, D, BS, DT, DEV, gen)
+    return q, cudnn_ms, (k, v, tables, torch.full((b,), ctx, dtype=torch.int32, device=DEV))
+
+
 def gluon_placement():
     """Where the blocks lie, with the kernels unchanged: at the batch-filling points and the
     long batch-1 one, the Gluon and Triton kernels on the same values placed three ways in the
     pool (every block shuffled, as the benchmarks; shuffled in runs of 2 MiB of one pool, the
     GPU's large page; each sequence's blocks in order), against SDPA cuDNN on a contiguous
     cache of the same values; eager, taking turns, median of 3; ratio = cuDNN / variant."""
-    from torch.nn.attention import SDPBackend
-
-    from bench.common import contiguous_cache, interleaved_times, time_sdpa
+    from bench.common import interleaved_times
     from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, plan_splits
 
     print("\n== gluon_placement: eager us per call; ratio = SDPA cuDNN (contiguous) / variant ==")
     sms = fd.num_sms(DEV)
     for b, hkv, ctx in [(8, 32, 32768), (32, 8, 32768), (8, 8, 131072), (1, 8, 131072), (32, 32, 32768),
                         (8, 32, 131072)]:
-        k_c, v_c = contiguous_cache(3, b, hkv, ctx, D, DT, DEV)
-        q = torch.randn(b, HQ, D, device=DEV, dtype=DT)
-        cudnn_ms = statistics.median(time_sdpa(q, k_c, v_c, SDPBackend.CUDNN_ATTENTION, timer)[0] for _ in range(3))
-        del k_c, v_c
-        torch.cuda.empty_cache()
-        gen = torch.Generator(device=DEV)
-        gen.manual_seed(0)
-        k, v, tables = paged_cache(3, b, hkv, ctx, D, BS, DT, DEV, gen)
-        lens = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
+        q, cudnn_ms, (k, v, tables, lens) = cudnn_then_pool(b, hkv, ctx)
         block_bytes = BS * hkv * D * k.element_size()
         cpu_gen = torch.Generator()
         cpu_gen.manual_seed(1)
@@ -623,24 +632,14 @@ def gluon_grid():
     with the same number of rounds, ``⌈U / ⌈U / P⌉⌉``, gives every program the same work.
     Against SDPA cuDNN (contiguous) in the same run; eager, taking turns, median of 3;
     ratio = cuDNN / variant."""
-    from torch.nn.attention import SDPBackend
-
-    from bench.common import contiguous_cache, interleaved_times, time_sdpa
+    from bench.common import interleaved_times
     from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, plan_splits
 
     print("\n== gluon_grid: eager us per call; ratio = SDPA cuDNN (contiguous) / variant ==")
     sms = fd.num_sms(DEV)
     for b, hkv, ctx in [(8, 32, 32768), (32, 8, 32768), (8, 32, 131072), (32, 8, 131072), (32, 32, 4096),
                         (32, 32, 32768), (8, 8, 131072), (32, 8, 4096)]:
-        k_c, v_c = contiguous_cache(3, b, hkv, ctx, D, DT, DEV)
-        q = torch.randn(b, HQ, D, device=DEV, dtype=DT)
-        cudnn_ms = statistics.median(time_sdpa(q, k_c, v_c, SDPBackend.CUDNN_ATTENTION, timer)[0] for _ in range(3))
-        del k_c, v_c
-        torch.cuda.empty_cache()
-        gen = torch.Generator(device=DEV)
-        gen.manual_seed(0)
-        k, v, tables = paged_cache(3, b, hkv, ctx, D, BS, DT, DEV, gen)
-        lens = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
+        q, cudnn_ms, (k, v, tables, lens) = cudnn_then_pool(b, hkv, ctx)
         out = torch.empty(q.shape, device=DEV, dtype=DT)
         lse = torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)
         plan = plan_splits(b, hkv, ctx, sms)
