@@ -57,7 +57,7 @@ from minillm.costs import kv_cache_bytes, paged_decode_attention_bytes
 from minillm.kernels.ch05_paged_attention import decode_block_n
 from minillm.kernels.ch07_flash_decoding import flash_decode_attention, num_sms, num_splits_heuristic
 from minillm.kernels.ch07_flash_decoding_gluon import (
-    flash_decode_attention_gluon, gluon_decode_applies, plan_splits,
+    flash_decode_attention_gluon, gluon_decode_applies, plan_splits, to_head_major,
 )
 
 from bench.ch07_flash_decoding import (
@@ -141,7 +141,7 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
     pool_bytes = 2 * pools["NHD"][0].numel() * pools["NHD"][0].element_size()
     hnd_together = pool_bytes * HND_MEMORY_MARGIN < free_device_bytes(device)
     if hnd_together:
-        pools["HND"] = tuple(p.transpose(1, 2).contiguous() for p in pools["NHD"])
+        pools["HND"] = tuple(to_head_major(p) for p in pools["NHD"])
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     outs = {name: torch.empty(batch, Q_HEADS, HEAD_DIM, device=device, dtype=DTYPE) for name in
             ("gluon", "gluon_line", "gluon_wave_splits", "triton", "gluon_hnd")}
@@ -168,13 +168,11 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
             graph_ms[name] = graph_time_ms(fn, GRAPH_REPEATS, timer)
     if not hnd_together:  # convert one tensor at a time: the NHD pool goes as the HND one comes
         del calls, k_pool, v_pool
-        converted = []
-        for i in range(2):
-            converted.append(pools["NHD"][i].transpose(1, 2).contiguous())
-            pools["NHD"] = (None, pools["NHD"][1]) if i == 0 else None
+        nhd, hnd = list(pools.pop("NHD")), []
+        while nhd:
+            hnd.append(to_head_major(nhd.pop(0)))
             free_memory()
-        pools["HND"] = tuple(converted)
-        del converted
+        pools["HND"] = tuple(hnd)
         hnd_call()
         eager["gluon_hnd"] = timer(hnd_call)
     hnd_note = None if hnd_together else "timed alone, after the others (the two pools do not fit together)"

@@ -450,7 +450,7 @@ def _gluon_variants(title: str, points, variants_of, base: str, hnd: bool = Fals
     copies, the others eager, taking turns (median of 3); ratio = ``base`` / variant. ``hnd``:
     also build each copy's head-major pool."""
     from bench.common import interleaved_times
-    from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, plan_splits
+    from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, plan_splits, to_head_major
 
     print(f"\n== {title}: us per call (graph for caches up to 64 MB, else eager); ratio = {base} / variant ==")
     sms = fd.num_sms(DEV)
@@ -459,7 +459,7 @@ def _gluon_variants(title: str, points, variants_of, base: str, hnd: bool = Fals
         copies = []
         for _ in range(4 if small else 1):
             q, k, v, tables, lens = inputs(b, hkv, ctx)
-            head_major = (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()) if hnd else None
+            head_major = (to_head_major(k), to_head_major(v)) if hnd else None
             copies.append((q, {"NHD": (k, v), "HND": head_major}, tables, lens,
                            torch.empty(q.shape, device=DEV, dtype=DT),
                            torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)))

@@ -53,7 +53,7 @@ from minillm.kernels.ch05_paged_attention import check_paged, decode_outputs
 from minillm.kernels.ch07_flash_decoding import MAX_SPLITS, cached_workspace
 
 __all__ = ["flash_decode_attention_gluon", "gluon_decode_applies", "plan_splits", "balanced_slots", "as_token_major",
-           "BLOCK_N", "NUM_STAGES", "ROWS", "KV_LAYOUTS"]
+           "to_head_major", "BLOCK_N", "NUM_STAGES", "ROWS", "KV_LAYOUTS"]
 
 #: Keys per tile, and ring slots (each a K and a V tile: 32 KB at head dim 128). Chosen on an
 #: H200 (`bench.ch07_tune_flash_decoding` part ``gluon``, CUDA-graph times at six points,
@@ -643,6 +643,12 @@ def as_token_major(cache: torch.Tensor, kv_layout: str) -> torch.Tensor:
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
     return cache.transpose(1, 2) if kv_layout == "HND" and cache.dim() == 4 else cache
+
+
+def to_head_major(cache: torch.Tensor) -> torch.Tensor:
+    """An NHD pool ``[num_blocks, block_size, kv_heads, head_dim]`` copied into HND,
+    ``[num_blocks, kv_heads, block_size, head_dim]`` (the same tables address it)."""
+    return cache.transpose(1, 2).contiguous()
 
 
 def gluon_decode_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -28,7 +28,7 @@ from minillm.kernels.ch04_flash_attention_gluon import GLUON_VERSIONS
 from minillm.kernels.ch07_flash_decoding import cached_workspace
 from minillm.kernels.ch07_flash_decoding_gluon import (
     BLOCK_N, KV_LAYOUTS, as_token_major, balanced_slots, flash_decode_attention_gluon, gluon_decode_applies,
-    plan_splits,
+    plan_splits, to_head_major,
 )
 from minillm.paged import PAD
 from minillm.reference import attention
@@ -168,6 +168,8 @@ def test_head_major_pools():
     q = torch.zeros(2, 8, 64, dtype=DTYPE)
     hnd = torch.zeros(4, 2, 16, 64, dtype=DTYPE)   # [num_blocks, kv_heads, block_size, head_dim]
     assert as_token_major(hnd, "HND").shape == (4, 16, 2, 64) and as_token_major(hnd, "NHD") is hnd
+    nhd = torch.randn(4, 16, 2, 64)
+    assert torch.equal(as_token_major(to_head_major(nhd), "HND"), nhd)
     tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
     assert not gluon_decode_applies(q, hnd, hnd, "HND")  # (no GPU here; the sm_90 compile is tested below)
     with pytest.raises(ValueError, match="contiguous"):
@@ -280,7 +282,7 @@ def pools_in(pool: PagedPool, kv_layout: str):
     the unused slots' NaNs included."""
     if kv_layout == "NHD":
         return pool.k, pool.v
-    return pool.k.transpose(1, 2).contiguous(), pool.v.transpose(1, 2).contiguous()
+    return to_head_major(pool.k), to_head_major(pool.v)
 
 
 @hopper_only
