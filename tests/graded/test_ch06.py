@@ -321,9 +321,13 @@ def test_cached_prefix_matches_the_block_manager(impl, hash_name, seed):
     hash_fn = HASHES[hash_name]
     mgr = BlockManager(400, bs, enable_prefix_caching=True, **({"hash_fn": hash_fn} if hash_fn else {}))
     stems = [rng.integers(0, 4, int(rng.integers(0, 4 * bs))).tolist() for _ in range(4)]  # shared beginnings
-    live = []
+    live, first = [], None
     for i in range(60):
         prompt = list(stems[int(rng.integers(len(stems)))]) + rng.integers(0, 4, int(rng.integers(1, 3 * bs))).tolist()
+        if i == 0:  # at least one full block and one token more, so that request 1 (the same prompt) must hit
+            first = prompt = prompt + rng.integers(0, 4, max(0, bs + 1 - len(prompt))).tolist()
+        elif i == 1:
+            prompt = first
         got = impl.cached_prefix_tokens(prompt, cache_dict(mgr), bs, hash_fn)
         want = mgr.allocate(i, prompt)
         assert got == want, f"prompt {prompt} (block size {bs}, request {i}, seed {seed})"
