@@ -61,7 +61,12 @@ by a polynomial on the FMA units (``*_fma8``) and a lazy running max (``*_lazy``
 ``time_ms`` of each against the same kernel without them (ratio > 1: the change pays), FP8
 ones also against bf16 ``ws``. Budget ``MINILLM_CH04_GLUON_SOFTMAX_BUDGET_S`` (default 240).
 
-``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax``) picks the parts to run; a
+The tiles part (``params["part"] = "tiles"``; N 2k-16k, both head dims, causal and not): FP8
+with 256-key tiles of K and Vᵀ against the 128-key default (`TILE_KERNELS`: ws and ping-pong, P
+in registers or through shared memory), each also against bf16 ``ws``. Budget
+``MINILLM_CH04_GLUON_TILES_BUDGET_S`` (default 240).
+
+``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax,tiles``) picks the parts to run; a
 re-run of some parts keeps the others' earlier rows in the results file.
 """
 from __future__ import annotations
@@ -88,7 +93,7 @@ from bench.common import Results, attempt, cuda_device, dtype_name, rel_err, swe
 BENCHMARK = "ch04_gluon"
 DEFAULT_VARIANT = "ws"
 PEERS = ("sdpa_cudnn", "sdpa_flash", "triton_hopper")
-PARTS = ("forward", "backward", "softmax")
+PARTS = ("forward", "backward", "softmax", "tiles")
 #: The backward's kernels, each setting spelled out (the module's default is ``bwd_tma`` at head
 #: dim 128 and ``bwd_tma_prefetch`` at 64, `default_prefetch_stats`); the ablations are against
 #: ``bwd_tma``.
@@ -120,6 +125,15 @@ SOFTMAX_KERNELS = {
     "fp8_ws_pingpong_lazy": ("fp8", "ws_pingpong", dict(lazy_rescale=True)),
     "fp8_ws_pingpong_lazy_fma8": ("fp8", "ws_pingpong", dict(lazy_rescale=True, fma_exp2=8)),
 }
+#: The tiles part's FP8 kernels: name -> (variant, keys per tile, P in "registers" or "smem").
+#: The 128-key ones are the forward part's ``fp8_ws`` and ``fp8_ws_pingpong``.
+TILE_KERNELS = {
+    "fp8_ws": ("ws", 128, "registers"), "fp8_ws_pingpong": ("ws_pingpong", 128, "registers"),
+    "fp8_ws_n256": ("ws", 256, "registers"), "fp8_ws_pingpong_n256": ("ws_pingpong", 256, "registers"),
+    "fp8_ws_n256_smem": ("ws", 256, "smem"), "fp8_ws_pingpong_n256_smem": ("ws_pingpong", 256, "smem"),
+}
+#: The tiles part's lengths.
+TILE_SEQ_LENS = (2048, 4096, 8192, 16384)
 #: The softmax part's lengths (every head dim, causal or not).
 SOFTMAX_SEQ_LENS = (2048, 4096, 16384)
 #: Ways of sharing out the forward's tiles, each spelled out (`flash_attention_gluon`'s
@@ -154,6 +168,11 @@ def bwd_budget_s() -> float:
     return float(os.environ.get("MINILLM_CH04_GLUON_BWD_BUDGET_S", "150"))
 
 
+def tiles_budget_s() -> float:
+    """The tiles part's budget: ``MINILLM_CH04_GLUON_TILES_BUDGET_S`` (default 240)."""
+    return float(os.environ.get("MINILLM_CH04_GLUON_TILES_BUDGET_S", "240"))
+
+
 def softmax_budget_s() -> float:
     """The softmax part's budget: ``MINILLM_CH04_GLUON_SOFTMAX_BUDGET_S`` (default 240)."""
     return float(os.environ.get("MINILLM_CH04_GLUON_SOFTMAX_BUDGET_S", "240"))
@@ -171,8 +190,8 @@ def selected_parts() -> tuple[str, ...]:
 def row_part(row: dict) -> str:
     """The part that wrote a row of this benchmark."""
     params = row.get("params") or {}
-    if params.get("part") == "softmax":
-        return "softmax"
+    if params.get("part") in ("softmax", "tiles"):
+        return params["part"]
     return "backward" if params.get("pass") == "bwd" else "forward"
 
 
@@ -194,6 +213,8 @@ def run(results: Results, device) -> None:
         backward_sweep(results, device)
     if "softmax" in parts:
         softmax_sweep(results, device)
+    if "tiles" in parts:
+        tiles_sweep(results, device)
 
 
 def sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, tokens: int = TOKENS,
@@ -345,14 +366,21 @@ def _bwd_point(results: Results, device, gen, n: int, head_dim: int, causal: boo
 # ----------------------------------------------------------------------------------------
 # The softmax part: FlashAttention-4's exponentials on the FMA units and lazy rescaling
 # ----------------------------------------------------------------------------------------
+def part_sweep(results: Results, device, part: str, budget: float, point: Callable, head_dims, seq_lens,
+               tokens: int, hidden: int, timer: Callable | None) -> None:
+    """``point(results, device, gen, n, head_dim, causal, timer, tokens, hidden)`` at every point
+    of one part (head dims, masks, ``seq_lens``), until ``budget`` seconds are spent."""
+    timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, budget, timer, WARMUP_MS, REP_MS)
+    timer = median_of_rounds(timer, timing_rounds())
+    each_point(f"{BENCHMARK} {part}", head_dims, seq_lens, out_of_time,
+               lambda head_dim, causal, n: point(results, device, gen, n, head_dim, causal, timer, tokens, hidden))
+
+
 def softmax_sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SOFTMAX_SEQ_LENS, tokens: int = TOKENS,
                   hidden: int = HIDDEN, timer: Callable | None = None) -> None:
     """The softmax rows (`SOFTMAX_KERNELS`) at every point, until `softmax_budget_s`."""
-    timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, softmax_budget_s(), timer, WARMUP_MS, REP_MS)
-    timer = median_of_rounds(timer, timing_rounds())
-    each_point(BENCHMARK + " softmax", head_dims, seq_lens, out_of_time,
-               lambda head_dim, causal, n: _softmax_point(results, device, gen, n, head_dim, causal, timer, tokens,
-                                                          hidden))
+    part_sweep(results, device, "softmax", softmax_budget_s(), _softmax_point, head_dims, seq_lens, tokens, hidden,
+               timer)
 
 
 def _softmax_point(results: Results, device, gen, n: int, head_dim: int, causal: bool, timer, tokens: int,
@@ -385,4 +413,47 @@ def _softmax_point(results: Results, device, gen, n: int, head_dim: int, causal:
             results.add(BENCHMARK, params, "TFLOPs", tflops(ms[name]), peer, tflops(p_ms) if p_ms else None,
                         note=str(kw or "as the defaults"))
     print(f"  [{BENCHMARK} softmax] D={head_dim} causal={causal} N={n}: "
+          + ", ".join(f"{name} {tflops(t):.0f}" for name, t in ms.items()) + " TFLOP/s", flush=True)
+
+
+# ----------------------------------------------------------------------------------------
+# FP8's tiles
+# ----------------------------------------------------------------------------------------
+def tiles_sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=TILE_SEQ_LENS, tokens: int = TOKENS,
+                hidden: int = HIDDEN, timer: Callable | None = None) -> None:
+    """The tiles rows (`TILE_KERNELS`) at every point, until `tiles_budget_s`."""
+    part_sweep(results, device, "tiles", tiles_budget_s(), _tiles_point, head_dims, seq_lens, tokens, hidden, timer)
+
+
+def _tiles_point(results: Results, device, gen, n: int, head_dim: int, causal: bool, timer, tokens: int,
+                 hidden: int) -> None:
+    """The bf16 kernels ``ws`` and ``ws_pingpong`` and every FP8 kernel of `TILE_KERNELS` at one
+    point: ``TFLOPs`` and ``time_ms`` of each FP8 kernel against bf16 ``ws`` (FP8's gain over
+    our bf16 forward) and against the 128-key FP8 kernel of its variant (what the wider tile
+    buys); ``rel_err`` against SDPA cuDNN's bf16 output."""
+    batch, heads = max(1, tokens // n), hidden // head_dim
+    q, k, v = (torch.randn((batch, heads, n, head_dim), device=device, dtype=torch.bfloat16, generator=gen)
+               for _ in range(3))
+    flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal)
+    tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+    cudnn_out = sdpa_attention("sdpa_cudnn", causal)(q, k, v)
+    ms = {name: timed_output(lambda: flash_attention_gluon(q, k, v, causal=causal, variant=name), timer)[0]
+          for name in ("ws", "ws_pingpong")}
+    errs = {}
+    for name, (variant, block_n, where) in TILE_KERNELS.items():
+        prepared = prepare_gluon_fp8(q, k, v, block_n, p_in_registers=where == "registers")
+        ms[name], (out, _) = timed_output(lambda: flash_attention_gluon_fp8(
+            q, k, v, causal=causal, variant=variant, prepared=prepared, block_n=block_n), timer)
+        errs[name] = rel_err(out, cudnn_out)
+    for name, (variant, block_n, where) in TILE_KERNELS.items():
+        params = {"batch": batch, "heads": heads, "seq_len": n, "head_dim": head_dim, "causal": causal,
+                  "dtype": "fp8", "kernel": name, "part": "tiles"}
+        note = f"{block_n}-key tiles of K and Vᵀ (K's scale per {block_n} keys), P in {where}"
+        results.add(BENCHMARK, params, "rel_err", errs[name], "sdpa_cudnn",
+                    note="‖ours − cuDNN (bf16)‖ / ‖cuDNN‖")
+        for peer in ("ws", "fp8_" + variant):
+            if peer != name:
+                results.add(BENCHMARK, params, "time_ms", ms[name], peer, ms[peer], note=note)
+                results.add(BENCHMARK, params, "TFLOPs", tflops(ms[name]), peer, tflops(ms[peer]), note=note)
+    print(f"  [{BENCHMARK} tiles] D={head_dim} causal={causal} N={n}: "
           + ", ".join(f"{name} {tflops(t):.0f}" for name, t in ms.items()) + " TFLOP/s", flush=True)

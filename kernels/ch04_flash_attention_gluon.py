@@ -442,8 +442,8 @@ def _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK
     row0 = (n_m - 1 - tile % n_m) * 128
     bh = tile // n_m
     kv_bh = (bh // q_heads) * (q_heads // group) + (bh % q_heads) // group  # GQA: shared K/V
-    if CAUSAL:
-        n_blocks = (row0 + 128) // BLOCK_N
+    if CAUSAL:  # the blocks up to the tile's last row (the last one partly masked when wider than the tile)
+        n_blocks = (row0 + 128 + BLOCK_N - 1) // BLOCK_N
     else:
         n_blocks = seq_len // BLOCK_N
     return row0, bh * seq_len + row0, kv_bh, n_blocks
@@ -721,7 +721,10 @@ def default_tiles(head_dim: int, fp8: bool = False) -> tuple[int, int]:
     stages, and a third would not fit. A power-of-two
     stage count keeps the ring's slot and phase arithmetic to shifts and masks (three stages
     ran up to 11 % slower than two or four at d = 64). In FP8 four stages fit as well and were
-    no faster than two on an H200 (within 6 %, ``nvidia-h200.gluon_fp8_stages.log``)."""
+    no faster than two on an H200 (within 6 %, ``nvidia-h200.gluon_fp8_stages.log``), and
+    256-key tiles (FP8 only) fit with P through shared memory alone (229,824 bytes at d = 128)
+    and ran 0.82-1.06x the 128-key kernel, with P in registers they spill and run at half its
+    speed or less (``bench.ch04_gluon`` part ``tiles``, ``nvidia-h200.bench_ch04_gluon_tiles.log``)."""
     if fp8:
         return (128, 2)
     return (128, 2) if head_dim == 128 else (128, 4)
@@ -775,7 +778,8 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
       ``q_heads % kv_heads == 0``, head_dim 64 or 128, ``seq`` a multiple of 128 (ValueError
       otherwise); non-contiguous inputs are copied;
     - ``causal``: query i sees keys ``j <= i``; ``scale`` defaults to ``1/sqrt(head_dim)``;
-    - ``variant``: one of `VARIANTS`; ``block_n`` (64 or 128) and ``num_stages`` default to
+    - ``variant``: one of `VARIANTS`; ``block_n`` (64 or 128; FP8 also 256, with ``seq`` a
+      multiple of it) and ``num_stages`` default to
       `default_tiles`; ``consumer_regs`` / ``loader_regs``: registers per thread of the
       warp-specialized partitions (``setmaxnreg``); ``persistent`` (warp-specialized kernels):
       True for one program per SM taking tiles in turn instead of one per tile, or a number of
@@ -819,9 +823,11 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rows) and K in blocks of ``block_n`` keys, each with its own scale, V with one scale per
     head, fp32 accumulation (the quantization of `minillm.kernels.ch04_flash_attention_hopper.
     quantize_blocks`). Inputs, scope and result as `flash_attention_gluon` (bf16 in, bf16
-    out); ``variant``: ``"ws"`` or ``"ws_pingpong"``; ``prepared``: `prepare_gluon_fp8`'s
-    result for these inputs, to time the kernel without the quantization (it also says whether
-    P·V reads P from registers, the default, or from shared memory); ``tree_reductions``: as
+    out); ``variant``: ``"ws"`` or ``"ws_pingpong"``; ``block_n``: 64, 128 (default) or 256
+    keys per tile, K's scale per as many (``prepared`` must use the same); ``prepared``:
+    `prepare_gluon_fp8`'s result for these inputs, to time the kernel without the
+    quantization (it also says whether P·V reads P from registers, the default, or from
+    shared memory); ``tree_reductions``: as
     `flash_attention_gluon`'s, here on by default; ``fma_exp2`` and ``lazy_rescale``: as
     `flash_attention_gluon`'s, off by default here too (P, at most ``2^8`` with a lazy max,
     still fits e4m3's 448)."""
@@ -928,8 +934,10 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
         raise ValueError(f"head_group must be a positive number of heads, got {head_group}")
     default_n, default_stages = default_tiles(d, fp8)
     block_n, num_stages = block_n or default_n, num_stages or default_stages
-    if block_n not in (64, 128):
-        raise ValueError(f"block_n must be 64 or 128, got {block_n}")
+    if block_n not in ((64, 128, 256) if fp8 else (64, 128)):
+        raise ValueError(f"block_n must be 64 or 128 (FP8: or 256), got {block_n}")
+    if s % block_n:
+        raise ValueError(f"seq must be a multiple of block_n = {block_n}, got {s}")
     if fma_exp2 not in FMA_EXP2_SHARES:
         raise ValueError(f"fma_exp2 must be one of {FMA_EXP2_SHARES}, got {fma_exp2!r}")
     if (fma_exp2 or lazy_rescale) and variant == "pipelined":

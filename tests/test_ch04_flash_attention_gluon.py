@@ -15,6 +15,7 @@ against the float64 references.
   asynchronous wgmma, register reallocation (``setmaxnreg``) in the warp-specialized kernels
   only, no spills to local memory, and in the backward dQ's bulk reduction (or atomics).
 """
+import numpy as np
 import pytest
 import torch
 import triton
@@ -67,6 +68,12 @@ def test_refuses_unknown_variant_and_tile():
         flash_attention_gluon_fp8(q, q, q, variant="pipelined")
     with pytest.raises(ValueError, match="block_n"):
         flash_attention_gluon(q, q, q, block_n=32)
+    with pytest.raises(ValueError, match="block_n"):
+        flash_attention_gluon(q, q, q, block_n=256)  # 256-key tiles are FP8's only
+    q384 = torch.zeros(1, 2, 384, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        flash_attention_gluon_fp8(q384, q384, q384, block_n=256,
+                                  prepared=prepare_gluon_fp8(q384, q384, q384, 128), compile_only=True)
     with pytest.raises(ValueError, match="head_group"):
         flash_attention_gluon(q, q, q, head_group=0)
     with pytest.raises(ValueError, match="fma_exp2 must be one of"):
@@ -164,6 +171,12 @@ q = torch.zeros(1, 4, 256, 128, dtype=torch.bfloat16)
 k = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
 compiled = flash_attention_gluon_fp8(q, k, k, causal=True, lazy_rescale=True, compile_only=True)
 facts["fp8 lazy"] = facts_of(compiled, "e4m3.e4m3")
+q = torch.zeros(1, 4, 512, 128, dtype=torch.bfloat16)
+for where in ("registers", "smem"):
+    compiled = flash_attention_gluon_fp8(q, q, q, block_n=256, compile_only=True,
+                                         prepared=prepare_gluon_fp8(q, q, q, 256, p_in_registers=where == "registers"))
+    facts[f"fp8 256 {where}"] = facts_of(compiled, "e4m3.e4m3")
+q = torch.zeros(1, 4, 256, 128, dtype=torch.bfloat16)
 for fma_exp2 in (0, 2, 4):
     compiled = flash_attention_gluon_fp8(q, k, k, fma_exp2=fma_exp2, compile_only=True)
     ptx = compiled.asm["ptx"]
@@ -219,6 +232,19 @@ def test_compiles_for_sm90(sm90_compiled, variant, head_dim, causal):
         assert facts["stack"] == 0  # nor by ptxas
     assert facts["shared"] <= 227 * 1024
     assert facts["a_from_registers"] == (not variant.startswith("fp8 smem"))  # P·V reads P from registers
+
+
+@sm90_compile_mark(GLUON_VERSIONS)
+def test_wide_fp8_tiles_compile_for_sm90(sm90_compiled):
+    """256-key FP8 tiles at head dim 128: with P through shared memory they fit an SM's shared
+    memory (just: two stages of K and Vᵀ, Q, the output's buffers and P) without spills (Triton
+    3.9; 3.6's ptxas spilled 6 registers, ``bench/results/raw/nvidia-h200.gluon_fp8_wide_tiles_
+    spills.log``); with P held in fp32 in registers, 128 values more a thread, ptxas spills."""
+    smem, registers = sm90_compiled["fp8 256 smem"], sm90_compiled["fp8 256 registers"]
+    assert smem["wgmma"] > 0 and smem["wait_1"] and not smem["a_from_registers"]
+    assert 200 * 1024 < smem["shared"] <= 227 * 1024
+    assert smem["stack"] <= (32 if triton.__version__.startswith("3.6") else 0)
+    assert registers["a_from_registers"] and registers["stack"] > 0
 
 
 @sm90_compile_mark(GLUON_VERSIONS)
@@ -368,6 +394,45 @@ def test_fp8_within_bound_on_gpu(variant, head_dim, causal, programs, p_in_regis
     # The reference multiplies the same quantized values with V's keys in their own order.
     qd, kd, vd = fp8_quantized_inputs(prepare_gluon_fp8(q, k, v, p_in_registers=False), 256, 256, 64, 128)
     assert_within_fp8_bound(out, qd, kd, vd, 64, 128, causal, vd.shape[2], f"gluon fp8 {variant}", seed)
+
+
+@on_hopper_warp_specialized
+@pytest.mark.parametrize("p_in_registers", [True, False])
+def test_fp8_wide_tiles_within_bound_on_gpu(variant, head_dim, causal, p_in_registers, gen, seed):
+    """256-key tiles (K's scale per 256 keys) within FP8's bound: under a causal mask 768 keys,
+    three tiles a head, the first 128-row tile's one block half past the tile's last row;
+    without one 256 keys (with more, the output of random inputs averages out to the size of
+    the bound, and the bound would say little: the next test covers longer rows)."""
+    seq = 768 if causal else 256
+    q, k, v = make_qkv(2, 4, 2, seq, head_dim, "cuda", gen, scale=2.0)
+    prepared = prepare_gluon_fp8(q, k, v, 256, p_in_registers=p_in_registers)
+    out, lse = flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant, prepared=prepared, block_n=256)
+    assert torch.isfinite(lse).all()
+    qd, kd, vd = fp8_quantized_inputs(prepare_gluon_fp8(q, k, v, 256, p_in_registers=False), seq, seq, 64, 256)
+    assert_within_fp8_bound(out, qd, kd, vd, 64, 256, causal, vd.shape[2], f"gluon fp8 256 {variant}", seed)
+
+
+@on_hopper_warp_specialized
+@pytest.mark.parametrize("p_in_registers", [True, False])
+def test_fp8_wide_tiles_as_accurate_as_narrow_ones_on_gpu(variant, head_dim, causal, p_in_registers, gen, seed):
+    """256-key tiles against 128-key ones on the same e4m3 values (each 256 keys' scale given
+    to both of its 128-key halves), at 768 keys, GQA 2, on 3 persistent programs that take
+    several tiles each: their errors against exact attention of the bf16 inputs are FP8's and
+    the same size (the tiles change only where P is rounded; the benchmark's 2k-16k points
+    agree to three digits). A lost or repeated tile would move the output by 30-80 %."""
+    q, k, v = make_qkv(2, 4, 2, 768, head_dim, "cuda", gen, scale=2.0)
+    wide = prepare_gluon_fp8(q, k, v, 256, p_in_registers=p_in_registers)
+    q8, k8, v8t, (q_scales, k_scales, v_scales), flag = wide
+    narrow = (q8, k8, v8t, (q_scales, k_scales.repeat_interleave(2, dim=-1), v_scales), flag)
+    want, _ = attention(*(to_numpy(t) for t in (q, k, v)), causal=causal)
+    errs = []
+    for prepared, block_n in ((wide, 256), (narrow, 128)):
+        out, lse = flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant, prepared=prepared,
+                                             block_n=block_n, persistent=3)
+        assert torch.isfinite(lse).all()
+        errs.append(np.linalg.norm(to_numpy(out) - want) / np.linalg.norm(want))
+    assert errs[1] < 0.15, f"seed {seed}: the 128-key kernel's error {errs[1]:.3f} is not FP8's"
+    assert errs[0] <= 1.1 * errs[1] + 0.005, f"seed {seed}: 256-key tiles {errs[0]:.4f}, 128-key {errs[1]:.4f}"
 
 
 @on_hopper_warp_specialized
