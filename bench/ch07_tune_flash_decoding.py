@@ -3,7 +3,7 @@ split count, the asynchronized softmax's variants and the host overhead of one c
 
 Run on a GPU: ``python -m bench.ch07_tune_flash_decoding [part ...]`` (parts: overhead, config,
 async, splits, fused, hopper, hopper2, gluon, gluon_balance, gluon_layout,
-gluon_placement, gluon_fixed_cost, gluon_grid, gluon_pipeline,
+gluon_placement, gluon_fixed_cost, gluon_fixed_breakdown, gluon_grid, gluon_pipeline,
 gluon_contiguous; default all but the sm_90 parts). Prints compact
 tables; times are per call replaying a CUDA graph of 16 calls (`bench.common.graph_time_ms`)
 unless marked eager."""
@@ -626,6 +626,52 @@ def gluon_fixed_cost():
               f"(max residual {np.max(np.abs(np.polyval([slope, t0], x) - ts)):.2f} us)", flush=True)
 
 
+def gluon_fixed_breakdown():
+    """Where a short decode call's fixed cost goes (``gluon_fixed_cost`` fits it at about 9 us
+    for the Gluon kernel, 1 us above cuDNN's): CUDA-graph times per call at batch 1, 8 KV heads,
+    of calls that stream (almost) nothing. An empty kernel on one program per SM (the graph's
+    launch floor); the Gluon kernel on empty sequences with the split count of a 4k context
+    (every program starts, loads its queries, stores an empty partial and arrives at the merge,
+    and the last one merges) and with one split (no merge: the merge's share is the
+    difference); on one 64-key tile (the first tile's wait); the Triton kernel on the same
+    lengths and SDPA cuDNN on 64 keys. (Bytes are negligible here, so one copy of the cache
+    serves: `gluon_fixed_cost` has the calls that stream.)"""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from bench.common import contiguous_cache
+    from minillm.kernels.base import tl, triton
+    from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, plan_splits
+
+    @triton.jit
+    def nothing(x_ptr):
+        tl.store(x_ptr + tl.program_id(0), 0)
+
+    print("\n== gluon_fixed_breakdown: B=1 Hkv=8, graph us per call ==")
+    sms = fd.num_sms(DEV)
+    b, hkv, full = 1, 8, 4096
+    plan, wave = plan_splits(b, hkv, full, sms), fd.num_splits_heuristic(b, hkv, full, sms, 128)
+    q, k, v, tables, _ = inputs(b, hkv, full)
+    out = torch.empty(q.shape, device=DEV, dtype=DT)
+    lse = torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)
+    scratch = torch.empty(sms, device=DEV, dtype=torch.int32)
+    lengths = {n: torch.full((b,), n, dtype=torch.int32, device=DEV) for n in (0, 64)}
+    calls = {"empty kernel": lambda: nothing[(sms,)](scratch)}
+    for name, n, splits in (("", 0, plan), (" (no merge)", 0, 1), ("", 64, plan)):
+        calls[f"gluon L={n} S={splits}{name}"] = lambda n=n, s=splits: flash_decode_attention_gluon(
+            q, k, v, tables, lengths[n], num_splits=s, out=out, lse=lse)
+    for n in (0, 64):
+        calls[f"triton L={n} S={wave}"] = lambda n=n: fd.flash_decode_attention(q, k, v, tables, lengths[n],
+                                                                               num_splits=wave, out=out, lse=lse)
+    q4 = torch.randn(b, HQ, 1, D, device=DEV, dtype=DT)
+    k64, v64 = contiguous_cache(3, b, hkv, 64, D, DT, DEV)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # (SDPA picks its backend at the call: capture inside)
+        us = graph_time_ms(lambda: F.scaled_dot_product_attention(q4, k64, v64, enable_gqa=True), 32, timer) * 1e3
+    print(f"  cudnn L=64: {us:.2f}", flush=True)
+    for name, fn in calls.items():
+        print(f"  {name}: {graph_time_ms(fn, 32, timer) * 1e3:.2f}", flush=True)
+
+
 def gluon_grid():
     """The persistent grid's size at the points where units outnumber the SMs: with ``U`` units
     on ``P`` programs the last round is partial unless ``P`` divides ``U``; the smallest grid
@@ -710,6 +756,7 @@ if __name__ == "__main__":
         {"overhead": overhead, "config": config, "async": async_variants, "splits": splits, "fused": fused,
          "hopper": hopper, "hopper2": hopper2, "gluon": gluon, "gluon_balance": gluon_balance,
          "gluon_layout": gluon_layout, "gluon_placement": gluon_placement,
-         "gluon_fixed_cost": gluon_fixed_cost, "gluon_grid": gluon_grid,
+         "gluon_fixed_cost": gluon_fixed_cost, "gluon_fixed_breakdown": gluon_fixed_breakdown,
+         "gluon_grid": gluon_grid,
          "gluon_pipeline": gluon_pipeline, "gluon_contiguous": gluon_contiguous}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)
