@@ -364,7 +364,7 @@ def _bwd_point(results: Results, device, gen, n: int, head_dim: int, causal: boo
 
 
 # ----------------------------------------------------------------------------------------
-# The softmax part: FlashAttention-4's exponentials on the FMA units and lazy rescaling
+# The parts timed point by point (softmax, tiles)
 # ----------------------------------------------------------------------------------------
 def part_sweep(results: Results, device, part: str, budget: float, point: Callable, head_dims, seq_lens,
                tokens: int, hidden: int, timer: Callable | None) -> None:
@@ -376,6 +376,9 @@ def part_sweep(results: Results, device, part: str, budget: float, point: Callab
                lambda head_dim, causal, n: point(results, device, gen, n, head_dim, causal, timer, tokens, hidden))
 
 
+# ----------------------------------------------------------------------------------------
+# The softmax part: FlashAttention-4's exponentials on the FMA units and lazy rescaling
+# ----------------------------------------------------------------------------------------
 def softmax_sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SOFTMAX_SEQ_LENS, tokens: int = TOKENS,
                   hidden: int = HIDDEN, timer: Callable | None = None) -> None:
     """The softmax rows (`SOFTMAX_KERNELS`) at every point, until `softmax_budget_s`."""
