@@ -784,11 +784,10 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
     view, block_rows, head_rows, head_cols = _pool_view(num_blocks, block_size, kv_heads, head_dim, kv_layout)
     args = (_descriptor(k_cache, view, box), _descriptor(v_cache, view, box), q, block_tables, seq_lens, o_part,
-            lse_part, out,
-            lse, counters, q.stride(0), q.stride(1), block_tables.stride(0), o_part.stride(0), o_part.stride(1),
-            o_part.stride(2), lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-            lse.stride(1), counters.stride(0), batch, q_heads // kv_heads, kv_heads, num_splits, block_size,
-            block_rows, head_rows, head_cols, num_blocks, block_tables.shape[1], qk_scale)
+            lse_part, out, lse, counters, q.stride(0), q.stride(1), block_tables.stride(0), o_part.stride(0),
+            o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
+            lse.stride(0), lse.stride(1), counters.stride(0), batch, q_heads // kv_heads, kv_heads, num_splits,
+            block_size, block_rows, head_rows, head_cols, num_blocks, block_tables.shape[1], qk_scale)
     meta = dict(HEAD_D=head_dim, BLOCK_N=block_n, BOX=box, NUM_STAGES=num_stages, LINE=schedule == "line",
                 SPLIT=split, MERGE_H=merge_h, LOADER_REGS=loader_regs, PIPELINE=bool(pipeline), num_warps=4,
                 MERGE_S=max(1, min(MERGE_SPLITS, MERGE_ROWS // merge_h, triton.next_power_of_2(slots))))
