@@ -237,6 +237,19 @@ def serve_in_thread(app, log_level: str = "critical", timeout_s: float = 30.0):
         thread.join(timeout_s)
 
 
+def wait_idle(app, timeout_s: float = 20) -> None:
+    """Wait until the server's engine thread reports nothing queued, nothing running and no KV
+    block in use. Its snapshot is taken after each step's outputs are delivered, so once it
+    reads idle, ``/metrics`` and the engine's own counters agree."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = app.state.runner.snapshot
+        if s.running == s.waiting == s.blocks_used == 0:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the engine is not idle: {app.state.runner.snapshot}")
+
+
 # ----------------------------------------------------------------------------------------
 # Tiny DeepSeek-V2/V3 (multi-head latent attention) models for the tests of Chapter 12
 # ----------------------------------------------------------------------------------------

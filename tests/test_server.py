@@ -24,7 +24,7 @@ from minillm.engine import BUNDLED_MODEL, LLM, EngineConfig, LLMEngine, Sampling
 from minillm.model.loader import render_chat  # noqa: E402
 from minillm.server import create_app  # noqa: E402
 from minillm.server.launch import banner  # noqa: E402
-from minillm.testing import serve_in_thread  # noqa: E402
+from minillm.testing import serve_in_thread, wait_idle  # noqa: E402
 
 NUM_BLOCKS = 32        # 512 token slots: 200 concurrent streams must preempt
 API_KEY = "sekret"
@@ -70,17 +70,6 @@ def alone(offline, prompt, **params):
 
 def greedy(offline, prompt, max_tokens, **params) -> str:
     return alone(offline, prompt, temperature=0, max_tokens=max_tokens, **params).outputs[0].text
-
-
-def wait_idle(app, timeout: float = 20) -> None:
-    """Until the engine thread reports nothing queued, nothing running, no block in use."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = app.state.runner.snapshot
-        if s.running == s.waiting == s.blocks_used == 0:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"the engine is not idle: {app.state.runner.snapshot}")
 
 
 def sse_events(text: str) -> list:

@@ -28,7 +28,7 @@ from minillm.engine import BUNDLED_MODEL, EngineConfig, LLMEngine  # noqa: E402
 from minillm.engine.engine import LLMEngine as EngineClass  # noqa: E402
 from minillm.server import create_app  # noqa: E402
 from minillm.server.tokens import PromptBound, max_token_bytes  # noqa: E402
-from minillm.testing import serve_in_thread  # noqa: E402
+from minillm.testing import serve_in_thread, wait_idle  # noqa: E402
 
 PROMPT = "ROMEO:\nBut soft, what light"
 MESSAGES = [{"role": "user", "content": "Hail."}]
@@ -465,10 +465,8 @@ def test_a_failing_request_fails_alone(live, http, monkeypatch, poison):
         assert r.headers["x-should-retry"] == "false"     # the openai client would not retry it
     assert stream_error["code"] == "request_failed" and stream_error["type"] == "server_error"
     assert failed_total(http) == before + 3
-    deadline = time.monotonic() + 10
-    while (engine.requests or engine.manager.num_used_blocks) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not engine.requests and engine.manager.num_used_blocks == 0, "a failed request leaked blocks"
+    wait_idle(app)                                          # no failed request leaked its blocks
+    assert not engine.requests and engine.manager.num_used_blocks == 0
     monkeypatch.undo()
     assert [c["text"] for c in http.post("/v1/completions", json=GOOD[0]).json()["choices"]] == solo[0]
 
@@ -555,6 +553,7 @@ def test_vllm_metric_names(live, http, client):
     engine, app, _ = live
     client.completions.create(model="shakespeare", prompt=PROMPT, max_tokens=3, temperature=0)
     http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "model": "nope"})
+    wait_idle(app)     # an earlier test's stream may still be decoding its last tokens
     values = metric_values(http)
     label = ("model_name", engine.model_name)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
