@@ -39,7 +39,7 @@ __all__ = [
     "linear_flops", "linear_bytes", "attention_pairs", "attention_flops", "attention_bytes",
     "linear_cost", "attention_cost", "prefill_costs", "decode_costs", "intensity",
     "attainable", "ridge_point", "roofline_time", "step_time",
-    "attention_linear_flop_ratio", "mha_flop_ratio", "source_flop_ratio", "crossover_context",
+    "attention_linear_flop_ratio", "mha_flop_ratio", "quoted_flop_ratio", "crossover_context",
     "kv_bytes_per_token", "decode_temp_bytes_per_seq", "memory_needed", "max_batch",
     "with_kv_heads", "kv_variants", "KV_TABLE_SHAPES", "kv_cache_table",
     "lm_head_cost", "per_token_costs", "per_token_time", "generation_step_costs", "generation_costs",
@@ -376,8 +376,8 @@ def mha_flop_ratio(context, hidden):
     return (np.asarray(context, dtype=float) + 1) / (12.0 * hidden)
 
 
-def source_flop_ratio(context, hidden):
-    """The source article's rule of thumb ``(L + D) / (12·D)``.
+def quoted_flop_ratio(context, hidden):
+    """The rule of thumb often quoted in write-ups on KV-cache optimisation, ``(L + D) / (12·D)``.
 
     It equals ``L/(12·D) + 1/12``: the causal attention FLOPs per token (``≈ 2·L·D``) *plus the
     output projection W_O* (``2·D²``, one twelfth of the layer's ``24·D²`` GEMM FLOPs), over all

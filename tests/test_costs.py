@@ -215,8 +215,8 @@ def test_source_rule_is_consistent_ratio_plus_w_o():
     shape = C.mha_shape(D)
     attn_cont = 4 * D * L * L / 2                        # L²/2 pairs: continuous causal count
     w_o = C.gemm_flops(L, D, D)
-    assert (attn_cont + w_o) / C.linear_flops(shape, L) == pytest.approx(C.source_flop_ratio(L, D))
-    assert C.source_flop_ratio(L, D) - C.mha_flop_ratio(L, D) == pytest.approx(1 / 12, abs=1e-4)
+    assert (attn_cont + w_o) / C.linear_flops(shape, L) == pytest.approx(C.quoted_flop_ratio(L, D))
+    assert C.quoted_flop_ratio(L, D) - C.mha_flop_ratio(L, D) == pytest.approx(1 / 12, abs=1e-4)
 
 
 def test_crossover_at_twelve_d():

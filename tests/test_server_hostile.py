@@ -464,9 +464,9 @@ def test_a_failing_request_fails_alone(live, http, monkeypatch, poison):
         assert assert_envelope(r, 500, "server_error")["code"] == "request_failed"
         assert r.headers["x-should-retry"] == "false"     # the openai client would not retry it
     assert stream_error["code"] == "request_failed" and stream_error["type"] == "server_error"
+    wait_idle(app)       # the snapshot /metrics reads is taken just after the failures are delivered
     assert failed_total(http) == before + 3
-    wait_idle(app)                                          # no failed request leaked its blocks
-    assert not engine.requests and engine.manager.num_used_blocks == 0
+    assert not engine.requests and engine.manager.num_used_blocks == 0, "a failed request leaked blocks"
     monkeypatch.undo()
     assert [c["text"] for c in http.post("/v1/completions", json=GOOD[0]).json()["choices"]] == solo[0]
 
