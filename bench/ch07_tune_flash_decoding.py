@@ -18,6 +18,7 @@ import torch
 
 from minillm.costs import paged_decode_attention_bytes
 from minillm.kernels import ch07_flash_decoding as fd
+from minillm.kernels.ch05_paged_attention import decode_outputs
 
 from bench.common import graph_time_ms, paged_cache, time_ms
 
@@ -54,8 +55,7 @@ def inputs(batch, hkv, ctx):
 
 def caller(inp, splits, block_n=None, phi=None, config=None, fused=None):
     q, k, v, tables, lens = inp
-    out = torch.empty(q.shape, device=DEV, dtype=DT)
-    lse = torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)
+    out, lse = decode_outputs(q, None, None)
     ws = ((*fd.split_workspace(q.shape[0], HQ, splits, D, DEV), fd.split_counters(q.shape[0], HQ, DEV))
           if splits > 1 else None)
     return lambda: fd.flash_decode_attention(q, k, v, tables, lens, out=out, lse=lse, num_splits=splits,
@@ -204,8 +204,7 @@ def fused():
         ws = fd.split_workspace(b, HQ, s, D, DEV) if s > 1 else None
         red = 0.0
         if ws is not None:
-            out = torch.empty(q.shape, device=DEV, dtype=DT)
-            lse = torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)
+            out, lse = decode_outputs(q, None, None)
             caller(inp, s, fused=False)()
             red = timer(lambda: fd.reduce_splits(ws[0], ws[1], out, lse))
         (fe, fg, fc), (te, tg, tc) = row["fused"], row["two"]
@@ -217,8 +216,7 @@ def fused():
     inp = inputs(1, 8, 4096)
     q, k, v, tables, lens = inp
     ws = fd.split_workspace(1, HQ, 16, D, DEV)
-    out = torch.empty(q.shape, device=DEV, dtype=DT)
-    lse = torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)
+    out, lse = decode_outputs(q, None, None)
     cnt = fd.split_counters(1, HQ, DEV)
     for phi in (None, 0.0):
         for merge in (None, (out, lse, cnt)):
@@ -413,8 +411,7 @@ def gluon_balance():
             for ctx in (4096, 32768, 131072):
                 small = b * hkv * ctx <= 8 * 32768
                 copies = [inputs(b, hkv, ctx) for _ in range(4 if small else 1)]
-                outs = [(torch.empty(c[0].shape, device=DEV, dtype=DT),
-                         torch.empty(c[0].shape[:2], device=DEV, dtype=torch.float32)) for c in copies]
+                outs = [decode_outputs(c[0], None, None) for c in copies]
                 wave = fd.num_splits_heuristic(b, hkv, ctx, sms, 128)
                 plan = plan_splits(b, hkv, ctx, sms)
 
@@ -461,8 +458,7 @@ def _gluon_variants(title: str, points, variants_of, base: str, hnd: bool = Fals
             q, k, v, tables, lens = inputs(b, hkv, ctx)
             head_major = (to_head_major(k), to_head_major(v)) if hnd else None
             copies.append((q, {"NHD": (k, v), "HND": head_major}, tables, lens,
-                           torch.empty(q.shape, device=DEV, dtype=DT),
-                           torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)))
+                           *decode_outputs(q, None, None)))
 
         def glu(layout="NHD", block_n=64, **kw):
             splits = plan_splits(b, hkv, ctx, sms, block_n)
@@ -557,8 +553,7 @@ def gluon_placement():
         for name, run in (("2MiB runs", max(1, (2 << 20) // block_bytes)), ("in order", tables.numel())):
             order, new_tables = placement_tables(tables, run, cpu_gen)
             placed[name] = (k[order], v[order], new_tables)
-        out = torch.empty(q.shape, device=DEV, dtype=DT)
-        lse = torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)
+        out, lse = decode_outputs(q, None, None)
         plan, wave = plan_splits(b, hkv, ctx, sms), fd.num_splits_heuristic(b, hkv, ctx, sms, 128)
         calls = {}
         for name, (kp, vp, tb) in placed.items():
@@ -596,8 +591,7 @@ def gluon_fixed_cost():
         cache_bytes = b * ctx * hkv * D * 2 * 2
         n_copies = max(1, min(32, -(-(128 << 20) // cache_bytes)))
         copies = [inputs(b, hkv, ctx) for _ in range(n_copies)]
-        outs = [(torch.empty(c[0].shape, device=DEV, dtype=DT),
-                 torch.empty(c[0].shape[:2], device=DEV, dtype=torch.float32)) for c in copies]
+        outs = [decode_outputs(c[0], None, None) for c in copies]
         plan, wave = plan_splits(b, hkv, ctx, sms), fd.num_splits_heuristic(b, hkv, ctx, sms, 128)
         gluon = [lambda c=c, o=o: flash_decode_attention_gluon(*c, num_splits=plan, out=o[0], lse=o[1])
                  for c, o in zip(copies, outs)]
@@ -652,8 +646,7 @@ def gluon_fixed_breakdown():
     b, hkv, full = 1, 8, 4096
     plan, wave = plan_splits(b, hkv, full, sms), fd.num_splits_heuristic(b, hkv, full, sms, 128)
     q, k, v, tables, _ = inputs(b, hkv, full)
-    out = torch.empty(q.shape, device=DEV, dtype=DT)
-    lse = torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)
+    out, lse = decode_outputs(q, None, None)
     scratch = torch.empty(sms, device=DEV, dtype=torch.int32)
     lengths = {n: torch.full((b,), n, dtype=torch.int32, device=DEV) for n in (0, 64)}
     calls = {"empty kernel": lambda: nothing[(sms,)](scratch)}
@@ -686,8 +679,7 @@ def gluon_grid():
     for b, hkv, ctx in [(8, 32, 32768), (32, 8, 32768), (8, 32, 131072), (32, 8, 131072), (32, 32, 4096),
                         (32, 32, 32768), (8, 8, 131072), (32, 8, 4096)]:
         q, cudnn_ms, (k, v, tables, lens) = cudnn_then_pool(b, hkv, ctx)
-        out = torch.empty(q.shape, device=DEV, dtype=DT)
-        lse = torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)
+        out, lse = decode_outputs(q, None, None)
         plan = plan_splits(b, hkv, ctx, sms)
         units = b * hkv * plan
         even = -(-units // -(-units // sms))
@@ -726,8 +718,7 @@ def gluon_contiguous():
         k, v, tables = paged_cache(3, b, hkv, ctx, D, BS, DT, DEV, gen)
         lens = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
         one_block = torch.arange(b, device=DEV, dtype=torch.int32)[:, None]
-        out = torch.empty(q.shape, device=DEV, dtype=DT)
-        lse = torch.empty(q.shape[:2], device=DEV, dtype=torch.float32)
+        out, lse = decode_outputs(q, None, None)
         plan = plan_splits(b, hkv, ctx, sms)
         sdpa = [time_sdpa(q, k_c, v_c, SDPBackend.CUDNN_ATTENTION, timer) for _ in range(3)]
         cudnn_ms, ref = statistics.median(ms for ms, _ in sdpa), sdpa[0][1].float()

@@ -33,6 +33,7 @@ from minillm.kernels.ch07_flash_decoding_gluon import (
 from minillm.paged import PAD
 from minillm.reference import attention
 from minillm.reference import ch07_flash_decoding as ref
+from minillm.reference.ch05_paged_attention import paged_decode_attention
 from minillm.testing import (
     SM90_COMPILE_PRELUDE, PagedPool, assert_close, compile_for_sm90, random_tensor, sm90_compile_mark, to_numpy,
 )
@@ -190,30 +191,29 @@ def test_does_not_apply_off_the_gpu():
 
 
 COMPILE_SCRIPT = SM90_COMPILE_PRELUDE + r"""
+import itertools
+
 from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon
 
 facts = {}
-for head_dim in (64, 128):
-    for block_size in (16, 256):
-        for splits in (1, 4, "line"):
-          for layout in ("NHD", "HND", "pipelined"):
-            pipelined = layout == "pipelined"
-            layout = "NHD" if pipelined else layout
-            q = torch.zeros(2, 8, head_dim, dtype=torch.bfloat16)
-            shape = (64, block_size, 2, head_dim) if layout == "NHD" else (64, 2, block_size, head_dim)
-            pool = torch.zeros(shape, dtype=torch.bfloat16)
-            compiled = flash_decode_attention_gluon(q, pool, pool, torch.zeros(2, 8, dtype=torch.int32),
-                                                    torch.zeros(2, dtype=torch.int32),
-                                                    schedule="line" if splits == "line" else "units",
-                                                    num_splits=None if splits == "line" else splits,
-                                                    kv_layout=layout, pipeline=pipelined, compile_only=True)
-            ptx = compiled.asm["ptx"]
-            facts[f"{head_dim} {block_size} {splits} {'pipelined' if pipelined else layout}"] = {
-                "partial_waits": sum(ptx.count(f"wgmma.wait_group.sync.aligned {n};") for n in (1, 2)),
-                "tma": ptx.count("cp.async.bulk.tensor"), "wgmma": ptx.count("wgmma.mma_async"),
-                "setmaxnreg": "setmaxnreg" in ptx, "atomics": "atom.global" in ptx,
-                "local": "ld.local" in ptx or "st.local" in ptx, "stack": stack_bytes(compiled.asm["cubin"]),
-                "shared": compiled.metadata.shared}
+for head_dim, block_size, splits, variant in itertools.product((64, 128), (16, 256), (1, 4, "line"),
+                                                               ("NHD", "HND", "pipelined")):
+    layout = "HND" if variant == "HND" else "NHD"     # the pipelined consumer on the NHD pool
+    q = torch.zeros(2, 8, head_dim, dtype=torch.bfloat16)
+    shape = (64, block_size, 2, head_dim) if layout == "NHD" else (64, 2, block_size, head_dim)
+    pool = torch.zeros(shape, dtype=torch.bfloat16)
+    compiled = flash_decode_attention_gluon(q, pool, pool, torch.zeros(2, 8, dtype=torch.int32),
+                                            torch.zeros(2, dtype=torch.int32),
+                                            schedule="line" if splits == "line" else "units",
+                                            num_splits=None if splits == "line" else splits,
+                                            kv_layout=layout, pipeline=variant == "pipelined", compile_only=True)
+    ptx = compiled.asm["ptx"]
+    facts[f"{head_dim} {block_size} {splits} {variant}"] = {
+        "partial_waits": sum(ptx.count(f"wgmma.wait_group.sync.aligned {n};") for n in (1, 2)),
+        "tma": ptx.count("cp.async.bulk.tensor"), "wgmma": ptx.count("wgmma.mma_async"),
+        "setmaxnreg": "setmaxnreg" in ptx, "atomics": "atom.global" in ptx,
+        "local": "ld.local" in ptx or "st.local" in ptx, "stack": stack_bytes(compiled.asm["cubin"]),
+        "shared": compiled.metadata.shared}
 json.dump(facts, sys.stdout)
 """
 
@@ -353,19 +353,12 @@ def test_invalid_blocks_read_zeros_and_lengths_are_clamped(kv_layout, gen, seed)
 # CPU: the benchmark's bookkeeping, with a stand-in for the kernels
 # ----------------------------------------------------------------------------------------
 def _stand_in_decode(q, k_cache, v_cache, tables, lens, *, out, lse, kv_layout="NHD", **_kw):
-    """Exact decode attention in float32 torch over the pools read through the tables (what
-    the kernels compute), for the benchmark's dry run: ``kv_layout`` as the Gluon launcher's."""
-    k_cache, v_cache = as_token_major(k_cache, kv_layout), as_token_major(v_cache, kv_layout)
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = q.shape[1] // kv_heads
-    for b, n in enumerate(lens.tolist()):
-        pos = torch.arange(n)
-        slots = tables[b].long()[pos // block_size] * block_size + pos % block_size
-        k = k_cache.reshape(-1, kv_heads, k_cache.shape[3])[slots].float().repeat_interleave(group, 1)
-        v = v_cache.reshape(-1, kv_heads, v_cache.shape[3])[slots].float().repeat_interleave(group, 1)
-        s = torch.einsum("hd,nhd->hn", q[b].float(), k) / q.shape[2] ** 0.5
-        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v).to(out.dtype)
-        lse[b] = torch.logsumexp(s, -1)
+    """The NumPy reference (`minillm.reference.ch05_paged_attention.paged_decode_attention`) in
+    the kernels' place, for the benchmark's dry run: ``kv_layout`` as the Gluon launcher's."""
+    o, l = paged_decode_attention(to_numpy(q), to_numpy(as_token_major(k_cache, kv_layout)),
+                                  to_numpy(as_token_major(v_cache, kv_layout)), tables.cpu().numpy(), lens.cpu().numpy())
+    out.copy_(torch.from_numpy(o))
+    lse.copy_(torch.from_numpy(l))
     return out, lse
 
 

@@ -209,7 +209,7 @@ def test_mha_ratio_on_brute_force_tiny_layer():
         assert attn / lin == pytest.approx((L + 1) / (12 * 8))
 
 
-def test_source_rule_is_consistent_ratio_plus_w_o():
+def test_quoted_rule_is_consistent_ratio_plus_w_o():
     """(L+D)/(12D) = (causal attention + the W_O projection) / (all GEMMs), in the L²/2 limit."""
     D, L = 4096, 8192
     shape = C.mha_shape(D)
