@@ -10,6 +10,9 @@ pool), in the same process and on the same values:
   line cut into one equal chunk per program), which measures what balancing buys;
 - ``gluon_wave_splits``: the units with the Triton kernel's split count
   (`num_splits_heuristic`), which separates the kernel from the split plan;
+- ``gluon_merge_launch``: the default kernel with its splits merged by a second launch
+  (``merge="launch"``, Chapter 7's stage 2) instead of by each unit's last program, at the
+  points where the plan splits;
 - ``gluon_hnd``: the default kernel on the same values in a head-major pool (``kv_layout="HND"``:
   ``[num_blocks, kv_heads, block_size, head_dim]``, one KV head's 16 keys one run of 4 KB
   instead of 16 rows of 256 bytes ``kv_heads · 256`` bytes apart), the same tables;
@@ -31,8 +34,9 @@ block_size, blocks, kernel, num_splits; None for the line):
 ==================  ========================================================================
 ``time_ms``         kernel ``gluon``: one row per peer (sdpa_cudnn, sdpa_flash, triton),
                     ratio = peer / ours (> 1: the Gluon kernel is faster); kernels
-                    ``gluon_line``, ``gluon_wave_splits`` and ``gluon_hnd`` against ``gluon``;
-                    ``gluon_hnd`` against ``sdpa_cudnn`` too; kernel ``triton`` against
+                    ``gluon_line``, ``gluon_wave_splits``, ``gluon_merge_launch`` and
+                    ``gluon_hnd`` against ``gluon``; ``gluon_hnd`` and ``gluon_merge_launch``
+                    against ``sdpa_cudnn`` too; kernel ``triton`` against
                     ``sdpa_cudnn`` (the same run's reading of the chapter's kernel)
 ``graph_time_ms``   the same pairs as CUDA-graph times, where measured
 ``bandwidth_TBps``  useful bytes (`minillm.costs.paged_decode_attention_bytes`) / time of
@@ -40,7 +44,8 @@ block_size, blocks, kernel, num_splits; None for the line):
                     measured), fraction of the measured copy bandwidth
 ``rel_err``         ‖gluon − SDPA‖ / ‖SDPA‖ (the first SDPA backend that ran) and against
                     the Triton kernel's output; ``gluon_hnd`` against ``gluon`` (the same
-                    arithmetic in the same order: 0 unless the layouts' reads differ)
+                    arithmetic in the same order: 0 unless the layouts' reads differ);
+                    ``gluon_merge_launch`` against ``gluon`` (another merge's rounding)
 ==================  ========================================================================
 
 The sweep stops starting points after ``MINILLM_CH07_GLUON_BUDGET_S`` seconds (default 240).
@@ -144,7 +149,7 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
         pools["HND"] = tuple(to_head_major(p) for p in pools["NHD"])
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     outs = {name: torch.empty(batch, Q_HEADS, HEAD_DIM, device=device, dtype=DTYPE) for name in
-            ("gluon", "gluon_line", "gluon_wave_splits", "triton", "gluon_hnd")}
+            ("gluon", "gluon_line", "gluon_wave_splits", "gluon_merge_launch", "triton", "gluon_hnd")}
     lse = torch.empty(batch, Q_HEADS, device=device, dtype=torch.float32)
     hnd_call = lambda: flash_decode_attention_gluon(q, *pools["HND"], tables, lens, num_splits=plan,  # noqa: E731
                                                     kv_layout="HND", out=outs["gluon_hnd"], lse=lse)
@@ -160,6 +165,9 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
         "triton": lambda: flash_decode_attention(q, k_pool, v_pool, tables, lens, num_splits=wave_splits,
                                                  out=outs["triton"], lse=lse),
     }
+    if plan > 1:
+        calls["gluon_merge_launch"] = lambda: flash_decode_attention_gluon(
+            q, k_pool, v_pool, tables, lens, num_splits=plan, merge="launch", out=outs["gluon_merge_launch"], lse=lse)
     if hnd_together:
         calls["gluon_hnd"] = hnd_call
     eager = interleaved_times(calls, timer, timing_rounds())
@@ -180,7 +188,7 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
 
     def add(kernel, metric, ours, peer, peer_value, **kw):
         splits = {"gluon": plan, "gluon_line": None, "gluon_wave_splits": wave_splits, "triton": wave_splits,
-                  "gluon_hnd": plan}[kernel]
+                  "gluon_hnd": plan, "gluon_merge_launch": plan}[kernel]
         results.add(BENCHMARK, {**base, "kernel": kernel, "num_splits": splits}, metric, ours, peer, peer_value, **kw)
 
     for peer in PEERS:
@@ -188,10 +196,17 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
         if use_graphs:
             add("gluon", "graph_time_ms", graph_ms["gluon"], peer, graph_ms.get(peer),
                 note=f"per call, replaying a CUDA graph of {GRAPH_REPEATS} calls")
-    for other in ("gluon_line", "gluon_wave_splits", "gluon_hnd"):
+    for other in ("gluon_line", "gluon_wave_splits", "gluon_merge_launch", "gluon_hnd"):
+        if other not in eager:
+            continue
         add(other, "time_ms", eager[other], "gluon", eager["gluon"], note=hnd_note if other == "gluon_hnd" else None)
         if use_graphs and other in graph_ms:
             add(other, "graph_time_ms", graph_ms[other], "gluon", graph_ms["gluon"])
+    if "gluon_merge_launch" in eager:
+        add("gluon_merge_launch", "time_ms", eager["gluon_merge_launch"], "sdpa_cudnn", eager["sdpa_cudnn"])
+        if use_graphs:
+            add("gluon_merge_launch", "graph_time_ms", graph_ms["gluon_merge_launch"], "sdpa_cudnn",
+                graph_ms.get("sdpa_cudnn"))
     add("gluon_hnd", "time_ms", eager["gluon_hnd"], "sdpa_cudnn", eager["sdpa_cudnn"], note=hnd_note)
     if use_graphs and "gluon_hnd" in graph_ms:
         add("gluon_hnd", "graph_time_ms", graph_ms["gluon_hnd"], "sdpa_cudnn", graph_ms.get("sdpa_cudnn"))
@@ -210,6 +225,8 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
         note=f"whole batch against {sdpa_out[0]}" if sdpa_out else "no SDPA backend ran")
     add("gluon", "rel_err", rel_err(outs["gluon"], outs["triton"]), "triton", None)
     add("gluon_hnd", "rel_err", rel_err(outs["gluon_hnd"], outs["gluon"]), "gluon", None)
+    if "gluon_merge_launch" in eager:
+        add("gluon_merge_launch", "rel_err", rel_err(outs["gluon_merge_launch"], outs["gluon"]), "gluon", None)
 
 
 def summary(results: Results | dict) -> str:

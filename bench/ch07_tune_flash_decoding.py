@@ -4,7 +4,7 @@ split count, the asynchronized softmax's variants and the host overhead of one c
 Run on a GPU: ``python -m bench.ch07_tune_flash_decoding [part ...]`` (parts: overhead, config,
 async, splits, fused, hopper, hopper2, gluon, gluon_balance, gluon_layout,
 gluon_placement, gluon_fixed_cost, gluon_fixed_breakdown, gluon_grid, gluon_pipeline,
-gluon_contiguous; default all but the sm_90 parts). Prints compact
+gluon_contiguous, gluon_occupancy, gluon_merge, gluon_ncu_target; default all but the sm_90 parts). Prints compact
 tables; times are per call replaying a CUDA graph of 16 calls (`bench.common.graph_time_ms`)
 unless marked eager."""
 from __future__ import annotations
@@ -460,11 +460,11 @@ def _gluon_variants(title: str, points, variants_of, base: str, hnd: bool = Fals
             copies.append((q, {"NHD": (k, v), "HND": head_major}, tables, lens,
                            *decode_outputs(q, None, None)))
 
-        def glu(layout="NHD", block_n=64, **kw):
-            splits = plan_splits(b, hkv, ctx, sms, block_n)
+        def glu(layout="NHD", block_n=64, programs=None, **kw):
+            splits = plan_splits(b, hkv, ctx, programs or sms, block_n)
             return [lambda c=c: flash_decode_attention_gluon(c[0], *c[1][layout], c[2], c[3], num_splits=splits,
-                                                             block_n=block_n, out=c[4], lse=c[5], kv_layout=layout,
-                                                             **kw) for c in copies]
+                                                             block_n=block_n, programs=programs, out=c[4], lse=c[5],
+                                                             kv_layout=layout, **kw) for c in copies]
         variants = variants_of(glu, b, hkv, ctx)
         if small:
             t = {n: graph_time_ms(fns, 16, timer) * 1e3 for n, fns in variants.items()}
@@ -496,6 +496,66 @@ def gluon_pipeline():
     _gluon_variants("gluon_pipeline", points, lambda glu, *_: {
         "in turn": glu(), "pipelined": glu(pipeline=True), "pipelined st4": glu(pipeline=True, num_stages=4),
         "pipelined bn128": glu(block_n=128, pipeline=True)}, "in turn")
+
+
+def gluon_occupancy():
+    """Bytes in flight per SM: one program per SM with 3 ring slots (the default), with 2, and
+    two programs per SM (``programs = 2 · SMs``, splits planned for that many) with 2 slots.
+    Deeper rings of one program ran 1-3 % slower (`gluon_pipeline`); two programs double the
+    loaders and the consumers instead of the slots. (Two programs of 3 slots, 2 x 115 KB of
+    shared memory at head dim 128, do not fit in an SM's 228 KB; two of 2 slots, 2 x 82.5 KB,
+    do.) Also each variant's shared memory and registers."""
+    from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon
+
+    sms = fd.num_sms(DEV)
+    q, k, v, tables, lens = inputs(1, 8, 4096)
+    for name, kw in (("st3", {}), ("st2", {"num_stages": 2})):
+        kernel = flash_decode_attention_gluon(q, k, v, tables, lens, compile_only=True, **kw)
+        getattr(kernel, "_init_handles", lambda: None)()  # (registers and spills are read when it loads)
+        print(f"  {name}: shared {kernel.metadata.shared} B, {getattr(kernel, 'n_regs', '?')} registers, "
+              f"{getattr(kernel, 'n_spills', '?')} spills", flush=True)
+    points = LAYOUT_POINTS + [(8, 32, 131072), (32, 8, 131072), (1, 32, 131072)]
+    _gluon_variants("gluon_occupancy", points, lambda glu, *_: {
+        "st3": glu(), "st2": glu(num_stages=2), "2/SM st2": glu(programs=2 * sms, num_stages=2)}, "st3")
+
+
+def gluon_merge():
+    """Where the splits are merged: by the last program of each unit in the decode launch (the
+    default), by a second launch (Chapter 7's stage 2), and by that launch as a programmatic
+    dependent launch, at the points where the plan splits. (A fourth variant was measured
+    once and not kept: the loader fetching a piece's first table entries before its length
+    arrived, from where the split would start in a full table; 1.000-1.013x the default,
+    ``bench/results/raw/nvidia-h200.ch07_tune_gluon_merge_speculate.log``.)"""
+    points = [(1, 8, 4096), (1, 32, 4096), (8, 8, 4096), (1, 8, 32768), (1, 32, 32768), (1, 8, 131072),
+              (8, 8, 32768), (1, 32, 131072), (8, 8, 131072)]
+    _gluon_variants("gluon_merge", points, lambda glu, *_: {
+        "last": glu(), "launch": glu(merge="launch"), "launch pdl": glu(merge="launch_pdl")}, "last")
+
+
+def gluon_ncu_target():
+    """Calls for Nsight Compute to time kernel by kernel (run under ``ncu``, see
+    ``gluon_ncu`` in the chapter's notes): at batch 1, 8 KV heads, 4k and 32k keys, two calls
+    each of the Gluon kernel, the Triton kernel and SDPA cuDNN on a contiguous cache."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from bench.common import contiguous_cache
+    from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, plan_splits
+
+    sms = fd.num_sms(DEV)
+    for ctx in (4096, 32768):
+        q, k, v, tables, lens = inputs(1, 8, ctx)
+        out, lse = decode_outputs(q, None, None)
+        plan, wave = plan_splits(1, 8, ctx, sms), fd.num_splits_heuristic(1, 8, ctx, sms, 128)
+        k_c, v_c = contiguous_cache(3, 1, 8, ctx, D, DT, DEV)
+        q4 = q[:, :, None]
+        for _ in range(2):
+            flash_decode_attention_gluon(q, k, v, tables, lens, num_splits=plan, out=out, lse=lse)
+            fd.flash_decode_attention(q, k, v, tables, lens, num_splits=wave, out=out, lse=lse)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(q4, k_c, v_c, enable_gqa=True)
+        torch.cuda.synchronize()
+        print(f"  L={ctx}: done (S plan {plan}, wave {wave})", flush=True)
 
 
 def placement_tables(tables: torch.Tensor, run: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -650,9 +710,13 @@ def gluon_fixed_breakdown():
     scratch = torch.empty(sms, device=DEV, dtype=torch.int32)
     lengths = {n: torch.full((b,), n, dtype=torch.int32, device=DEV) for n in (0, 64)}
     calls = {"empty kernel": lambda: nothing[(sms,)](scratch)}
-    for name, n, splits in (("", 0, plan), (" (no merge)", 0, 1), ("", 64, plan)):
-        calls[f"gluon L={n} S={splits}{name}"] = lambda n=n, s=splits: flash_decode_attention_gluon(
-            q, k, v, tables, lengths[n], num_splits=s, out=out, lse=lse)
+    for name, n, splits, kw in (("", 0, plan, {}), (" (no merge)", 0, 1, {}), ("", 64, plan, {}),
+                                (" merge launch", 0, plan, {"merge": "launch"}),
+                                (" merge launch_pdl", 0, plan, {"merge": "launch_pdl"}),
+                                (" merge launch", 64, plan, {"merge": "launch"}),
+                                (" merge launch_pdl", 64, plan, {"merge": "launch_pdl"}), (" (no merge)", 64, 1, {})):
+        calls[f"gluon L={n} S={splits}{name}"] = lambda n=n, s=splits, kw=kw: flash_decode_attention_gluon(
+            q, k, v, tables, lengths[n], num_splits=s, out=out, lse=lse, **kw)
     for n in (0, 64):
         calls[f"triton L={n} S={wave}"] = lambda n=n: fd.flash_decode_attention(q, k, v, tables, lengths[n],
                                                                                num_splits=wave, out=out, lse=lse)
@@ -748,6 +812,6 @@ if __name__ == "__main__":
          "hopper": hopper, "hopper2": hopper2, "gluon": gluon, "gluon_balance": gluon_balance,
          "gluon_layout": gluon_layout, "gluon_placement": gluon_placement,
          "gluon_fixed_cost": gluon_fixed_cost, "gluon_fixed_breakdown": gluon_fixed_breakdown,
-         "gluon_grid": gluon_grid,
+         "gluon_grid": gluon_grid, "gluon_occupancy": gluon_occupancy, "gluon_merge": gluon_merge, "gluon_ncu_target": gluon_ncu_target,
          "gluon_pipeline": gluon_pipeline, "gluon_contiguous": gluon_contiguous}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)

@@ -305,11 +305,14 @@ def _merge_splits_kernel(
     stride_qb, stride_qh, stride_qs,
     stride_ob, stride_oh, stride_od,
     stride_lb, stride_lh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program ``(b, h)``: `_merge_rows` over the partials ``OP[b, h, :, :]`` and ``LP[b, h, :]``
     into ``O[b, h, :]`` and ``LSE[b, h]`` (the two-launch path; `_split_kernel` with
-    ``FUSED_MERGE`` runs the same merge in its last program instead)."""
+    ``FUSED_MERGE`` runs the same merge in its last program instead). ``PDL``: launched as a
+    programmatic dependent launch, the program waits for the kernel that wrote the partials."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     offs_d, d_ok = head_dim_offsets(HEAD_DIM, BLOCK_D)
     out, lse = _merge_rows(OP + b * stride_pb + h * stride_ph, LP + b * stride_qb + h * stride_qh, 0, stride_ps,
@@ -965,10 +968,13 @@ def _stage1_meta(head_dim: int, dtype: torch.dtype, group: int, block_size: int,
     return meta
 
 
-def reduce_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+def reduce_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  pdl: bool = False) -> None:
     """Stage 2 alone: merge ``o_part: [batch, q_heads, S, head_dim]``, ``lse_part: [batch,
     q_heads, S]`` (fp32; an empty split has lse -inf) into ``out: [batch, q_heads, head_dim]``
-    (any float dtype) and ``lse: [batch, q_heads]`` fp32 (natural log). Any strides."""
+    (any float dtype) and ``lse: [batch, q_heads]`` fp32 (natural log). Any strides. ``pdl``:
+    a programmatic dependent launch (Hopper; scheduled before the kernel that writes the
+    partials has finished, it waits for that kernel before it reads them)."""
     if o_part.dim() != 4 or tuple(lse_part.shape) != tuple(o_part.shape[:3]):
         raise ValueError(f"partials {tuple(o_part.shape)}, {tuple(lse_part.shape)} must be [batch, q_heads, S, "
                          "head_dim] and [batch, q_heads, S]")
@@ -982,5 +988,5 @@ def reduce_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tenso
         _merge_splits_kernel, (batch, q_heads), o_part, lse_part, out, lse, num_splits,
         *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(num_splits)),
-        num_warps=MERGE_WARPS,
+        num_warps=MERGE_WARPS, **({"PDL": True, "launch_pdl": True} if pdl else {}),
     )

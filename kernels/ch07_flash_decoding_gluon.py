@@ -22,7 +22,8 @@ This module writes the same algorithm with Gluon (the layer under Triton, see Ch
   one equal chunk per program, from the lengths, on the GPU (stream-K's answer to the tail
   that whole units leave; measured in Chapter 7, slower except where programs are long);
 - the splits are merged in the same launch by the last of a group's programs to finish
-  (an arrival counter, as `flash_decode_attention`'s one-launch merge).
+  (an arrival counter, as `flash_decode_attention`'s one-launch merge), or (``merge="launch"``,
+  measured in Chapter 7) by a second launch, Chapter 7's stage 2.
 
 Scope (`gluon_decode_applies`): an sm_90 GPU, bf16, head_dim 64 or 128, any GQA group up to
 64 query heads per KV head, a paged pool ``[num_blocks, block_size, kv_heads, head_dim]``
@@ -44,13 +45,13 @@ import math
 import torch
 
 from minillm.kernels.base import (  # first: it decides on Triton's interpreter before Triton is imported
-    LOG2E, TensorAddress, TensorDescriptor, cached_descriptor, fence_async_shared, launch, mbarrier, num_sms, triton,
-    warpgroup_mma, warpgroup_mma_wait, gluon_tma_load as _tma_load, gluon_warps_barrier as _warps_barrier,
+    LOG2E, TensorAddress, TensorDescriptor, cached_descriptor, fence_async_shared, launch, mbarrier, num_sms, tl,
+    triton, warpgroup_mma, warpgroup_mma_wait, gluon_tma_load as _tma_load, gluon_warps_barrier as _warps_barrier,
 )
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from minillm.kernels.ch05_paged_attention import check_paged, decode_outputs
-from minillm.kernels.ch07_flash_decoding import MAX_SPLITS, cached_workspace
+from minillm.kernels.ch07_flash_decoding import MAX_SPLITS, cached_workspace, reduce_splits
 
 __all__ = ["flash_decode_attention_gluon", "gluon_decode_applies", "plan_splits", "balanced_slots", "as_token_major",
            "to_head_major", "BLOCK_N", "NUM_STAGES", "ROWS", "KV_LAYOUTS"]
@@ -376,16 +377,18 @@ def _merge_if_last(o_part, lse_part, out, lse, counter, group, num_splits, strid
 @gluon.jit
 def _finish_piece(acc0, acc1, m_i, l_i, o_part, lse_part, out, lse, counter, head0, lse0, part, n_parts, group,
                   stride_ph, stride_ps, stride_lph, stride_oh, stride_lh, HEAD_D: gl.constexpr, MERGE_H: gl.constexpr,
-                  MERGE_S: gl.constexpr):
+                  MERGE_S: gl.constexpr, MERGE_LAST: gl.constexpr):
     """A piece's result: the unit's output itself when the piece is its only one, else the
     piece's partial at slot ``part`` (``head0``, ``lse0``: the group's first head's offsets in
-    the workspace) and the merge by the unit's last program to arrive."""
+    the workspace) and, with ``MERGE_LAST``, the merge by the unit's last program to arrive
+    (without it, a second launch merges: ``merge="launch"``)."""
     D_CHUNKS: gl.constexpr = HEAD_D // 64
     if n_parts > 1:
         _store_partial(acc0, acc1, m_i, l_i, o_part + head0 + part * stride_ps, lse_part + lse0 + part,
                        stride_ph, stride_lph, group, D_CHUNKS)
-        _merge_if_last(o_part + head0, lse_part + lse0, out, lse, counter, group, n_parts, stride_ph, stride_ps,
-                       stride_lph, stride_oh, stride_lh, HEAD_D, MERGE_H, MERGE_S)
+        if MERGE_LAST:
+            _merge_if_last(o_part + head0, lse_part + lse0, out, lse, counter, group, n_parts, stride_ph, stride_ps,
+                           stride_lph, stride_oh, stride_lh, HEAD_D, MERGE_H, MERGE_S)
     else:
         _store_partial(acc0, acc1, m_i, l_i, out, lse, stride_oh, stride_lh, group, D_CHUNKS)
 
@@ -502,7 +505,7 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr,
               stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, batch, group, kv_heads, num_splits,
               block_size, max_blocks, qk_scale, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, BOX: gl.constexpr, LINE: gl.constexpr, SPLIT: gl.constexpr,
-              MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, PIPELINE: gl.constexpr):
+              MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, PIPELINE: gl.constexpr, MERGE_LAST: gl.constexpr):
     """One warpgroup: for each of this program's pieces, the online softmax over its tiles
     (base 2, FA2's unscaled accumulator), then the piece's result: the output itself when the
     piece is its unit's only one, else (``SPLIT``) a partial in the fp32 workspace and the
@@ -544,7 +547,8 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr,
             _finish_piece(acc0, acc1, m_i, l_i, o_part, lse_part, out_b, lse_b, counters + pb * stride_cb + pkv,
                           pb.to(gl.int64) * stride_pb + (pkv * group) * stride_ph,
                           pb.to(gl.int64) * stride_lpb + (pkv * group) * stride_lph, part, n_parts, group,
-                          stride_ph, stride_ps, stride_lph, stride_oh, stride_lh, HEAD_D, MERGE_H, MERGE_S)
+                          stride_ph, stride_ps, stride_lph, stride_oh, stride_lh, HEAD_D, MERGE_H, MERGE_S,
+                          MERGE_LAST)
         else:  # every unit is one piece: no merge code at all
             _store_partial(acc0, acc1, m_i, l_i, out_b, lse_b, stride_oh, stride_lh, group, D_CHUNKS)
         pos, b, kv_h, unit_start, unit_len, seq_len = _walk_next(pos, end, b, kv_h, unit_start, unit_len, seq_len,
@@ -559,12 +563,15 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
                    max_blocks, qk_scale,
                    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr,
                    LINE: gl.constexpr, SPLIT: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr,
-                   LOADER_REGS: gl.constexpr, PIPELINE: gl.constexpr):
+                   LOADER_REGS: gl.constexpr, PIPELINE: gl.constexpr, MERGE_LAST: gl.constexpr,
+                   LAUNCH_DEPENDENTS: gl.constexpr):
     """A 1-d grid of at most one program per SM, each walking its work: units ``pid``, ``pid +
     P``, ..., or (``LINE``) its chunk of the work line. ``num_warps=4``: the consumer (the
     default partition) and a one-warp loader. Shared memory: the query tile and
     ``NUM_STAGES`` slots of K and V, each as ``HEAD_D / 64`` tiles of ``[BLOCK_N, 64]`` (the
     descriptors' layout)."""
+    if LAUNCH_DEPENDENTS:  # the merge launch (a programmatic dependent launch) may be scheduled now
+        tl.extra.cuda.gdc_launch_dependents()
     D_CHUNKS: gl.constexpr = HEAD_D // 64
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [D_CHUNKS, 64, 64], q_layout)
@@ -587,7 +594,7 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
                       out, lse, counters, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_lpb,
                       stride_lph, stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, batch, group, kv_heads,
                       num_splits, block_size, max_blocks, qk_scale, HEAD_D, BLOCK_N, NUM_STAGES, BOX, LINE, SPLIT,
-                      MERGE_H, MERGE_S, PIPELINE)),
+                      MERGE_H, MERGE_S, PIPELINE, MERGE_LAST)),
          (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, block_tables, seq_lens,
                     stride_tb, batch, kv_heads, num_splits, block_size, block_rows, head_rows, head_cols, num_blocks,
                     max_blocks, HEAD_D, BLOCK_N, BOX, NUM_STAGES, LINE))],
@@ -636,6 +643,8 @@ def balanced_slots(programs: int, kv_heads: int, capacity_boxes: int) -> int:
 #: heads then tokens, ``[num_blocks, kv_heads, block_size, head_dim]`` (one KV head's share of
 #: a block is contiguous).
 KV_LAYOUTS = ("NHD", "HND")
+#: Where the splits are merged (`flash_decode_attention_gluon`'s ``merge``).
+MERGES = ("last", "launch", "launch_pdl")
 
 
 def as_token_major(cache: torch.Tensor, kv_layout: str) -> torch.Tensor:
@@ -717,7 +726,7 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                                  block_n: int = BLOCK_N, num_stages: int = NUM_STAGES,
                                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                                  kv_layout: str = "NHD", pipeline: bool = False, loader_regs: int = 40,
-                                 compile_only: bool = False):
+                                 merge: str = "last", compile_only: bool = False):
     """`flash_decode_attention`'s contract (``q: [batch, q_heads, head_dim]``, pools
     ``[num_blocks, block_size, kv_heads, head_dim]``, ``block_tables: [batch, max_blocks]``
     int32, ``seq_lens: [batch]``; returns ``(out [batch, q_heads, head_dim] bf16, lse [batch,
@@ -740,6 +749,11 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     - ``block_n``: keys per tile (64 or 128); ``num_stages``: ring slots; ``loader_regs``:
       registers per thread of the loader warp (``setmaxnreg``; the consumer keeps what the
       program was compiled with);
+    - ``merge`` (where splits are merged): ``"last"`` (default), by the last of a unit's
+      programs to finish, in the same launch (`_merge_if_last`); ``"launch"``, by a second
+      launch (Chapter 7's stage 2, `reduce_splits`) after every program stored its partial;
+      ``"launch_pdl"``, that launch as a programmatic dependent launch (scheduled while the
+      decode kernel runs, it waits for the kernel's end before it reads). ``"units"`` only;
     - ``compile_only``: compile for the current device without launching; returns the kernel."""
     reason = (_layout_reason if compile_only else _reason)(q, k_cache, v_cache, kv_layout)
     if reason:
@@ -756,6 +770,10 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         raise ValueError(f"schedule must be 'units' or 'line', got {schedule!r}")
     if schedule == "line" and num_splits is not None:
         raise ValueError("num_splits belongs to the 'units' schedule; the line cuts itself")
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
+    if schedule == "line" and merge != "last":
+        raise ValueError("the line's units have a varying number of pieces: only merge='last' merges them")
     if batch * q_heads == 0 and not compile_only:
         return out, lse
     box = min(block_size, block_n)
@@ -790,10 +808,13 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
             block_size, block_rows, head_rows, head_cols, num_blocks, block_tables.shape[1], qk_scale)
     meta = dict(HEAD_D=head_dim, BLOCK_N=block_n, BOX=box, NUM_STAGES=num_stages, LINE=schedule == "line",
                 SPLIT=split, MERGE_H=merge_h, LOADER_REGS=loader_regs, PIPELINE=bool(pipeline), num_warps=4,
+                MERGE_LAST=merge == "last", LAUNCH_DEPENDENTS=split and merge == "launch_pdl",
                 MERGE_S=max(1, min(MERGE_SPLITS, MERGE_ROWS // merge_h, triton.next_power_of_2(slots))))
     if compile_only:
         return _decode_kernel.warmup(*args, grid=(grid,), **meta)
     if q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("q and out must have a unit stride along head_dim")
     launch(_decode_kernel, (grid,), *args, **meta)
+    if split and merge != "last":
+        reduce_splits(o_part, lse_part, out, lse, pdl=merge == "launch_pdl")
     return out, lse

@@ -154,7 +154,9 @@ def test_refuses_inputs_out_of_scope(change, match):
 @pytest.mark.parametrize("kw, match", [(dict(schedule="waves"), "schedule"),
                                        (dict(schedule="line", num_splits=4), "num_splits"),
                                        (dict(num_splits=0), "num_splits"),
-                                       (dict(kv_layout="nhd"), "kv_layout")])
+                                       (dict(kv_layout="nhd"), "kv_layout"),
+                                       (dict(merge="atomics"), "merge"),
+                                       (dict(schedule="line", merge="launch"), "merge")])
 def test_refuses_bad_schedules(kw, match):
     q = torch.zeros(2, 8, 64, dtype=DTYPE)
     pool = torch.zeros(4, 16, 2, 64, dtype=DTYPE)
@@ -214,6 +216,16 @@ for head_dim, block_size, splits, variant in itertools.product((64, 128), (16, 2
         "setmaxnreg": "setmaxnreg" in ptx, "atomics": "atom.global" in ptx,
         "local": "ld.local" in ptx or "st.local" in ptx, "stack": stack_bytes(compiled.asm["cubin"]),
         "shared": compiled.metadata.shared}
+for merge in ("launch", "launch_pdl"):  # the splits merged by a second launch
+    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
+    pool = torch.zeros((64, 16, 2, 128), dtype=torch.bfloat16)
+    compiled = flash_decode_attention_gluon(q, pool, pool, torch.zeros(2, 8, dtype=torch.int32),
+                                            torch.zeros(2, dtype=torch.int32), num_splits=4, merge=merge,
+                                            compile_only=True)
+    ptx = compiled.asm["ptx"]
+    facts[f"merge {merge}"] = {
+        "atomics": "atom.global" in ptx, "trigger": "griddepcontrol.launch_dependents" in ptx,
+        "local": "ld.local" in ptx or "st.local" in ptx, "stack": stack_bytes(compiled.asm["cubin"])}
 json.dump(facts, sys.stdout)
 """
 
@@ -248,6 +260,17 @@ def test_compiles_for_sm90(sm90_compiled, head_dim, block_size, splits, variant)
     triton_3_6 = triton.__version__.startswith("3.6.")
     assert not facts["local"] and facts["stack"] <= (32 if splits == "line" and not triton_3_6 else 0)
     assert facts["shared"] <= 227 * 1024
+
+
+@sm90_compile_mark(GLUON_VERSIONS)
+@pytest.mark.parametrize("merge", ["launch", "launch_pdl"])
+def test_separate_merge_compiles_without_the_counter(sm90_compiled, merge):
+    """With the merge in a second launch the kernel has no arrival counter (no global atomic);
+    before a programmatic dependent merge it lets the merge launch be scheduled early."""
+    facts = sm90_compiled[f"merge {merge}"]
+    assert not facts["atomics"]
+    assert facts["trigger"] == (merge == "launch_pdl")
+    assert not facts["local"] and facts["stack"] == 0
 
 
 # ----------------------------------------------------------------------------------------
@@ -313,6 +336,27 @@ def test_against_reference(q_heads, kv_heads, head_dim, block_size, seq_lens, nu
         assert not counters_of(len(seq_lens), q_heads, slots, head_dim, device).any(), "counters not reset"
     again, again_lse = flash_decode_attention_gluon(q, k_pool, v_pool, pool.tables, pool.lens(device),
                                                     programs=programs, **kw)
+    assert torch.equal(again, out) and torch.equal(again_lse, lse)
+
+
+@hopper_only
+@pytest.mark.parametrize("merge", ["launch", "launch_pdl"])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,seq_lens,num_splits,programs",
+                         [pytest.param(*c, id=_case_id(c)) for c in CASES if c[5] != "line"])
+def test_separate_merge_against_reference(q_heads, kv_heads, head_dim, block_size, seq_lens, num_splits, programs,
+                                          merge, gen, seed):
+    """The units with their splits merged by a second launch (plain or programmatic dependent):
+    the reference's output, and twice in a row the same bits."""
+    device = torch.device("cuda")
+    pool = PagedPool(seq_lens, block_size, kv_heads, head_dim, DTYPE, device, gen)
+    q = random_tensor((len(seq_lens), q_heads, head_dim), DTYPE, device, gen)
+    want_out, want_lse = reference(q, pool)
+    call = lambda: flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, pool.lens(device),  # noqa: E731
+                                                num_splits=num_splits, programs=programs, merge=merge)
+    out, lse = call()
+    assert_close(out, want_out, DTYPE, "out", seed)
+    assert_close(lse, want_lse, DTYPE, "lse", seed)
+    again, again_lse = call()
     assert torch.equal(again, out) and torch.equal(again_lse, lse)
 
 
