@@ -12,7 +12,8 @@ pool), in the same process and on the same values:
   (`num_splits_heuristic`), which separates the kernel from the split plan;
 - ``gluon_merge_launch``: the default kernel with its splits merged by a second launch
   (``merge="launch"``, Chapter 7's stage 2) instead of by each unit's last program, at the
-  points where the plan splits;
+  points where the plan splits; ``gluon_st2_merge_launch`` the same with a ring of 2 slots
+  instead of 3;
 - ``gluon_hnd``: the default kernel on the same values in a head-major pool (``kv_layout="HND"``:
   ``[num_blocks, kv_heads, block_size, head_dim]``, one KV head's 16 keys one run of 4 KB
   instead of 16 rows of 256 bytes ``kv_heads · 256`` bytes apart), the same tables;
@@ -34,9 +35,9 @@ block_size, blocks, kernel, num_splits; None for the line):
 ==================  ========================================================================
 ``time_ms``         kernel ``gluon``: one row per peer (sdpa_cudnn, sdpa_flash, triton),
                     ratio = peer / ours (> 1: the Gluon kernel is faster); kernels
-                    ``gluon_line``, ``gluon_wave_splits``, ``gluon_merge_launch`` and
-                    ``gluon_hnd`` against ``gluon``; ``gluon_hnd`` and ``gluon_merge_launch``
-                    against ``sdpa_cudnn`` too; kernel ``triton`` against
+                    ``gluon_line``, ``gluon_wave_splits``, ``gluon_merge_launch``,
+                    ``gluon_st2_merge_launch`` and ``gluon_hnd`` against ``gluon``; ``gluon_hnd``
+                    and the two merge launches against ``sdpa_cudnn`` too; kernel ``triton`` against
                     ``sdpa_cudnn`` (the same run's reading of the chapter's kernel)
 ``graph_time_ms``   the same pairs as CUDA-graph times, where measured
 ``bandwidth_TBps``  useful bytes (`minillm.costs.paged_decode_attention_bytes`) / time of
@@ -45,7 +46,7 @@ block_size, blocks, kernel, num_splits; None for the line):
 ``rel_err``         ‖gluon − SDPA‖ / ‖SDPA‖ (the first SDPA backend that ran) and against
                     the Triton kernel's output; ``gluon_hnd`` against ``gluon`` (the same
                     arithmetic in the same order: 0 unless the layouts' reads differ);
-                    ``gluon_merge_launch`` against ``gluon`` (another merge's rounding)
+                    the two merge launches against ``gluon`` (another merge's rounding)
 ==================  ========================================================================
 
 The sweep stops starting points after ``MINILLM_CH07_GLUON_BUDGET_S`` seconds (default 240).
@@ -62,7 +63,7 @@ from minillm.costs import kv_cache_bytes, paged_decode_attention_bytes
 from minillm.kernels.ch05_paged_attention import decode_block_n
 from minillm.kernels.ch07_flash_decoding import flash_decode_attention, num_sms, num_splits_heuristic
 from minillm.kernels.ch07_flash_decoding_gluon import (
-    flash_decode_attention_gluon, gluon_decode_applies, plan_splits, to_head_major,
+    NUM_STAGES, flash_decode_attention_gluon, gluon_decode_applies, plan_splits, to_head_major,
 )
 
 from bench.ch07_flash_decoding import (
@@ -76,6 +77,8 @@ from bench.common import (
 
 BENCHMARK = "ch07_gluon"
 PEERS = ("sdpa_cudnn", "sdpa_flash", "triton")
+#: The kernels whose splits a second launch merges: name -> ring slots.
+MERGE_LAUNCHES = {"gluon_merge_launch": NUM_STAGES, "gluon_st2_merge_launch": 2}
 #: Head room asked of the GPU's free memory for building the head-major pool beside the other.
 HND_MEMORY_MARGIN = 1.1
 
@@ -149,7 +152,7 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
         pools["HND"] = tuple(to_head_major(p) for p in pools["NHD"])
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     outs = {name: torch.empty(batch, Q_HEADS, HEAD_DIM, device=device, dtype=DTYPE) for name in
-            ("gluon", "gluon_line", "gluon_wave_splits", "gluon_merge_launch", "triton", "gluon_hnd")}
+            ("gluon", "gluon_line", "gluon_wave_splits", *MERGE_LAUNCHES, "triton", "gluon_hnd")}
     lse = torch.empty(batch, Q_HEADS, device=device, dtype=torch.float32)
     hnd_call = lambda: flash_decode_attention_gluon(q, *pools["HND"], tables, lens, num_splits=plan,  # noqa: E731
                                                     kv_layout="HND", out=outs["gluon_hnd"], lse=lse)
@@ -166,8 +169,10 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
                                                  out=outs["triton"], lse=lse),
     }
     if plan > 1:
-        calls["gluon_merge_launch"] = lambda: flash_decode_attention_gluon(
-            q, k_pool, v_pool, tables, lens, num_splits=plan, merge="launch", out=outs["gluon_merge_launch"], lse=lse)
+        for name, stages in MERGE_LAUNCHES.items():
+            calls[name] = lambda name=name, stages=stages: flash_decode_attention_gluon(
+                q, k_pool, v_pool, tables, lens, num_splits=plan, merge="launch", num_stages=stages, out=outs[name],
+                lse=lse)
     if hnd_together:
         calls["gluon_hnd"] = hnd_call
     eager = interleaved_times(calls, timer, timing_rounds())
@@ -188,7 +193,7 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
 
     def add(kernel, metric, ours, peer, peer_value, **kw):
         splits = {"gluon": plan, "gluon_line": None, "gluon_wave_splits": wave_splits, "triton": wave_splits,
-                  "gluon_hnd": plan, "gluon_merge_launch": plan}[kernel]
+                  "gluon_hnd": plan, **dict.fromkeys(MERGE_LAUNCHES, plan)}[kernel]
         results.add(BENCHMARK, {**base, "kernel": kernel, "num_splits": splits}, metric, ours, peer, peer_value, **kw)
 
     for peer in PEERS:
@@ -196,17 +201,17 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
         if use_graphs:
             add("gluon", "graph_time_ms", graph_ms["gluon"], peer, graph_ms.get(peer),
                 note=f"per call, replaying a CUDA graph of {GRAPH_REPEATS} calls")
-    for other in ("gluon_line", "gluon_wave_splits", "gluon_merge_launch", "gluon_hnd"):
+    for other in ("gluon_line", "gluon_wave_splits", *MERGE_LAUNCHES, "gluon_hnd"):
         if other not in eager:
             continue
         add(other, "time_ms", eager[other], "gluon", eager["gluon"], note=hnd_note if other == "gluon_hnd" else None)
         if use_graphs and other in graph_ms:
             add(other, "graph_time_ms", graph_ms[other], "gluon", graph_ms["gluon"])
-    if "gluon_merge_launch" in eager:
-        add("gluon_merge_launch", "time_ms", eager["gluon_merge_launch"], "sdpa_cudnn", eager["sdpa_cudnn"])
-        if use_graphs:
-            add("gluon_merge_launch", "graph_time_ms", graph_ms["gluon_merge_launch"], "sdpa_cudnn",
-                graph_ms.get("sdpa_cudnn"))
+    for name in MERGE_LAUNCHES:
+        if name in eager:
+            add(name, "time_ms", eager[name], "sdpa_cudnn", eager["sdpa_cudnn"])
+            if use_graphs:
+                add(name, "graph_time_ms", graph_ms[name], "sdpa_cudnn", graph_ms.get("sdpa_cudnn"))
     add("gluon_hnd", "time_ms", eager["gluon_hnd"], "sdpa_cudnn", eager["sdpa_cudnn"], note=hnd_note)
     if use_graphs and "gluon_hnd" in graph_ms:
         add("gluon_hnd", "graph_time_ms", graph_ms["gluon_hnd"], "sdpa_cudnn", graph_ms.get("sdpa_cudnn"))
@@ -225,8 +230,9 @@ def _point(results: Results, device, batch: int, kv_heads: int, context: int, ti
         note=f"whole batch against {sdpa_out[0]}" if sdpa_out else "no SDPA backend ran")
     add("gluon", "rel_err", rel_err(outs["gluon"], outs["triton"]), "triton", None)
     add("gluon_hnd", "rel_err", rel_err(outs["gluon_hnd"], outs["gluon"]), "gluon", None)
-    if "gluon_merge_launch" in eager:
-        add("gluon_merge_launch", "rel_err", rel_err(outs["gluon_merge_launch"], outs["gluon"]), "gluon", None)
+    for name in MERGE_LAUNCHES:
+        if name in eager:
+            add(name, "rel_err", rel_err(outs[name], outs["gluon"]), "gluon", None)
 
 
 def summary(results: Results | dict) -> str:

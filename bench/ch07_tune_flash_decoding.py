@@ -4,7 +4,7 @@ split count, the asynchronized softmax's variants and the host overhead of one c
 Run on a GPU: ``python -m bench.ch07_tune_flash_decoding [part ...]`` (parts: overhead, config,
 async, splits, fused, hopper, hopper2, gluon, gluon_balance, gluon_layout,
 gluon_placement, gluon_fixed_cost, gluon_fixed_breakdown, gluon_grid, gluon_pipeline,
-gluon_contiguous, gluon_occupancy, gluon_merge, gluon_ncu_target; default all but the sm_90 parts). Prints compact
+gluon_contiguous, gluon_occupancy, gluon_merge, gluon_short_calls, gluon_ncu_target; default all but the sm_90 parts). Prints compact
 tables; times are per call replaying a CUDA graph of 16 calls (`bench.common.graph_time_ms`)
 unless marked eager."""
 from __future__ import annotations
@@ -460,8 +460,8 @@ def _gluon_variants(title: str, points, variants_of, base: str, hnd: bool = Fals
             copies.append((q, {"NHD": (k, v), "HND": head_major}, tables, lens,
                            *decode_outputs(q, None, None)))
 
-        def glu(layout="NHD", block_n=64, programs=None, **kw):
-            splits = plan_splits(b, hkv, ctx, programs or sms, block_n)
+        def glu(layout="NHD", block_n=64, programs=None, splits=None, **kw):
+            splits = splits or plan_splits(b, hkv, ctx, programs or sms, block_n)
             return [lambda c=c: flash_decode_attention_gluon(c[0], *c[1][layout], c[2], c[3], num_splits=splits,
                                                              block_n=block_n, programs=programs, out=c[4], lse=c[5],
                                                              kv_layout=layout, **kw) for c in copies]
@@ -530,6 +530,25 @@ def gluon_merge():
               (8, 8, 32768), (1, 32, 131072), (8, 8, 131072)]
     _gluon_variants("gluon_merge", points, lambda glu, *_: {
         "last": glu(), "launch": glu(merge="launch"), "launch pdl": glu(merge="launch_pdl")}, "last")
+
+
+def gluon_short_calls():
+    """The calls whose plan splits, where fixed costs weigh: the ring's depth (2 slots against
+    3), the merge (in the kernel or a second launch) and half the planned splits, alone and
+    combined; CUDA-graph times on 4 copies for the small caches, else eager."""
+    def variants(glu, b, hkv, ctx):
+        plan = plan_splits(b, hkv, ctx, fd.num_sms(DEV))
+        out = {"default": glu(), "launch": glu(merge="launch"), "st2": glu(num_stages=2),
+               "st2 launch": glu(num_stages=2, merge="launch")}
+        if plan >= 4:
+            out |= {"S/2": glu(splits=plan // 2), "S/2 launch": glu(splits=plan // 2, merge="launch"),
+                    "S/2 st2 launch": glu(splits=plan // 2, num_stages=2, merge="launch")}
+        return out
+
+    from minillm.kernels.ch07_flash_decoding_gluon import plan_splits
+    points = [(1, 8, 4096), (1, 8, 32768), (1, 8, 131072), (1, 32, 4096), (1, 32, 32768), (8, 8, 4096),
+              (8, 8, 32768)]
+    _gluon_variants("gluon_short_calls", points, variants, "default")
 
 
 def gluon_ncu_target():
@@ -812,6 +831,7 @@ if __name__ == "__main__":
          "hopper": hopper, "hopper2": hopper2, "gluon": gluon, "gluon_balance": gluon_balance,
          "gluon_layout": gluon_layout, "gluon_placement": gluon_placement,
          "gluon_fixed_cost": gluon_fixed_cost, "gluon_fixed_breakdown": gluon_fixed_breakdown,
-         "gluon_grid": gluon_grid, "gluon_occupancy": gluon_occupancy, "gluon_merge": gluon_merge, "gluon_ncu_target": gluon_ncu_target,
+         "gluon_grid": gluon_grid, "gluon_occupancy": gluon_occupancy, "gluon_merge": gluon_merge,
+         "gluon_short_calls": gluon_short_calls, "gluon_ncu_target": gluon_ncu_target,
          "gluon_pipeline": gluon_pipeline, "gluon_contiguous": gluon_contiguous}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)
