@@ -4,9 +4,9 @@ split count, the asynchronized softmax's variants and the host overhead of one c
 Run on a GPU: ``python -m bench.ch07_tune_flash_decoding [part ...]`` (parts: overhead, config,
 async, splits, fused, hopper, hopper2, gluon, gluon_balance, gluon_layout,
 gluon_placement, gluon_fixed_cost, gluon_fixed_breakdown, gluon_grid, gluon_pipeline,
-gluon_contiguous, gluon_occupancy, gluon_merge, gluon_short_calls, gluon_ncu_target; default all but the sm_90 parts). Prints compact
-tables; times are per call replaying a CUDA graph of 16 calls (`bench.common.graph_time_ms`)
-unless marked eager."""
+gluon_contiguous, gluon_occupancy, gluon_merge, gluon_short_calls, gluon_ncu_target; default
+all but the sm_90 parts). Prints compact tables; times are per call replaying a CUDA graph
+of 16 calls (`bench.common.graph_time_ms`) unless marked eager."""
 from __future__ import annotations
 
 import math
@@ -502,9 +502,9 @@ def gluon_occupancy():
     """Bytes in flight per SM: one program per SM with 3 ring slots (the default), with 2, and
     two programs per SM (``programs = 2 · SMs``, splits planned for that many) with 2 slots.
     Deeper rings of one program ran 1-3 % slower (`gluon_pipeline`); two programs double the
-    loaders and the consumers instead of the slots. (Two programs of 3 slots, 2 x 115 KB of
-    shared memory at head dim 128, do not fit in an SM's 228 KB; two of 2 slots, 2 x 82.5 KB,
-    do.) Also each variant's shared memory and registers."""
+    loaders and the consumers instead of the slots. (Two programs of 3 slots, 2 x 123 KB of
+    shared memory at head dim 128 under Triton 3.6, do not fit in an SM's 228 KB; two of 2
+    slots, 2 x 90 KB, do.) Also each variant's shared memory and registers."""
     from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon
 
     sms = fd.num_sms(DEV)
@@ -536,6 +536,8 @@ def gluon_short_calls():
     """The calls whose plan splits, where fixed costs weigh: the ring's depth (2 slots against
     3), the merge (in the kernel or a second launch) and half the planned splits, alone and
     combined; CUDA-graph times on 4 copies for the small caches, else eager."""
+    from minillm.kernels.ch07_flash_decoding_gluon import plan_splits
+
     def variants(glu, b, hkv, ctx):
         plan = plan_splits(b, hkv, ctx, fd.num_sms(DEV))
         out = {"default": glu(), "launch": glu(merge="launch"), "st2": glu(num_stages=2),
@@ -545,16 +547,21 @@ def gluon_short_calls():
                     "S/2 st2 launch": glu(splits=plan // 2, num_stages=2, merge="launch")}
         return out
 
-    from minillm.kernels.ch07_flash_decoding_gluon import plan_splits
     points = [(1, 8, 4096), (1, 8, 32768), (1, 8, 131072), (1, 32, 4096), (1, 32, 32768), (8, 8, 4096),
               (8, 8, 32768)]
     _gluon_variants("gluon_short_calls", points, variants, "default")
 
 
 def gluon_ncu_target():
-    """Calls for Nsight Compute to time kernel by kernel (run under ``ncu``, see
-    ``gluon_ncu`` in the chapter's notes): at batch 1, 8 KV heads, 4k and 32k keys, two calls
-    each of the Gluon kernel, the Triton kernel and SDPA cuDNN on a contiguous cache."""
+    """Calls for Nsight Compute to time kernel by kernel: at batch 1, 8 KV heads, 4k and 32k
+    keys, two calls each of the Gluon kernel, the Triton kernel and SDPA cuDNN on a contiguous
+    cache. Run as ``ncu --target-processes all --clock-control none --kernel-name-base function
+    --kernel-name 'regex:_decode_kernel|_split_kernel|_merge|cudnn|fmha|sdpa|flash|attn|Attn|Fmha|sm90'
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,
+    dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__block_size,
+    launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active --csv
+    --print-units base python -m bench.ch07_tune_flash_decoding gluon_ncu_target`` (the metrics
+    one comma-separated list; ncu empties the caches before each kernel)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -733,7 +740,8 @@ def gluon_fixed_breakdown():
                                 (" merge launch", 0, plan, {"merge": "launch"}),
                                 (" merge launch_pdl", 0, plan, {"merge": "launch_pdl"}),
                                 (" merge launch", 64, plan, {"merge": "launch"}),
-                                (" merge launch_pdl", 64, plan, {"merge": "launch_pdl"}), (" (no merge)", 64, 1, {})):
+                                (" merge launch_pdl", 64, plan, {"merge": "launch_pdl"}),
+                                (" (no merge)", 64, 1, {})):
         calls[f"gluon L={n} S={splits}{name}"] = lambda n=n, s=splits, kw=kw: flash_decode_attention_gluon(
             q, k, v, tables, lengths[n], num_splits=s, out=out, lse=lse, **kw)
     for n in (0, 64):
