@@ -713,7 +713,8 @@ def gluon_fixed_breakdown():
     launch floor); the Gluon kernel on empty sequences with the split count of a 4k context
     (every program starts, loads its queries, stores an empty partial and arrives at the merge,
     and the last one merges) and with one split (no merge: the merge's share is the
-    difference); on one 64-key tile (the first tile's wait); the Triton kernel on the same
+    difference); on one 64-key tile (the first tile's wait); both lengths also with the merge in
+    a second launch (``merge="launch"`` and ``"launch_pdl"``); the Triton kernel on the same
     lengths and SDPA cuDNN on 64 keys. (Bytes are negligible here, so one copy of the cache
     serves: `gluon_fixed_cost` has the calls that stream.)"""
     import torch.nn.functional as F
