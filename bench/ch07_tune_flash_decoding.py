@@ -4,8 +4,8 @@ split count, the asynchronized softmax's variants and the host overhead of one c
 Run on a GPU: ``python -m bench.ch07_tune_flash_decoding [part ...]`` (parts: overhead, config,
 async, splits, fused, hopper, hopper2, gluon, gluon_balance, gluon_layout,
 gluon_placement, gluon_fixed_cost, gluon_fixed_breakdown, gluon_grid, gluon_pipeline,
-gluon_contiguous, gluon_occupancy, gluon_merge, gluon_short_calls, gluon_ncu_target; default
-all but the sm_90 parts). Prints compact tables; times are per call replaying a CUDA graph
+gluon_contiguous, gluon_occupancy, gluon_merge, gluon_short_calls, gluon_ncu_target,
+gluon_timeline, gluon_turns; default all but the sm_90 parts). Prints compact tables; times are per call replaying a CUDA graph
 of 16 calls (`bench.common.graph_time_ms`) unless marked eager."""
 from __future__ import annotations
 
@@ -552,10 +552,14 @@ def gluon_short_calls():
     _gluon_variants("gluon_short_calls", points, variants, "default")
 
 
+#: Nsight Compute's points (batch, KV heads, context): batch 1 at 4k and 32k keys, and one
+#: where the batch fills the GPU (two units per program).
+NCU_POINTS = [(1, 8, 4096), (1, 8, 32768), (32, 8, 32768)]
+
+
 def gluon_ncu_target():
-    """Calls for Nsight Compute to time kernel by kernel: at batch 1, 8 KV heads, 4k and 32k
-    keys, two calls each of the Gluon kernel, the Triton kernel and SDPA cuDNN on a contiguous
-    cache. Run as ``ncu --target-processes all --clock-control none --kernel-name-base function
+    """Calls for Nsight Compute to time kernel by kernel: at each of `NCU_POINTS`, two calls
+    each of the Gluon kernel, the Triton kernel and SDPA cuDNN on a contiguous cache. Run as ``ncu --target-processes all --clock-control none --kernel-name-base function
     --kernel-name 'regex:_decode_kernel|_split_kernel|_merge|cudnn|fmha|sdpa|flash|attn|Attn|Fmha|sm90'
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,
     dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__block_size,
@@ -569,11 +573,11 @@ def gluon_ncu_target():
     from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, plan_splits
 
     sms = fd.num_sms(DEV)
-    for ctx in (4096, 32768):
-        q, k, v, tables, lens = inputs(1, 8, ctx)
+    for b, hkv, ctx in NCU_POINTS:
+        q, k, v, tables, lens = inputs(b, hkv, ctx)
         out, lse = decode_outputs(q, None, None)
-        plan, wave = plan_splits(1, 8, ctx, sms), fd.num_splits_heuristic(1, 8, ctx, sms, 128)
-        k_c, v_c = contiguous_cache(3, 1, 8, ctx, D, DT, DEV)
+        plan, wave = plan_splits(b, hkv, ctx, sms), fd.num_splits_heuristic(b, hkv, ctx, sms, 128)
+        k_c, v_c = contiguous_cache(3, b, hkv, ctx, D, DT, DEV)
         q4 = q[:, :, None]
         for _ in range(2):
             flash_decode_attention_gluon(q, k, v, tables, lens, num_splits=plan, out=out, lse=lse)
@@ -581,7 +585,7 @@ def gluon_ncu_target():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 F.scaled_dot_product_attention(q4, k_c, v_c, enable_gqa=True)
         torch.cuda.synchronize()
-        print(f"  L={ctx}: done (S plan {plan}, wave {wave})", flush=True)
+        print(f"  B={b} Hkv={hkv} L={ctx}: done (S plan {plan}, wave {wave})", flush=True)
 
 
 def placement_tables(tables: torch.Tensor, run: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -757,6 +761,121 @@ def gluon_fixed_breakdown():
         print(f"  {name}: {graph_time_ms(fn, 32, timer) * 1e3:.2f}", flush=True)
 
 
+#: The timeline's points (batch, KV heads, context): the two batch-1 calls that split 16 ways,
+#: and three where the batch fills the GPU (2, 1 and 2 units per program).
+TIMELINE_POINTS = [(1, 8, 4096), (1, 8, 32768), (8, 8, 32768), (32, 8, 32768), (8, 32, 32768)]
+
+
+def gluon_timeline():
+    """What each program of one call does, on the GPU's own clocks: the Gluon kernel (defaults)
+    with a timeline (`TIMELINE_EVENTS`: start, the loader's first copies, the first tile in
+    shared memory, the keys done, the end), replayed as a CUDA graph of 16 calls over enough
+    copies of the cache that every call reads HBM (one timeline per copy: its last call's
+    stamps). Prints, per point, the graph's time per call (the stamps included) and the medians over those calls of: the spread of the programs'
+    starts; start to first copy and to first tile (median and slowest program); the keys'
+    stream (fastest, median, slowest program); keys done to end (median; the slowest is the
+    merging program); how far the last end is past the median end; the whole span. Saves every
+    stamp (global-timer ns from the call's first start) to ``$OUT/ch07_gluon_timeline.json``
+    (``OUT`` default ``.``) for Chapter 7's plot."""
+    import json
+    import os
+
+    from minillm.kernels.base import capture_calls, l2_copies
+    from minillm.kernels.ch07_flash_decoding_gluon import TIMELINE_EVENTS, flash_decode_attention_gluon, plan_splits
+
+    print("\n== gluon_timeline: us on the GPU's global timer, medians over calls ==")
+    sms = fd.num_sms(DEV)
+    saved = {"events": list(TIMELINE_EVENTS), "device": torch.cuda.get_device_name(DEV), "points": []}
+    for b, hkv, ctx in TIMELINE_POINTS:
+        plan = plan_splits(b, hkv, ctx, sms)
+        cache_bytes = 2 * b * hkv * ctx * D * 2
+        n_copies = l2_copies(cache_bytes, DEV, 8)
+        copies = [inputs(b, hkv, ctx) for _ in range(n_copies)]
+        timelines = [torch.zeros(sms, 2, len(TIMELINE_EVENTS), dtype=torch.int64, device=DEV) for _ in copies]
+        fns = []
+        for (q, k, v, tables, lens), tl_ in zip(copies, timelines):
+            out, lse = decode_outputs(q, None, None)
+            fns.append(lambda q=q, k=k, v=v, t=tables, n=lens, o=out, l=lse, tl_=tl_: flash_decode_attention_gluon(
+                q, k, v, t, n, num_splits=plan, out=o, lse=l, timeline=tl_))
+        n_calls = -(-16 // n_copies) * n_copies
+        graph = capture_calls(fns, n_calls)
+        call_us = timer(graph.replay) / n_calls * 1e3  # (also leaves every timeline filled)
+        torch.cuda.synchronize()
+        grid = min(sms, b * hkv * plan)
+        stats, calls = [], []
+        for tl_ in timelines:
+            ns = tl_[:grid, 0].double().cpu()
+            ns = ns - ns[:, 0].min()
+            start, first_copy, first_tile, keys_done, end = ns.unbind(1)
+            us = lambda x: x / 1e3  # noqa: E731
+            stream, finish = keys_done - first_tile, end - keys_done
+            stats.append({
+                "start spread": us(start.max() - start.min()), "to first copy": us((first_copy - start).median()),
+                "to first tile": us((first_tile - start).median()), "slowest first tile": us(
+                    (first_tile - start).max()), "stream min": us(stream.min()), "stream median": us(stream.median()),
+                "stream max": us(stream.max()), "finish median": us(finish.median()), "finish max": us(finish.max()),
+                "last end past median": us(end.max() - end.median()), "span": us(end.max())})
+            calls.append(ns.tolist())
+        med = {name: statistics.median(float(st[name]) for st in stats) for name in stats[0]}
+        print(f"  B={b:2} Hkv={hkv:2} L={ctx:6} S={plan} programs={grid} calls={len(stats)} "
+              f"graph {call_us:.2f} us per call: "
+              + " | ".join(f"{name} {value:.2f}" for name, value in med.items()), flush=True)
+        saved["points"].append({"batch": b, "kv_heads": hkv, "context": ctx, "num_splits": plan, "programs": grid,
+                                "graph_us_per_call": call_us, "medians_us": med, "calls_ns": calls})
+        del copies, fns, graph
+        torch.cuda.empty_cache()
+    path = os.path.join(os.environ.get("OUT", "."), "ch07_gluon_timeline.json")
+    with open(path, "w") as f:
+        json.dump(saved, f)
+    print(f"  saved {path}", flush=True)
+
+
+def gluon_turns():
+    """Is a slow reading the kernel or its turn? At the two 128k points whose default reading
+    came out 6-13 % above an identical-code variant in some runs (the default is the first call
+    of every round in `bench.ch07_gluon`), the default kernel three times in one round (first,
+    middle, last), beside the merge launch (the same split plan and stream) and the Triton
+    kernel; eager, taking turns, 5 rounds, each round's times printed. Then one call of the
+    default and one of the merge launch with a timeline (eager), summarised as in
+    ``gluon_timeline``."""
+    from bench.common import interleaved_times
+    from minillm.kernels.ch07_flash_decoding_gluon import TIMELINE_EVENTS, flash_decode_attention_gluon, plan_splits
+
+    print("\n== gluon_turns: eager us per call, by position in the round ==")
+    sms = fd.num_sms(DEV)
+    for b, hkv, ctx in [(8, 8, 131072), (1, 32, 131072)]:
+        q, cudnn_ms, (k, v, tables, lens) = cudnn_then_pool(b, hkv, ctx)
+        out, lse = decode_outputs(q, None, None)
+        plan, wave = plan_splits(b, hkv, ctx, sms), fd.num_splits_heuristic(b, hkv, ctx, sms, 128)
+        default = lambda **kw: flash_decode_attention_gluon(q, k, v, tables, lens, num_splits=plan, out=out,  # noqa
+                                                            lse=lse, **kw)
+        calls = {"default first": default, "merge launch": lambda: default(merge="launch"),
+                 "default middle": default,
+                 "triton": lambda: fd.flash_decode_attention(q, k, v, tables, lens, num_splits=wave, out=out, lse=lse),
+                 "default last": default}
+        rounds = []
+        for _ in range(5):
+            rounds.append(interleaved_times(calls, timer, 1))
+        print(f"  B={b:2} Hkv={hkv:2} L={ctx:6} S={plan}: cuDNN {cudnn_ms * 1e3:.1f}", flush=True)
+        for name in calls:
+            ts = [r[name] * 1e3 for r in rounds]
+            print(f"    {name}: " + " ".join(f"{t:.1f}" for t in ts) + f" | median {statistics.median(ts):.1f}",
+                  flush=True)
+        for name, kw in (("default", {}), ("merge launch", {"merge": "launch"})):
+            tl_ = torch.zeros(sms, 2, len(TIMELINE_EVENTS), dtype=torch.int64, device=DEV)
+            default(timeline=tl_, **kw)
+            torch.cuda.synchronize()
+            ns = tl_[:min(sms, b * hkv * plan), 0].double().cpu()
+            ns = (ns - ns[:, 0].min()) / 1e3
+            start, first_copy, first_tile, keys_done, end = ns.unbind(1)
+            stream = keys_done - first_tile
+            print(f"    timeline {name}: start spread {start.max() - start.min():.2f} | first tile "
+                  f"{(first_tile - start).median():.2f} | stream {stream.min():.1f}/{stream.median():.1f}/"
+                  f"{stream.max():.1f} | finish max {(end - keys_done).max():.2f} | span {end.max():.1f}", flush=True)
+        del calls, k, v
+        torch.cuda.empty_cache()
+
+
 def gluon_grid():
     """The persistent grid's size at the points where units outnumber the SMs: with ``U`` units
     on ``P`` programs the last round is partial unless ``P`` divides ``U``; the smallest grid
@@ -842,5 +961,6 @@ if __name__ == "__main__":
          "gluon_fixed_cost": gluon_fixed_cost, "gluon_fixed_breakdown": gluon_fixed_breakdown,
          "gluon_grid": gluon_grid, "gluon_occupancy": gluon_occupancy, "gluon_merge": gluon_merge,
          "gluon_short_calls": gluon_short_calls, "gluon_ncu_target": gluon_ncu_target,
-         "gluon_pipeline": gluon_pipeline, "gluon_contiguous": gluon_contiguous}[part]()
+         "gluon_pipeline": gluon_pipeline, "gluon_contiguous": gluon_contiguous,
+         "gluon_timeline": gluon_timeline, "gluon_turns": gluon_turns}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)

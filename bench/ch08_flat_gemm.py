@@ -104,8 +104,9 @@ TOLERANCE = 0.02
 #: The dispatcher and the fastest kernel are each graph-timed this many times, alternately,
 #: the first of the pair alternating too (a graph timed first in a round can find the GPU's
 #: clocks lower: with three rounds and a fixed order, one point of 112 read the same cuBLAS
-#: call 5 % apart on an H200).
-DISPATCH_ROUNDS = 5
+#: call 5 % apart on an H200; with five alternating rounds one still read it 4 % apart, the
+#: Llama-2-7B down projection at M = 192, 2026-12-01).
+DISPATCH_ROUNDS = 9
 WARMUP_MS, REP_MS = 10, 50
 #: Graph timing: cycle over copies of the weights until they take this many bytes (several
 #: times the H200's 60 MB L2), but never more than this many copies.

@@ -23,7 +23,9 @@ This module writes the same algorithm with Gluon (the layer under Triton, see Ch
   that whole units leave; measured in Chapter 7, slower except where programs are long);
 - the splits are merged in the same launch by the last of a group's programs to finish
   (an arrival counter, as `flash_decode_attention`'s one-launch merge), or (``merge="launch"``,
-  measured in Chapter 7) by a second launch, Chapter 7's stage 2.
+  measured in Chapter 7) by a second launch, Chapter 7's stage 2;
+- for measuring, ``timeline=`` makes every program stamp the GPU's clocks at five events of
+  its work (`TIMELINE_EVENTS`; compiled in only then): Chapter 7's program-by-program view.
 
 Scope (`gluon_decode_applies`): an sm_90 GPU, bf16, head_dim 64 or 128, any GQA group up to
 64 query heads per KV head, a paged pool ``[num_blocks, block_size, kv_heads, head_dim]``
@@ -54,7 +56,7 @@ from minillm.kernels.ch05_paged_attention import check_paged, decode_outputs
 from minillm.kernels.ch07_flash_decoding import MAX_SPLITS, cached_workspace, reduce_splits
 
 __all__ = ["flash_decode_attention_gluon", "gluon_decode_applies", "plan_splits", "balanced_slots", "as_token_major",
-           "to_head_major", "BLOCK_N", "NUM_STAGES", "ROWS", "KV_LAYOUTS"]
+           "to_head_major", "BLOCK_N", "NUM_STAGES", "ROWS", "KV_LAYOUTS", "TIMELINE_EVENTS"]
 
 #: Keys per tile, and ring slots (each a K and a V tile: 32 KB at head dim 128). Chosen on an
 #: H200 (`bench.ch07_tune_flash_decoding` part ``gluon``, CUDA-graph times at six points,
@@ -68,6 +70,12 @@ NUM_STAGES = 3
 MERGE_SPLITS, MERGE_ROWS = 16, 64
 #: Rows of the query tile: one warpgroup's ``wgmma`` is 64 rows tall.
 ROWS = 64
+#: What a timeline (`flash_decode_attention_gluon`'s ``timeline``) records per program, in
+#: this order: the consumer's start, the loader's first copies issued, the first K tile in
+#: shared memory, the last piece's keys done, the program's end (its last partial stored, and
+#: merged if it was the last to arrive).
+TIMELINE_EVENTS = ("start", "first copy", "first tile", "keys done", "end")
+_N_EVENTS = gl.constexpr(len(TIMELINE_EVENTS))
 
 
 # ----------------------------------------------------------------------------------------
@@ -76,6 +84,19 @@ ROWS = 64
 @gluon.jit
 def _add(a, b):
     return a + b
+
+
+@gluon.jit
+def _stamp(timeline, event: gl.constexpr, TIMELINE: gl.constexpr):
+    """With ``TIMELINE``, this program's clocks at ``event`` (an index of `TIMELINE_EVENTS`)
+    into ``timeline``'s row for it: ``[programs, 2, events]`` int64, the GPU's global timer (ns,
+    one clock for all SMs) and the SM's cycle counter (finer, this SM's own)."""
+    if TIMELINE:
+        row = timeline + gl.program_id(0) * (2 * _N_EVENTS)
+        ns = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+        cycles = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+        gl.store(row + event, ns)
+        gl.store(row + _N_EVENTS + event, cycles)
 
 
 @gluon.jit
@@ -222,8 +243,8 @@ def _load_tile(desc, rows, col0, ready, ring, slot, BOX: gl.constexpr, BLOCK_N: 
 @gluon.jit
 def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, block_tables, seq_lens,
             stride_tb, batch, kv_heads, num_splits, block_size, block_rows, head_rows, head_cols, num_blocks,
-            max_blocks, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr,
-            LINE: gl.constexpr):
+            max_blocks, timeline, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr,
+            NUM_STAGES: gl.constexpr, LINE: gl.constexpr, TIMELINE: gl.constexpr):
     """One warp: the K and V tiles of this program's pieces into the rings, in the order the
     consumer uses them (the same walk). A slot is refilled once the consumer has arrived on
     its empty barrier (on the first pass the wait is for parity 1, which a fresh barrier
@@ -252,6 +273,8 @@ def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 
             _load_tile(k_desc, rows, col0, k_ready.index(slot), k_smem, slot, BOX, BLOCK_N, D_CHUNKS)
             mbarrier.wait(v_empty.index(slot), free)
             _load_tile(v_desc, rows, col0, v_ready.index(slot), v_smem, slot, BOX, BLOCK_N, D_CHUNKS)
+            if it == 0:
+                _stamp(timeline, 1, TIMELINE)
             rows = next_rows
             it += 1
         pos, b, kv_h, unit_start, unit_len, seq_len = _walk_next(pos, end, b, kv_h, unit_start, unit_len, seq_len,
@@ -503,13 +526,15 @@ def _keys_pipelined(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 
 def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr, seq_lens, o_part, lse_part, out,
               lse, counters, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_lpb, stride_lph,
               stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, batch, group, kv_heads, num_splits,
-              block_size, max_blocks, qk_scale, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
+              block_size, max_blocks, qk_scale, timeline, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, BOX: gl.constexpr, LINE: gl.constexpr, SPLIT: gl.constexpr,
-              MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, PIPELINE: gl.constexpr, MERGE_LAST: gl.constexpr):
+              MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, PIPELINE: gl.constexpr, MERGE_LAST: gl.constexpr,
+              TIMELINE: gl.constexpr):
     """One warpgroup: for each of this program's pieces, the online softmax over its tiles
     (base 2, FA2's unscaled accumulator), then the piece's result: the output itself when the
     piece is its unit's only one, else (``SPLIT``) a partial in the fp32 workspace and the
     merge by the unit's last program to finish (`_merge_if_last`)."""
+    _stamp(timeline, 0, TIMELINE)
     D_CHUNKS: gl.constexpr = HEAD_D // 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -531,6 +556,10 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr,
         acc0 = gl.zeros([64, 64], gl.float32, o_layout)
         acc1 = gl.zeros([64, 64], gl.float32, o_layout)
         n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        if TIMELINE:
+            if it == 0 and n_tiles > 0:  # an extra wait on the first tile, for its arrival's time
+                mbarrier.wait(k_ready.index(0), 0)
+                _stamp(timeline, 2, TIMELINE)
         if PIPELINE:
             acc0, acc1, m_i, l_i = _keys_pipelined(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, acc0,
                                                    acc1, m_i, l_i, s_zero, cols, it, lo, hi, n_tiles, qk_scale,
@@ -540,6 +569,7 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr,
                                                  acc1, m_i, l_i, s_zero, cols, it, lo, hi, n_tiles, qk_scale,
                                                  p_layout, o_rows, NUM_STAGES, BLOCK_N, D_CHUNKS)
         it += n_tiles
+        _stamp(timeline, 3, TIMELINE)
         out_b = out + pb.to(gl.int64) * stride_ob + (pkv * group) * stride_oh
         lse_b = lse + pb.to(gl.int64) * stride_lb + (pkv * group) * stride_lh
         if SPLIT:
@@ -551,6 +581,7 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr,
                           MERGE_LAST)
         else:  # every unit is one piece: no merge code at all
             _store_partial(acc0, acc1, m_i, l_i, out_b, lse_b, stride_oh, stride_lh, group, D_CHUNKS)
+        _stamp(timeline, 4, TIMELINE)
         pos, b, kv_h, unit_start, unit_len, seq_len = _walk_next(pos, end, b, kv_h, unit_start, unit_len, seq_len,
                                                                  seq_lens, batch, kv_heads, capacity, LINE, BOX)
 
@@ -560,11 +591,11 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
                    stride_qb, stride_qh, stride_tb, stride_pb, stride_ph, stride_ps, stride_lpb, stride_lph,
                    stride_ob, stride_oh, stride_lb, stride_lh, stride_cb,
                    batch, group, kv_heads, num_splits, block_size, block_rows, head_rows, head_cols, num_blocks,
-                   max_blocks, qk_scale,
+                   max_blocks, qk_scale, timeline,
                    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr,
                    LINE: gl.constexpr, SPLIT: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr,
                    LOADER_REGS: gl.constexpr, PIPELINE: gl.constexpr, MERGE_LAST: gl.constexpr,
-                   LAUNCH_DEPENDENTS: gl.constexpr):
+                   LAUNCH_DEPENDENTS: gl.constexpr, TIMELINE: gl.constexpr):
     """A 1-d grid of at most one program per SM, each walking its work: units ``pid``, ``pid +
     P``, ..., or (``LINE``) its chunk of the work line. ``num_warps=4``: the consumer (the
     default partition) and a one-warp loader. Shared memory: the query tile and
@@ -593,11 +624,11 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
         [(_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr, seq_lens, o_part, lse_part,
                       out, lse, counters, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_lpb,
                       stride_lph, stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, batch, group, kv_heads,
-                      num_splits, block_size, max_blocks, qk_scale, HEAD_D, BLOCK_N, NUM_STAGES, BOX, LINE, SPLIT,
-                      MERGE_H, MERGE_S, PIPELINE, MERGE_LAST)),
+                      num_splits, block_size, max_blocks, qk_scale, timeline, HEAD_D, BLOCK_N, NUM_STAGES, BOX, LINE,
+                      SPLIT, MERGE_H, MERGE_S, PIPELINE, MERGE_LAST, TIMELINE)),
          (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, block_tables, seq_lens,
                     stride_tb, batch, kv_heads, num_splits, block_size, block_rows, head_rows, head_cols, num_blocks,
-                    max_blocks, HEAD_D, BLOCK_N, BOX, NUM_STAGES, LINE))],
+                    max_blocks, timeline, HEAD_D, BLOCK_N, BOX, NUM_STAGES, LINE, TIMELINE))],
         [1],
         [LOADER_REGS],
     )
@@ -726,7 +757,8 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                                  block_n: int = BLOCK_N, num_stages: int = NUM_STAGES,
                                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                                  kv_layout: str = "NHD", pipeline: bool = False, loader_regs: int = 40,
-                                 merge: str = "last", compile_only: bool = False):
+                                 merge: str = "last", timeline: torch.Tensor | None = None,
+                                 compile_only: bool = False):
     """`flash_decode_attention`'s contract (``q: [batch, q_heads, head_dim]``, pools
     ``[num_blocks, block_size, kv_heads, head_dim]``, ``block_tables: [batch, max_blocks]``
     int32, ``seq_lens: [batch]``; returns ``(out [batch, q_heads, head_dim] bf16, lse [batch,
@@ -754,6 +786,10 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
       launch (Chapter 7's stage 2, `reduce_splits`) after every program stored its partial;
       ``"launch_pdl"``, that launch as a programmatic dependent launch (scheduled while the
       decode kernel runs, it waits for the kernel's end before it reads). ``"units"`` only;
+    - ``timeline``: an int64 tensor ``[programs, 2, len(TIMELINE_EVENTS)]`` (zeros) that the
+      kernel, compiled with the stamps, fills with each program's clocks at `TIMELINE_EVENTS`
+      (``[:, 0]``: the global timer in ns, ``[:, 1]``: the SM's cycles; a program with no work
+      leaves zeros after its start; the last piece's stamps win). For measuring, not serving;
     - ``compile_only``: compile for the current device without launching; returns the kernel."""
     reason = (_layout_reason if compile_only else _reason)(q, k_cache, v_cache, kv_layout)
     if reason:
@@ -776,6 +812,9 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         raise ValueError("the line's units have a varying number of pieces: only merge='last' merges them")
     if batch * q_heads == 0 and not compile_only:
         return out, lse
+    if timeline is not None and (timeline.dtype != torch.int64 or not timeline.is_contiguous()
+                                 or tuple(timeline.shape[1:]) != (2, len(TIMELINE_EVENTS))):
+        raise ValueError(f"timeline must be a contiguous int64 tensor [programs, 2, {len(TIMELINE_EVENTS)}]")
     box = min(block_size, block_n)
     capacity = block_tables.shape[1] * block_size
     programs = programs or num_sms(q.device)
@@ -793,6 +832,8 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
             raise ValueError(f"num_splits must be an integer >= 1, got {num_splits}")
         num_splits = slots = int(num_splits)
         grid = max(1, min(programs, batch * kv_heads * num_splits))
+    if timeline is not None and timeline.shape[0] < grid:
+        raise ValueError(f"timeline has {timeline.shape[0]} rows for {grid} programs")
     split = slots > 1
     if split:
         o_part, lse_part, counters = cached_workspace(batch, q_heads, slots, head_dim, q.device)
@@ -805,10 +846,12 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
             lse_part, out, lse, counters, q.stride(0), q.stride(1), block_tables.stride(0), o_part.stride(0),
             o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
             lse.stride(0), lse.stride(1), counters.stride(0), batch, q_heads // kv_heads, kv_heads, num_splits,
-            block_size, block_rows, head_rows, head_cols, num_blocks, block_tables.shape[1], qk_scale)
+            block_size, block_rows, head_rows, head_cols, num_blocks, block_tables.shape[1], qk_scale,
+            seq_lens if timeline is None else timeline)  # (an unused placeholder without one)
     meta = dict(HEAD_D=head_dim, BLOCK_N=block_n, BOX=box, NUM_STAGES=num_stages, LINE=schedule == "line",
                 SPLIT=split, MERGE_H=merge_h, LOADER_REGS=loader_regs, PIPELINE=bool(pipeline), num_warps=4,
                 MERGE_LAST=merge == "last", LAUNCH_DEPENDENTS=split and merge == "launch_pdl",
+                TIMELINE=timeline is not None,
                 MERGE_S=max(1, min(MERGE_SPLITS, MERGE_ROWS // merge_h, triton.next_power_of_2(slots))))
     if compile_only:
         return _decode_kernel.warmup(*args, grid=(grid,), **meta)

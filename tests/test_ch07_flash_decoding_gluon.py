@@ -27,8 +27,8 @@ from minillm.kernels.base import triton
 from minillm.kernels.ch04_flash_attention_gluon import GLUON_VERSIONS
 from minillm.kernels.ch07_flash_decoding import cached_workspace
 from minillm.kernels.ch07_flash_decoding_gluon import (
-    BLOCK_N, KV_LAYOUTS, as_token_major, balanced_slots, flash_decode_attention_gluon, gluon_decode_applies,
-    plan_splits, to_head_major,
+    BLOCK_N, KV_LAYOUTS, TIMELINE_EVENTS, as_token_major, balanced_slots, flash_decode_attention_gluon,
+    gluon_decode_applies, plan_splits, to_head_major,
 )
 from minillm.paged import PAD
 from minillm.reference import attention
@@ -226,6 +226,16 @@ for merge in ("launch", "launch_pdl"):  # the splits merged by a second launch
     facts[f"merge {merge}"] = {
         "atomics": "atom.global" in ptx, "trigger": "griddepcontrol.launch_dependents" in ptx,
         "local": "ld.local" in ptx or "st.local" in ptx, "stack": stack_bytes(compiled.asm["cubin"])}
+for timeline in (False, True):  # the clocks read only where a timeline is asked for
+    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
+    pool = torch.zeros((64, 16, 2, 128), dtype=torch.bfloat16)
+    compiled = flash_decode_attention_gluon(q, pool, pool, torch.zeros(2, 8, dtype=torch.int32),
+                                            torch.zeros(2, dtype=torch.int32), num_splits=4, compile_only=True,
+                                            timeline=torch.zeros(1024, 2, 5, dtype=torch.int64) if timeline else None)
+    ptx = compiled.asm["ptx"]
+    facts[f"timeline {timeline}"] = {"globaltimer": ptx.count("%globaltimer"), "clock64": ptx.count("%clock64"),
+                                     "local": "ld.local" in ptx or "st.local" in ptx,
+                                     "stack": stack_bytes(compiled.asm["cubin"])}
 json.dump(facts, sys.stdout)
 """
 
@@ -271,6 +281,27 @@ def test_separate_merge_compiles_without_the_counter(sm90_compiled, merge):
     assert not facts["atomics"]
     assert facts["trigger"] == (merge == "launch_pdl")
     assert not facts["local"] and facts["stack"] == 0
+
+
+@sm90_compile_mark(GLUON_VERSIONS)
+def test_timeline_reads_the_clocks_only_when_asked(sm90_compiled):
+    """The timeline's stamps (five events, each the global timer and the SM's cycle counter,
+    one of them in the loader warp) are compiled in only with a timeline; without one the
+    kernel reads no clock."""
+    assert sm90_compiled["timeline False"]["globaltimer"] == sm90_compiled["timeline False"]["clock64"] == 0
+    with_stamps = sm90_compiled["timeline True"]
+    assert with_stamps["globaltimer"] >= len(TIMELINE_EVENTS) and with_stamps["clock64"] >= len(TIMELINE_EVENTS)
+    assert not with_stamps["local"] and with_stamps["stack"] == 0
+
+
+def test_refuses_a_bad_timeline():
+    q = torch.zeros(2, 8, 128, dtype=DTYPE)
+    pool = torch.zeros(64, 16, 2, 128, dtype=DTYPE)
+    tables, lens = torch.zeros(2, 8, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    for bad in (torch.zeros(1024, 2, 5), torch.zeros(1024, 5, 2, dtype=torch.int64),
+                torch.zeros(2, 1024, 5, dtype=torch.int64).transpose(0, 1)):
+        with pytest.raises(ValueError, match="timeline"):
+            flash_decode_attention_gluon(q, pool, pool, tables, lens, num_splits=4, timeline=bad, compile_only=True)
 
 
 # ----------------------------------------------------------------------------------------
@@ -358,6 +389,36 @@ def test_separate_merge_against_reference(q_heads, kv_heads, head_dim, block_siz
     assert_close(lse, want_lse, DTYPE, "lse", seed)
     again, again_lse = call()
     assert torch.equal(again, out) and torch.equal(again_lse, lse)
+
+
+@hopper_only
+@pytest.mark.parametrize("seq_lens,num_splits,programs", [([4097, 1, 129, 0, 128, 127], None, None),
+                                                          ([2000, 300], 7, 3), ([3000], 16, None)])
+def test_timeline_is_in_order_and_changes_nothing(seq_lens, num_splits, programs, gen, seed):
+    """With a timeline the output is the same bits; every program records its start, and one
+    with keys to read its events in order on its SM's clocks (the first copies are issued
+    before the first tile arrives, which is before the keys are done, before the end)."""
+    device = torch.device("cuda")
+    pool = PagedPool(seq_lens, 16, 8, 128, DTYPE, device, gen)
+    q = random_tensor((len(seq_lens), 32, 128), DTYPE, device, gen)
+    call = lambda **kw: flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, pool.lens(device),  # noqa: E731
+                                                     num_splits=num_splits, programs=programs, **kw)
+    want_out, want_lse = call()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    timeline = torch.zeros(sms, 2, len(TIMELINE_EVENTS), dtype=torch.int64, device=device)
+    out, lse = call(timeline=timeline)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    capacity = pool.tables.shape[1] * 16
+    splits = num_splits or plan_splits(len(seq_lens), 8, capacity, programs or sms)
+    grid = min(programs or sms, len(seq_lens) * 8 * splits)
+    stamps = timeline.cpu()
+    assert (stamps[:grid, :, 0] > 0).all() and not stamps[grid:].any()
+    busy = stamps[:grid, 1, 2] > 0  # programs that read keys
+    assert busy.any()
+    for clock in (0, 1):
+        t = stamps[:grid][busy][:, clock]
+        assert (t[:, 0] <= t[:, 2]).all() and (t[:, 1] <= t[:, 2]).all()
+        assert (t[:, 2] <= t[:, 3]).all() and (t[:, 3] <= t[:, 4]).all()
 
 
 @hopper_only
