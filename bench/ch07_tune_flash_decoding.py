@@ -5,8 +5,9 @@ Run on a GPU: ``python -m bench.ch07_tune_flash_decoding [part ...]`` (parts: ov
 async, splits, fused, hopper, hopper2, gluon, gluon_balance, gluon_layout,
 gluon_placement, gluon_fixed_cost, gluon_fixed_breakdown, gluon_grid, gluon_pipeline,
 gluon_contiguous, gluon_occupancy, gluon_merge, gluon_short_calls, gluon_ncu_target,
-gluon_timeline, gluon_turns; default all but the sm_90 parts). Prints compact tables; times are per call replaying a CUDA graph
-of 16 calls (`bench.common.graph_time_ms`) unless marked eager."""
+gluon_timeline, gluon_timeline_repeats, gluon_turns; default all but the sm_90 parts). Prints
+compact tables; times are per call replaying a CUDA graph of 16 calls
+(`bench.common.graph_time_ms`) unless marked eager."""
 from __future__ import annotations
 
 import math
@@ -559,7 +560,8 @@ NCU_POINTS = [(1, 8, 4096), (1, 8, 32768), (32, 8, 32768)]
 
 def gluon_ncu_target():
     """Calls for Nsight Compute to time kernel by kernel: at each of `NCU_POINTS`, two calls
-    each of the Gluon kernel, the Triton kernel and SDPA cuDNN on a contiguous cache. Run as ``ncu --target-processes all --clock-control none --kernel-name-base function
+    each of the Gluon kernel, the Triton kernel and SDPA cuDNN on a contiguous cache. Run as
+    ``ncu --target-processes all --clock-control none --kernel-name-base function
     --kernel-name 'regex:_decode_kernel|_split_kernel|_merge|cudnn|fmha|sdpa|flash|attn|Attn|Fmha|sm90'
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,
     dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__block_size,
@@ -771,12 +773,13 @@ def gluon_timeline():
     with a timeline (`TIMELINE_EVENTS`: start, the loader's first copies, the first tile in
     shared memory, the keys done, the end), replayed as a CUDA graph of 16 calls over enough
     copies of the cache that every call reads HBM (one timeline per copy: its last call's
-    stamps). Prints, per point, the graph's time per call (the stamps included) and the medians over those calls of: the spread of the programs'
-    starts; start to first copy and to first tile (median and slowest program); the keys'
-    stream (fastest, median, slowest program); keys done to end (median; the slowest is the
-    merging program); how far the last end is past the median end; the whole span. Saves every
-    stamp (global-timer ns from the call's first start) to ``$OUT/ch07_gluon_timeline.json``
-    (``OUT`` default ``.``) for Chapter 7's plot."""
+    stamps). Prints, per point, the graph's time per call (the stamps' cost included: compare it
+    with `bench.ch07_gluon`'s graph time of the same point) and the medians over the calls of:
+    the spread of the programs' starts; start to first copy and to first tile (median and
+    slowest program); the keys' stream (fastest, median, slowest program); keys done to end
+    (median; the slowest is the merging program); how far the last end is past the median end;
+    the whole span. Saves every stamp (global-timer ns from the call's first start) to
+    ``$OUT/ch07_gluon_timeline.json`` (``OUT`` default ``.``) for Chapter 7's plot."""
     import json
     import os
 
@@ -830,6 +833,63 @@ def gluon_timeline():
     print(f"  saved {path}", flush=True)
 
 
+def gluon_timeline_repeats():
+    """Is a slow program slow because of where its data lies, or at random? At batch 1 with 8 KV
+    heads (4k and 32k keys) and at batch 32 (32k), six eager calls of the Gluon kernel (defaults)
+    with a timeline on one and the same cache, each after a warm-up call and with the L2 emptied
+    before it (a 256 MB write): if the per-program stream times correlate from call to call, the
+    spread follows where the data lies; if not, it is contention that changes from call to call.
+    Prints the median correlation between two of these calls, and between one of them and a call
+    on a second copy (the same values and tables in a new allocation); saves the stamps to
+    ``$OUT/ch07_gluon_timeline_repeats.json``."""
+    import json
+    import os
+
+    import numpy as np
+
+    from minillm.kernels.ch07_flash_decoding_gluon import TIMELINE_EVENTS, flash_decode_attention_gluon, plan_splits
+
+    repeats = 6
+    print("\n== gluon_timeline_repeats: per-program stream times, call against call ==")
+    sms = fd.num_sms(DEV)
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
+    saved = {"events": list(TIMELINE_EVENTS), "device": torch.cuda.get_device_name(DEV), "points": []}
+    for b, hkv, ctx in [(1, 8, 4096), (1, 8, 32768), (32, 8, 32768)]:
+        plan = plan_splits(b, hkv, ctx, sms)
+        grid = min(sms, b * hkv * plan)
+        streams, stamps = {}, {}
+        for copy in ("same", "other"):
+            inp = inputs(b, hkv, ctx)
+            q, k, v, tables, lens = inp
+            out, lse = decode_outputs(q, None, None)
+            flash_decode_attention_gluon(q, k, v, tables, lens, num_splits=plan, out=out, lse=lse)
+            runs = []
+            for _ in range(repeats if copy == "same" else 1):
+                tl_ = torch.zeros(sms, 2, len(TIMELINE_EVENTS), dtype=torch.int64, device=DEV)
+                flush.zero_()
+                flash_decode_attention_gluon(q, k, v, tables, lens, num_splits=plan, out=out, lse=lse, timeline=tl_)
+                torch.cuda.synchronize()
+                runs.append((tl_[:grid, 0] - tl_[:grid, 0, 0].min()).cpu().tolist())
+            stamps[copy] = runs
+            ns = np.array(runs, dtype=float)
+            streams[copy] = ns[:, :, 3] - ns[:, :, 2]
+            del inp, q, k, v, tables
+            torch.cuda.empty_cache()
+        same = np.corrcoef(streams["same"])
+        within = float(np.median(same[np.triu_indices(len(same), 1)]))
+        across = [float(np.corrcoef(streams["same"][i], streams["other"][0])[0, 1]) for i in range(repeats)]
+        spread = [float((s.max() - np.median(s)) / np.median(s)) for s in streams["same"]]
+        print(f"  B={b:2} Hkv={hkv:2} L={ctx:6} S={plan} programs={grid}: median correlation, same cache "
+              f"{within:.2f}, other copy {statistics.median(across):.2f}; slowest stream past the median "
+              + " ".join(f"{x:.1%}" for x in spread), flush=True)
+        saved["points"].append({"batch": b, "kv_heads": hkv, "context": ctx, "num_splits": plan, "programs": grid,
+                                "same_cache_ns": stamps["same"], "other_copy_ns": stamps["other"]})
+    path = os.path.join(os.environ.get("OUT", "."), "ch07_gluon_timeline_repeats.json")
+    with open(path, "w") as f:
+        json.dump(saved, f)
+    print(f"  saved {path}", flush=True)
+
+
 def gluon_turns():
     """Is a slow reading the kernel or its turn? At the two 128k points whose default reading
     came out 6-13 % above an identical-code variant in some runs (the default is the first call
@@ -847,8 +907,8 @@ def gluon_turns():
         q, cudnn_ms, (k, v, tables, lens) = cudnn_then_pool(b, hkv, ctx)
         out, lse = decode_outputs(q, None, None)
         plan, wave = plan_splits(b, hkv, ctx, sms), fd.num_splits_heuristic(b, hkv, ctx, sms, 128)
-        default = lambda **kw: flash_decode_attention_gluon(q, k, v, tables, lens, num_splits=plan, out=out,  # noqa
-                                                            lse=lse, **kw)
+        default = lambda **kw: flash_decode_attention_gluon(  # noqa: E731
+            q, k, v, tables, lens, num_splits=plan, out=out, lse=lse, **kw)
         calls = {"default first": default, "merge launch": lambda: default(merge="launch"),
                  "default middle": default,
                  "triton": lambda: fd.flash_decode_attention(q, k, v, tables, lens, num_splits=wave, out=out, lse=lse),
@@ -962,5 +1022,6 @@ if __name__ == "__main__":
          "gluon_grid": gluon_grid, "gluon_occupancy": gluon_occupancy, "gluon_merge": gluon_merge,
          "gluon_short_calls": gluon_short_calls, "gluon_ncu_target": gluon_ncu_target,
          "gluon_pipeline": gluon_pipeline, "gluon_contiguous": gluon_contiguous,
-         "gluon_timeline": gluon_timeline, "gluon_turns": gluon_turns}[part]()
+         "gluon_timeline": gluon_timeline, "gluon_timeline_repeats": gluon_timeline_repeats,
+         "gluon_turns": gluon_turns}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)
