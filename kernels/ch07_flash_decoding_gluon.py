@@ -56,7 +56,7 @@ from minillm.kernels.ch05_paged_attention import check_paged, decode_outputs
 from minillm.kernels.ch07_flash_decoding import MAX_SPLITS, cached_workspace, reduce_splits
 
 __all__ = ["flash_decode_attention_gluon", "gluon_decode_applies", "plan_splits", "balanced_slots", "as_token_major",
-           "to_head_major", "BLOCK_N", "NUM_STAGES", "ROWS", "KV_LAYOUTS", "TIMELINE_EVENTS"]
+           "to_head_major", "new_timeline", "BLOCK_N", "NUM_STAGES", "ROWS", "KV_LAYOUTS", "TIMELINE_EVENTS"]
 
 #: Keys per tile, and ring slots (each a K and a V tile: 32 KB at head dim 128). Chosen on an
 #: H200 (`bench.ch07_tune_flash_decoding` part ``gluon``, CUDA-graph times at six points,
@@ -691,6 +691,12 @@ def to_head_major(cache: torch.Tensor) -> torch.Tensor:
     return cache.transpose(1, 2).contiguous()
 
 
+def new_timeline(programs: int, device) -> torch.Tensor:
+    """A timeline for `flash_decode_attention_gluon`'s ``timeline``: zeros ``[programs, 2,
+    len(TIMELINE_EVENTS)]`` int64 (``[:, 0]`` global-timer ns, ``[:, 1]`` SM cycles)."""
+    return torch.zeros(programs, 2, len(TIMELINE_EVENTS), dtype=torch.int64, device=device)
+
+
 def gluon_decode_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          kv_layout: str = "NHD") -> bool:
     """Whether `flash_decode_attention_gluon` takes these inputs (see the module's scope)."""
@@ -786,7 +792,7 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
       launch (Chapter 7's stage 2, `reduce_splits`) after every program stored its partial;
       ``"launch_pdl"``, that launch as a programmatic dependent launch (scheduled while the
       decode kernel runs, it waits for the kernel's end before it reads). ``"units"`` only;
-    - ``timeline``: an int64 tensor ``[programs, 2, len(TIMELINE_EVENTS)]`` (zeros) that the
+    - ``timeline``: an int64 tensor ``[programs, 2, len(TIMELINE_EVENTS)]`` (`new_timeline`) that the
       kernel, compiled with the stamps, fills with each program's clocks at `TIMELINE_EVENTS`
       (``[:, 0]``: the global timer in ns, ``[:, 1]``: the SM's cycles; a program with no work
       leaves zeros after its start; the last piece's stamps win). For measuring, not serving;

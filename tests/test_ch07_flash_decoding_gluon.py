@@ -28,7 +28,7 @@ from minillm.kernels.ch04_flash_attention_gluon import GLUON_VERSIONS
 from minillm.kernels.ch07_flash_decoding import cached_workspace
 from minillm.kernels.ch07_flash_decoding_gluon import (
     BLOCK_N, KV_LAYOUTS, TIMELINE_EVENTS, as_token_major, balanced_slots, flash_decode_attention_gluon,
-    gluon_decode_applies, plan_splits, to_head_major,
+    gluon_decode_applies, new_timeline, plan_splits, to_head_major,
 )
 from minillm.paged import PAD
 from minillm.reference import attention
@@ -195,7 +195,7 @@ def test_does_not_apply_off_the_gpu():
 COMPILE_SCRIPT = SM90_COMPILE_PRELUDE + r"""
 import itertools
 
-from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon
+from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, new_timeline
 
 facts = {}
 for head_dim, block_size, splits, variant in itertools.product((64, 128), (16, 256), (1, 4, "line"),
@@ -231,7 +231,7 @@ for timeline in (False, True):  # the clocks read only where a timeline is asked
     pool = torch.zeros((64, 16, 2, 128), dtype=torch.bfloat16)
     compiled = flash_decode_attention_gluon(q, pool, pool, torch.zeros(2, 8, dtype=torch.int32),
                                             torch.zeros(2, dtype=torch.int32), num_splits=4, compile_only=True,
-                                            timeline=torch.zeros(1024, 2, 5, dtype=torch.int64) if timeline else None)
+                                            timeline=new_timeline(1024, "cpu") if timeline else None)
     ptx = compiled.asm["ptx"]
     facts[f"timeline {timeline}"] = {"globaltimer": ptx.count("%globaltimer"), "clock64": ptx.count("%clock64"),
                                      "local": "ld.local" in ptx or "st.local" in ptx,
@@ -405,7 +405,7 @@ def test_timeline_is_in_order_and_changes_nothing(seq_lens, num_splits, programs
                                                      num_splits=num_splits, programs=programs, **kw)
     want_out, want_lse = call()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    timeline = torch.zeros(sms, 2, len(TIMELINE_EVENTS), dtype=torch.int64, device=device)
+    timeline = new_timeline(sms, device)
     out, lse = call(timeline=timeline)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     capacity = pool.tables.shape[1] * 16
