@@ -522,7 +522,8 @@ def gluon_occupancy():
 
 def gluon_merge():
     """Where the splits are merged: by the last program of each unit in the decode launch (the
-    default), by a second launch (Chapter 7's stage 2), and by that launch as a programmatic
+    counter), by the program of each unit's last split once the other partials are in place
+    (``poll``), by a second launch (Chapter 7's stage 2), and by that launch as a programmatic
     dependent launch, at the points where the plan splits. (A fourth variant was measured
     once and not kept: the loader fetching a piece's first table entries before its length
     arrived, from where the split would start in a full table; 1.000-1.013x the default,
@@ -530,7 +531,8 @@ def gluon_merge():
     points = [(1, 8, 4096), (1, 32, 4096), (8, 8, 4096), (1, 8, 32768), (1, 32, 32768), (1, 8, 131072),
               (8, 8, 32768), (1, 32, 131072), (8, 8, 131072)]
     _gluon_variants("gluon_merge", points, lambda glu, *_: {
-        "last": glu(), "launch": glu(merge="launch"), "launch pdl": glu(merge="launch_pdl")}, "last")
+        "last": glu(merge="last"), "poll": glu(merge="poll"), "launch": glu(merge="launch"),
+        "launch pdl": glu(merge="launch_pdl")}, "last")
 
 
 def gluon_short_calls():
@@ -775,18 +777,20 @@ def timeline_us(timeline: torch.Tensor, programs: int) -> torch.Tensor:
 TIMELINE_POINTS = [(1, 8, 4096), (1, 8, 32768), (8, 8, 32768), (32, 8, 32768), (8, 32, 32768)]
 
 
-def gluon_timeline():
-    """What each program of one call does, on the GPU's own clocks: the Gluon kernel (defaults)
-    with a timeline (`TIMELINE_EVENTS`: start, the loader's first copies, the first tile in
+def gluon_timeline(merge: str | None = None, points=None, saved_as: str = "ch07_gluon_timeline.json"):
+    """What each program of one call does, on the GPU's own clocks: the Gluon kernel (defaults;
+    ``merge``: another place for the merge) at ``points`` (default `TIMELINE_POINTS`) with a
+    timeline (`TIMELINE_EVENTS`: start, the loader's first copies, the first tile in
     shared memory, the keys done, the end), replayed as a CUDA graph of 16 calls over enough
     copies of the cache that every call reads HBM (one timeline per copy: its last call's
     stamps). Prints, per point, the graph's time per call (the stamps' cost included: compare it
     with `bench.ch07_gluon`'s graph time of the same point) and the medians over the calls of:
     the spread of the programs' starts; start to first copy and to first tile (median and
     slowest program); the keys' stream (fastest, median, slowest program); keys done to end
-    (median; the slowest is the merging program); how far the last end is past the median end;
-    the whole span. Saves every stamp (global-timer ns from the call's first start) to
-    ``$OUT/ch07_gluon_timeline.json`` (``OUT`` default ``.``) for Chapter 7's plot."""
+    (median; the slowest is the merging program); how far the last end is past the median end
+    and past the last program's keys (the merge's own time on the critical path); the whole
+    span. Saves every stamp (global-timer ns from the call's first start) to
+    ``$OUT/<saved_as>`` (``OUT`` default ``.``) for Chapter 7's plot."""
     import json
     import os
 
@@ -795,10 +799,11 @@ def gluon_timeline():
         TIMELINE_EVENTS, flash_decode_attention_gluon, new_timeline, plan_splits,
     )
 
-    print("\n== gluon_timeline: us on the GPU's global timer, medians over calls ==")
+    print(f"\n== gluon_timeline (merge {merge or 'default'}): us on the GPU's global timer, medians over calls ==")
+    merge_kw = {} if merge is None else {"merge": merge}
     sms = fd.num_sms(DEV)
     saved = {"events": list(TIMELINE_EVENTS), "device": torch.cuda.get_device_name(DEV), "points": []}
-    for b, hkv, ctx in TIMELINE_POINTS:
+    for b, hkv, ctx in points or TIMELINE_POINTS:
         plan = plan_splits(b, hkv, ctx, sms)
         cache_bytes = 2 * b * hkv * ctx * D * 2
         n_copies = l2_copies(cache_bytes, DEV, 8)
@@ -808,7 +813,7 @@ def gluon_timeline():
         for (q, k, v, tables, lens), tl_ in zip(copies, timelines):
             out, lse = decode_outputs(q, None, None)
             fns.append(lambda q=q, k=k, v=v, t=tables, n=lens, o=out, l=lse, tl_=tl_: flash_decode_attention_gluon(
-                q, k, v, t, n, num_splits=plan, out=o, lse=l, timeline=tl_))
+                q, k, v, t, n, num_splits=plan, out=o, lse=l, timeline=tl_, **merge_kw))
         n_calls = -(-16 // n_copies) * n_copies
         graph = capture_calls(fns, n_calls)
         call_us = timer(graph.replay) / n_calls * 1e3  # (also leaves every timeline filled)
@@ -824,7 +829,8 @@ def gluon_timeline():
                 "to first tile": (first_tile - start).median(), "slowest first tile": (first_tile - start).max(),
                 "stream min": stream.min(), "stream median": stream.median(), "stream max": stream.max(),
                 "finish median": finish.median(), "finish max": finish.max(),
-                "last end past median": end.max() - end.median(), "span": end.max()})
+                "last end past median": end.max() - end.median(),
+                "last end past last keys": end.max() - keys_done.max(), "span": end.max()})
             calls.append((t * 1e3).tolist())  # ns, as saved before
         med = {name: statistics.median(float(st[name]) for st in stats) for name in stats[0]}
         print(f"  B={b:2} Hkv={hkv:2} L={ctx:6} S={plan} programs={grid} calls={len(stats)} "
@@ -834,10 +840,17 @@ def gluon_timeline():
                                 "graph_us_per_call": call_us, "medians_us": med, "calls_ns": calls})
         del copies, fns, graph
         torch.cuda.empty_cache()
-    path = os.path.join(os.environ.get("OUT", "."), "ch07_gluon_timeline.json")
+    path = os.path.join(os.environ.get("OUT", "."), saved_as)
     with open(path, "w") as f:
         json.dump(saved, f)
     print(f"  saved {path}", flush=True)
+
+
+def gluon_timeline_merges():
+    """`gluon_timeline` at the batch-1 points with each in-launch merge: the last program to
+    arrive (the counter) and the program of each unit's last split, polling."""
+    for merge in ("last", "poll"):
+        gluon_timeline(merge, TIMELINE_POINTS[:2], f"ch07_gluon_timeline_{merge}.json")
 
 
 def gluon_timeline_repeats():
@@ -1034,5 +1047,6 @@ if __name__ == "__main__":
          "gluon_short_calls": gluon_short_calls, "gluon_ncu_target": gluon_ncu_target,
          "gluon_pipeline": gluon_pipeline, "gluon_contiguous": gluon_contiguous,
          "gluon_timeline": gluon_timeline, "gluon_timeline_repeats": gluon_timeline_repeats,
+         "gluon_timeline_merges": gluon_timeline_merges,
          "gluon_turns": gluon_turns}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)

@@ -51,7 +51,7 @@ from minillm.kernels.ch05_paged_attention import (  # Chapter 5's tile addressin
 )
 
 __all__ = ["flash_decode_attention", "split_workspace", "tma_applies", "kv_descriptors", "TMA_ON_HOPPER", "KV_EVICT",
-           "split_counters", "cached_workspace", "cached_counters", "FUSED_MERGE",
+           "split_counters", "cached_workspace", "cached_empty_workspace", "cached_counters", "FUSED_MERGE",
            "num_splits_heuristic", "fa2_num_splits", "partition_splits", "num_sms", "async_window",
            "SPLIT_PROGRAMS_PER_SM", "MIN_TILES_PER_SPLIT", "MAX_SPLITS", "CPU_NUM_SMS", "VLLM_PARTITION",
            "ASYNC_WINDOW_FP16", "ASYNC_WINDOW_WIDE"]
@@ -702,6 +702,20 @@ def cached_workspace(batch: int, q_heads: int, num_splits: int, head_dim: int, d
     return _reused((device, batch, q_heads, num_splits, head_dim), device,
                    lambda: (*split_workspace(batch, q_heads, num_splits, head_dim, device),
                             cached_counters(batch, q_heads, device)))
+
+
+def cached_empty_workspace(batch: int, q_heads: int, num_splits: int, head_dim: int, device, empty_bits: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`split_workspace` with every slot holding the fp32 whose bits are ``empty_bits``, reused
+    across calls (`_reused`, kept apart from `cached_workspace`'s): for a merge that waits until
+    a slot no longer holds the marker and writes it back once read (the Gluon kernel's
+    ``merge="poll"``), so that every call finds the workspace as the first one did."""
+    def make():
+        o_part, lse_part = split_workspace(batch, q_heads, num_splits, head_dim, device)
+        o_part.view(torch.int32).fill_(empty_bits)
+        lse_part.view(torch.int32).fill_(empty_bits)
+        return o_part, lse_part
+    return _reused((device, "empty", empty_bits, batch, q_heads, num_splits, head_dim), device, make)
 
 
 def cached_counters(batch: int, q_heads: int, device) -> torch.Tensor:

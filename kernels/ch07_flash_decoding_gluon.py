@@ -22,8 +22,10 @@ This module writes the same algorithm with Gluon (the layer under Triton, see Ch
   one equal chunk per program, from the lengths, on the GPU (stream-K's answer to the tail
   that whole units leave; measured in Chapter 7, slower except where programs are long);
 - the splits are merged in the same launch by the last of a group's programs to finish
-  (an arrival counter, as `flash_decode_attention`'s one-launch merge), or (``merge="launch"``,
-  measured in Chapter 7) by a second launch, Chapter 7's stage 2;
+  (an arrival counter, as `flash_decode_attention`'s one-launch merge), by the program of its
+  last split as soon as the others' partials are there (``merge="poll"``: it reads their
+  slots until none holds the empty marker), or (``merge="launch"``) by a second launch,
+  Chapter 7's stage 2; Chapter 7 measures the three;
 - for measuring, ``timeline=`` makes every program stamp the GPU's clocks at five events of
   its work (`TIMELINE_EVENTS`; compiled in only then): Chapter 7's program-by-program view.
 
@@ -53,10 +55,11 @@ from minillm.kernels.base import (  # first: it decides on Triton's interpreter 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from minillm.kernels.ch05_paged_attention import check_paged, decode_outputs
-from minillm.kernels.ch07_flash_decoding import MAX_SPLITS, cached_workspace, reduce_splits
+from minillm.kernels.ch07_flash_decoding import MAX_SPLITS, cached_empty_workspace, cached_workspace, reduce_splits
 
 __all__ = ["flash_decode_attention_gluon", "gluon_decode_applies", "plan_splits", "balanced_slots", "as_token_major",
-           "to_head_major", "new_timeline", "BLOCK_N", "NUM_STAGES", "ROWS", "KV_LAYOUTS", "TIMELINE_EVENTS"]
+           "to_head_major", "new_timeline", "BLOCK_N", "NUM_STAGES", "ROWS", "KV_LAYOUTS", "TIMELINE_EVENTS", "MERGES",
+           "EMPTY_SLOT_BITS"]
 
 #: Keys per tile, and ring slots (each a K and a V tile: 32 KB at head dim 128). Chosen on an
 #: H200 (`bench.ch07_tune_flash_decoding` part ``gluon``, CUDA-graph times at six points,
@@ -76,6 +79,10 @@ ROWS = 64
 #: merged if it was the last to arrive).
 TIMELINE_EVENTS = ("start", "first copy", "first tile", "keys done", "end")
 _N_EVENTS = gl.constexpr(len(TIMELINE_EVENTS))
+#: The bits of an fp32 NaN that arithmetic never returns (an NVIDIA GPU's NaN results are
+#: 0x7fffffff): with ``merge="poll"`` a workspace slot that holds them has no partial yet.
+EMPTY_SLOT_BITS = 0x7FBADBAD
+_EMPTY = gl.constexpr(EMPTY_SLOT_BITS)
 
 
 # ----------------------------------------------------------------------------------------
@@ -343,75 +350,141 @@ def _store_partial(acc0, acc1, m_i, l_i, o_ptr, lse_ptr, stride_oh, stride_lh, g
 
 
 @gluon.jit
-def _merge_if_last(o_part, lse_part, out, lse, counter, group, num_splits, stride_ph, stride_ps, stride_lph,
-                   stride_oh, stride_lh, HEAD_D: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr):
-    """Count this program in at ``counter``; the last of the ``num_splits`` to arrive merges the
-    partials of the group's heads (``o_part``/``lse_part``: the group's first head's, fp32,
-    natural log; empty splits hold 0 and -inf) into ``out``/``lse`` and sets the counter back
-    to zero.
+def _load_partials(lse_ptrs, o_ptrs, ok, POLL: gl.constexpr):
+    """One step's partials (``lse [MERGE_H, MERGE_S]``, ``o [MERGE_H, MERGE_S, HEAD_D]``) from L2
+    (``.cg``); with ``POLL``, read again until no slot inside ``ok`` holds `EMPTY_SLOT_BITS` any
+    more (its program's stores have all landed: an aligned 32-bit store is never seen half
+    done). The polling reads are ``volatile``: a plain load of an address that nothing in the
+    loop writes may be hoisted out of it (ptxas did, where the step's count needs no barrier
+    between warps), and the wait then never ends. Triton's volatile loads are system-scoped
+    (``LDG.STRONG.SYS``); on an H200 the polling merge ended 5.5 us after the last program's keys,
+    the counter's 3.3 (Chapter 7)."""
+    if POLL:
+        lse_s = gl.load(lse_ptrs, mask=ok, other=float("-inf"), volatile=True)
+        o_s = gl.load(o_ptrs, mask=ok[:, :, None], other=0.0, volatile=True)
+        missing = _count_empty(lse_s, o_s)
+        while missing > 0:
+            lse_s = gl.load(lse_ptrs, mask=ok, other=float("-inf"), volatile=True)
+            o_s = gl.load(o_ptrs, mask=ok[:, :, None], other=0.0, volatile=True)
+            missing = _count_empty(lse_s, o_s)
+    else:
+        lse_s = gl.load(lse_ptrs, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        o_s = gl.load(o_ptrs, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+    return lse_s, o_s
+
+
+@gluon.jit
+def _count_empty(lse_s, o_s):
+    """How many of a step's slots still hold `EMPTY_SLOT_BITS` (the same count in every thread)."""
+    empty_o = (o_s.to(gl.int32, bitcast=True) == _EMPTY).to(gl.int32)
+    empty_lse = (lse_s.to(gl.int32, bitcast=True) == _EMPTY).to(gl.int32)
+    return gl.sum(gl.sum(gl.sum(empty_o, axis=2), axis=1), axis=0) + gl.sum(gl.sum(empty_lse, axis=1), axis=0)
+
+
+@gluon.jit
+def _merge_splits(o_part, lse_part, out, lse, group, num_splits, stride_ph, stride_ps, stride_lph, stride_oh,
+                  stride_lh, HEAD_D: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, POLL: gl.constexpr):
+    """The partials of the group's heads (``o_part``/``lse_part``: the group's first head's, fp32,
+    natural log; empty splits hold 0 and -inf) merged into ``out``/``lse``.
 
     All ``group <= MERGE_H`` heads at once, ``MERGE_S`` splits per step, in one pass (the
     running maximum of the lse rescales what was summed before, Chapter 3's merge): the lse
     and the outputs of a step are loaded together, so a group with at most ``MERGE_S`` splits
-    costs one round trip to L2, not two per head. (The merge runs at the end of a program,
-    after its unit; every microsecond of it is on the step's critical path.)
+    costs one round trip to L2, not two per head. ``POLL``: each step waits for its partials
+    to arrive (`_load_partials`) and, once read, marks their slots empty again for the next
+    call. (The merge runs at the end of a program, after its unit; every microsecond of it
+    is on the step's critical path.)"""
+    layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [1, 4, 1], [2, 1, 0])
+    hs_layout: gl.constexpr = gl.SliceLayout(2, layout)  # [heads, splits]
+    hd_layout: gl.constexpr = gl.SliceLayout(1, layout)  # [heads, head_dim]
+    offs_h = gl.arange(0, MERGE_H, gl.SliceLayout(1, hs_layout))
+    offs_s = gl.arange(0, MERGE_S, gl.SliceLayout(0, hs_layout))
+    offs_d = gl.arange(0, HEAD_D, gl.SliceLayout(0, hd_layout))
+    h_ok = (offs_h < group)[:, None]
+    o_rows = o_part + offs_h[:, None, None] * stride_ph + offs_d[None, None, :]
+    m = gl.full([MERGE_H], float("-inf"), gl.float32, gl.SliceLayout(1, hs_layout))
+    w_sum = gl.zeros([MERGE_H], gl.float32, gl.SliceLayout(1, hs_layout))
+    acc = gl.zeros([MERGE_H, HEAD_D], gl.float32, hd_layout)
+    for s0 in range(0, num_splits, MERGE_S):
+        s = s0 + offs_s
+        ok = h_ok & (s < num_splits)[None, :]
+        lse_ptrs = lse_part + offs_h[:, None] * stride_lph + s[None, :]
+        o_ptrs = o_rows + s[None, :, None] * stride_ps
+        lse_s, o_s = _load_partials(lse_ptrs, o_ptrs, ok, POLL)
+        if POLL:  # read: the slots are empty again (the next call's programs write them after this kernel)
+            empty = gl.full([MERGE_H, MERGE_S], _EMPTY, gl.int32, hs_layout).to(gl.float32, bitcast=True)
+            gl.store(lse_ptrs, empty, mask=ok)
+            gl.store(o_ptrs, gl.full([MERGE_H, MERGE_S, HEAD_D], _EMPTY, gl.int32, layout).to(gl.float32, bitcast=True),
+                     mask=ok[:, :, None])
+        m_new = gl.maximum(m, gl.max(lse_s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights e^-inf = 0, no NaN
+        w = gl.exp2((lse_s - m_safe[:, None]) * 1.4426950408889634)
+        rescale = gl.exp2((m - m_safe) * 1.4426950408889634)
+        acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, hd_layout))[:, None] + gl.sum(
+            w[:, :, None] * o_s, axis=1)
+        w_sum = w_sum * rescale + gl.sum(w, axis=1)
+        m = m_new
+    m_safe = gl.where(m == float("-inf"), 0.0, m)
+    total = gl.where(w_sum == 0.0, 1.0, w_sum)
+    o = acc / gl.convert_layout(total, gl.SliceLayout(1, hd_layout))[:, None]
+    rows_hd = gl.arange(0, MERGE_H, gl.SliceLayout(1, hd_layout))
+    gl.store(out + rows_hd[:, None] * stride_oh + offs_d[None, :], o.to(out.dtype.element_ty),
+             mask=(rows_hd < group)[:, None] & (offs_d < HEAD_D)[None, :])
+    gl.store(lse + offs_h * stride_lh, m_safe + gl.log2(w_sum) * 0.6931471805599453, mask=offs_h < group)
+
+
+@gluon.jit
+def _publish_stores():
+    """``fence.acq_rel.gpu`` in every thread: its stores so far are performed at GPU scope before
+    it goes on. (The polling merge has no release and acquire to rely on: the partials are
+    plain stores, read by volatile loads on another SM. What it does rely on is the hardware's
+    behaviour: an aligned 32-bit store is seen whole, and once performed it is in L2, where
+    those loads read. On an H200 the merge took as long with the fence as without it, to the
+    global timer's step of 0.26 us.)"""
+    gl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _merge_if_last(o_part, lse_part, out, lse, counter, group, num_splits, stride_ph, stride_ps, stride_lph,
+                   stride_oh, stride_lh, HEAD_D: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr):
+    """Count this program in at ``counter``; the last of the ``num_splits`` to arrive merges the
+    partials (`_merge_splits`) and sets the counter back to zero.
 
     Memory ordering as in `flash_decode_attention`'s one-launch merge: the barrier orders the
     partition's partial stores before the atomic, whose release publishes them GPU-wide; the
-    last program's acquire sees every other program's, and it reads them from L2 (``.cg``)."""
+    last program's acquire sees every other program's, and it reads them from L2 (``.cg``).
+    On the last program's path: its stores' acknowledgement, the atomic's round trip, the
+    partials' round trip."""
     _warps_barrier()
     arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if arrived == num_splits - 1:
-        layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [1, 4, 1], [2, 1, 0])
-        hs_layout: gl.constexpr = gl.SliceLayout(2, layout)  # [heads, splits]
-        hd_layout: gl.constexpr = gl.SliceLayout(1, layout)  # [heads, head_dim]
-        offs_h = gl.arange(0, MERGE_H, gl.SliceLayout(1, hs_layout))
-        offs_s = gl.arange(0, MERGE_S, gl.SliceLayout(0, hs_layout))
-        offs_d = gl.arange(0, HEAD_D, gl.SliceLayout(0, hd_layout))
-        h_ok = (offs_h < group)[:, None]
-        o_rows = o_part + offs_h[:, None, None] * stride_ph + offs_d[None, None, :]
-        m = gl.full([MERGE_H], float("-inf"), gl.float32, gl.SliceLayout(1, hs_layout))
-        w_sum = gl.zeros([MERGE_H], gl.float32, gl.SliceLayout(1, hs_layout))
-        acc = gl.zeros([MERGE_H, HEAD_D], gl.float32, hd_layout)
-        for s0 in range(0, num_splits, MERGE_S):
-            s = s0 + offs_s
-            ok = h_ok & (s < num_splits)[None, :]
-            lse_s = gl.load(lse_part + offs_h[:, None] * stride_lph + s[None, :], mask=ok, other=float("-inf"),
-                            cache_modifier=".cg")
-            o_s = gl.load(o_rows + s[None, :, None] * stride_ps, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-            m_new = gl.maximum(m, gl.max(lse_s, axis=1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights e^-inf = 0, no NaN
-            w = gl.exp2((lse_s - m_safe[:, None]) * 1.4426950408889634)
-            rescale = gl.exp2((m - m_safe) * 1.4426950408889634)
-            acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, hd_layout))[:, None] + gl.sum(
-                w[:, :, None] * o_s, axis=1)
-            w_sum = w_sum * rescale + gl.sum(w, axis=1)
-            m = m_new
-        m_safe = gl.where(m == float("-inf"), 0.0, m)
-        total = gl.where(w_sum == 0.0, 1.0, w_sum)
-        o = acc / gl.convert_layout(total, gl.SliceLayout(1, hd_layout))[:, None]
-        rows_hd = gl.arange(0, MERGE_H, gl.SliceLayout(1, hd_layout))
-        gl.store(out + rows_hd[:, None] * stride_oh + offs_d[None, :], o.to(out.dtype.element_ty),
-                 mask=(rows_hd < group)[:, None] & (offs_d < HEAD_D)[None, :])
-        gl.store(lse + offs_h * stride_lh, m_safe + gl.log2(w_sum) * 0.6931471805599453, mask=offs_h < group)
+        _merge_splits(o_part, lse_part, out, lse, group, num_splits, stride_ph, stride_ps, stride_lph, stride_oh,
+                      stride_lh, HEAD_D, MERGE_H, MERGE_S, False)
         gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
 @gluon.jit
 def _finish_piece(acc0, acc1, m_i, l_i, o_part, lse_part, out, lse, counter, head0, lse0, part, n_parts, group,
                   stride_ph, stride_ps, stride_lph, stride_oh, stride_lh, HEAD_D: gl.constexpr, MERGE_H: gl.constexpr,
-                  MERGE_S: gl.constexpr, MERGE_LAST: gl.constexpr):
+                  MERGE_S: gl.constexpr, MERGE: gl.constexpr):
     """A piece's result: the unit's output itself when the piece is its only one, else the
     piece's partial at slot ``part`` (``head0``, ``lse0``: the group's first head's offsets in
-    the workspace) and, with ``MERGE_LAST``, the merge by the unit's last program to arrive
-    (without it, a second launch merges: ``merge="launch"``)."""
+    the workspace) and the merge (``MERGE``, `MERGE_CODES`): by the unit's last program to
+    arrive (`_merge_if_last`), by the program of the unit's last piece once the others'
+    partials have arrived (``"poll"``), or by a second launch (nothing here)."""
     D_CHUNKS: gl.constexpr = HEAD_D // 64
     if n_parts > 1:
         _store_partial(acc0, acc1, m_i, l_i, o_part + head0 + part * stride_ps, lse_part + lse0 + part,
                        stride_ph, stride_lph, group, D_CHUNKS)
-        if MERGE_LAST:
+        if MERGE == 1:
             _merge_if_last(o_part + head0, lse_part + lse0, out, lse, counter, group, n_parts, stride_ph, stride_ps,
                            stride_lph, stride_oh, stride_lh, HEAD_D, MERGE_H, MERGE_S)
+        elif MERGE == 2:
+            _publish_stores()
+            if part == n_parts - 1:
+                _merge_splits(o_part + head0, lse_part + lse0, out, lse, group, n_parts, stride_ph, stride_ps,
+                              stride_lph, stride_oh, stride_lh, HEAD_D, MERGE_H, MERGE_S, True)
     else:
         _store_partial(acc0, acc1, m_i, l_i, out, lse, stride_oh, stride_lh, group, D_CHUNKS)
 
@@ -528,7 +601,7 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr,
               stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, batch, group, kv_heads, num_splits,
               block_size, max_blocks, qk_scale, timeline, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, BOX: gl.constexpr, LINE: gl.constexpr, SPLIT: gl.constexpr,
-              MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, PIPELINE: gl.constexpr, MERGE_LAST: gl.constexpr,
+              MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, PIPELINE: gl.constexpr, MERGE: gl.constexpr,
               TIMELINE: gl.constexpr):
     """One warpgroup: for each of this program's pieces, the online softmax over its tiles
     (base 2, FA2's unscaled accumulator), then the piece's result: the output itself when the
@@ -578,7 +651,7 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr,
                           pb.to(gl.int64) * stride_pb + (pkv * group) * stride_ph,
                           pb.to(gl.int64) * stride_lpb + (pkv * group) * stride_lph, part, n_parts, group,
                           stride_ph, stride_ps, stride_lph, stride_oh, stride_lh, HEAD_D, MERGE_H, MERGE_S,
-                          MERGE_LAST)
+                          MERGE)
         else:  # every unit is one piece: no merge code at all
             _store_partial(acc0, acc1, m_i, l_i, out_b, lse_b, stride_oh, stride_lh, group, D_CHUNKS)
         _stamp(timeline, 4, TIMELINE)
@@ -594,7 +667,7 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
                    max_blocks, qk_scale, timeline,
                    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr,
                    LINE: gl.constexpr, SPLIT: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr,
-                   LOADER_REGS: gl.constexpr, PIPELINE: gl.constexpr, MERGE_LAST: gl.constexpr,
+                   LOADER_REGS: gl.constexpr, PIPELINE: gl.constexpr, MERGE: gl.constexpr,
                    LAUNCH_DEPENDENTS: gl.constexpr, TIMELINE: gl.constexpr):
     """A 1-d grid of at most one program per SM, each walking its work: units ``pid``, ``pid +
     P``, ..., or (``LINE``) its chunk of the work line. ``num_warps=4``: the consumer (the
@@ -625,7 +698,7 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
                       out, lse, counters, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_lpb,
                       stride_lph, stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, batch, group, kv_heads,
                       num_splits, block_size, max_blocks, qk_scale, timeline, HEAD_D, BLOCK_N, NUM_STAGES, BOX, LINE,
-                      SPLIT, MERGE_H, MERGE_S, PIPELINE, MERGE_LAST, TIMELINE)),
+                      SPLIT, MERGE_H, MERGE_S, PIPELINE, MERGE, TIMELINE)),
          (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, block_tables, seq_lens,
                     stride_tb, batch, kv_heads, num_splits, block_size, block_rows, head_rows, head_cols, num_blocks,
                     max_blocks, timeline, HEAD_D, BLOCK_N, BOX, NUM_STAGES, LINE, TIMELINE))],
@@ -674,8 +747,10 @@ def balanced_slots(programs: int, kv_heads: int, capacity_boxes: int) -> int:
 #: heads then tokens, ``[num_blocks, kv_heads, block_size, head_dim]`` (one KV head's share of
 #: a block is contiguous).
 KV_LAYOUTS = ("NHD", "HND")
-#: Where the splits are merged (`flash_decode_attention_gluon`'s ``merge``).
-MERGES = ("last", "launch", "launch_pdl")
+#: Where the splits are merged (`flash_decode_attention_gluon`'s ``merge``), and each one's
+#: code in the kernel (``MERGE``: 0, a second launch; 1, the last to arrive; 2, polling).
+MERGE_CODES = {"last": 1, "poll": 2, "launch": 0, "launch_pdl": 0}
+MERGES = tuple(MERGE_CODES)
 
 
 def as_token_major(cache: torch.Tensor, kv_layout: str) -> torch.Tensor:
@@ -791,7 +866,12 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
       programs to finish, in the same launch (`_merge_if_last`); ``"launch"``, by a second
       launch (Chapter 7's stage 2, `reduce_splits`) after every program stored its partial;
       ``"launch_pdl"``, that launch as a programmatic dependent launch (scheduled while the
-      decode kernel runs, it waits for the kernel's end before it reads). ``"units"`` only;
+      decode kernel runs, it waits for the kernel's end before it reads); ``"poll"``, by the
+      program of each unit's last split, which reads the other partials until none of their
+      slots holds the empty marker (`EMPTY_SLOT_BITS`, what the workspace starts with and what
+      the merge writes back): no atomic and no wait for stores to be acknowledged, but a
+      program that waits for others, so only where every piece has a program of its own (the
+      planned split counts do), all of them running at once. All but ``"last"``: ``"units"`` only;
     - ``timeline``: an int64 tensor ``[programs, 2, len(TIMELINE_EVENTS)]`` (`new_timeline`) that the
       kernel, compiled with the stamps, fills with each program's clocks at `TIMELINE_EVENTS`
       (``[:, 0]``: the global timer in ns, ``[:, 1]``: the SM's cycles; a program with no work
@@ -816,6 +896,7 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
     if schedule == "line" and merge != "last":
         raise ValueError("the line's units have a varying number of pieces: only merge='last' merges them")
+    programs = programs or num_sms(q.device)
     if batch * q_heads == 0 and not compile_only:
         return out, lse
     if timeline is not None and (timeline.dtype != torch.int64 or not timeline.is_contiguous()
@@ -823,7 +904,6 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         raise ValueError(f"timeline must be a contiguous int64 tensor [programs, 2, {len(TIMELINE_EVENTS)}]")
     box = min(block_size, block_n)
     capacity = block_tables.shape[1] * block_size
-    programs = programs or num_sms(q.device)
     if schedule == "line":
         line_boxes = batch * kv_heads * max(1, -(-capacity // box))  # the line's longest
         if line_boxes >= 2**31:
@@ -838,10 +918,16 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
             raise ValueError(f"num_splits must be an integer >= 1, got {num_splits}")
         num_splits = slots = int(num_splits)
         grid = max(1, min(programs, batch * kv_heads * num_splits))
+        if merge == "poll" and batch * kv_heads * num_splits > programs:
+            raise ValueError(f"merge='poll' needs a program per piece: {batch * kv_heads * num_splits} pieces "
+                             f"({batch} x {kv_heads} KV heads x {num_splits} splits) on {programs} programs")
     if timeline is not None and timeline.shape[0] < grid:
         raise ValueError(f"timeline has {timeline.shape[0]} rows for {grid} programs")
     split = slots > 1
-    if split:
+    if split and merge == "poll":  # slots marked empty, no counters (a placeholder)
+        o_part, lse_part = cached_empty_workspace(batch, q_heads, slots, head_dim, q.device, EMPTY_SLOT_BITS)
+        counters = seq_lens[:, None]
+    elif split:
         o_part, lse_part, counters = cached_workspace(batch, q_heads, slots, head_dim, q.device)
     else:  # unused placeholders: the units write the output itself
         o_part, lse_part, counters = out[:, :, None], lse[:, :, None], seq_lens[:, None]
@@ -856,7 +942,7 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
             seq_lens if timeline is None else timeline)  # (an unused placeholder without one)
     meta = dict(HEAD_D=head_dim, BLOCK_N=block_n, BOX=box, NUM_STAGES=num_stages, LINE=schedule == "line",
                 SPLIT=split, MERGE_H=merge_h, LOADER_REGS=loader_regs, PIPELINE=bool(pipeline), num_warps=4,
-                MERGE_LAST=merge == "last", LAUNCH_DEPENDENTS=split and merge == "launch_pdl",
+                MERGE=MERGE_CODES[merge], LAUNCH_DEPENDENTS=split and merge == "launch_pdl",
                 TIMELINE=timeline is not None,
                 MERGE_S=max(1, min(MERGE_SPLITS, MERGE_ROWS // merge_h, triton.next_power_of_2(slots))))
     if compile_only:
@@ -864,6 +950,6 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     if q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("q and out must have a unit stride along head_dim")
     launch(_decode_kernel, (grid,), *args, **meta)
-    if split and merge != "last":
+    if split and MERGE_CODES[merge] == 0:
         reduce_splits(o_part, lse_part, out, lse, pdl=merge == "launch_pdl")
     return out, lse

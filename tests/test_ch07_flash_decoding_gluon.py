@@ -11,7 +11,8 @@
   (NHD, and HND: the same values with each block's heads before its tokens), and on NHD with
   the pipelined consumer (scores of tile j beside P·V of tile j-1). Out and lse against
   `minillm.reference.ch07_flash_decoding` with the bf16 tolerance; the arrival counters back
-  at zero after every call, and a second call equal to the first.
+  at zero after every call, and a second call equal to the first; the polling merge (its slots
+  marked empty again after every call), also replayed in a CUDA graph.
 - CPU: `plan_splits` on hand-computed cases; the argument checks; the balanced work line
   (`minillm.reference.ch07_flash_decoding.work_line_pieces`) covers every key once and cuts no
   unit into more pieces than `balanced_slots`; the scope checks; and (with a Triton whose
@@ -25,10 +26,10 @@ import torch
 
 from minillm.kernels.base import triton
 from minillm.kernels.ch04_flash_attention_gluon import GLUON_VERSIONS
-from minillm.kernels.ch07_flash_decoding import cached_workspace
+from minillm.kernels.ch07_flash_decoding import cached_empty_workspace, cached_workspace
 from minillm.kernels.ch07_flash_decoding_gluon import (
-    BLOCK_N, KV_LAYOUTS, TIMELINE_EVENTS, as_token_major, balanced_slots, flash_decode_attention_gluon,
-    gluon_decode_applies, new_timeline, plan_splits, to_head_major,
+    BLOCK_N, EMPTY_SLOT_BITS, KV_LAYOUTS, TIMELINE_EVENTS, as_token_major, balanced_slots,
+    flash_decode_attention_gluon, gluon_decode_applies, new_timeline, plan_splits, to_head_major,
 )
 from minillm.paged import PAD
 from minillm.reference import attention
@@ -57,6 +58,12 @@ def reference(q, pool: PagedPool):
 
 def counters_of(batch, q_heads, num_splits, head_dim, device):
     return cached_workspace(batch, q_heads, num_splits, head_dim, device)[2]
+
+
+def slots_not_empty(batch, q_heads, num_splits, head_dim, device) -> int:
+    """How many slots of the polling merge's workspace do not hold the empty marker."""
+    o_part, lse_part = cached_empty_workspace(batch, q_heads, num_splits, head_dim, device, EMPTY_SLOT_BITS)
+    return sum(int((t.view(torch.int32) != EMPTY_SLOT_BITS).sum()) for t in (o_part, lse_part))
 
 
 # ----------------------------------------------------------------------------------------
@@ -156,7 +163,9 @@ def test_refuses_inputs_out_of_scope(change, match):
                                        (dict(num_splits=0), "num_splits"),
                                        (dict(kv_layout="nhd"), "kv_layout"),
                                        (dict(merge="atomics"), "merge"),
-                                       (dict(schedule="line", merge="launch"), "merge")])
+                                       (dict(schedule="line", merge="launch"), "merge"),
+                                       (dict(schedule="line", merge="poll"), "merge"),
+                                       (dict(merge="poll", num_splits=4, programs=15), "a program per piece")])
 def test_refuses_bad_schedules(kw, match):
     q = torch.zeros(2, 8, 64, dtype=DTYPE)
     pool = torch.zeros(4, 16, 2, 64, dtype=DTYPE)
@@ -216,7 +225,7 @@ for head_dim, block_size, splits, variant in itertools.product((64, 128), (16, 2
         "setmaxnreg": "setmaxnreg" in ptx, "atomics": "atom.global" in ptx,
         "local": "ld.local" in ptx or "st.local" in ptx, "stack": stack_bytes(compiled.asm["cubin"]),
         "shared": compiled.metadata.shared}
-for merge in ("launch", "launch_pdl"):  # the splits merged by a second launch
+for merge in ("launch", "launch_pdl", "poll"):  # the splits merged by a second launch, or polling
     q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
     pool = torch.zeros((64, 16, 2, 128), dtype=torch.bfloat16)
     compiled = flash_decode_attention_gluon(q, pool, pool, torch.zeros(2, 8, dtype=torch.int32),
@@ -225,6 +234,7 @@ for merge in ("launch", "launch_pdl"):  # the splits merged by a second launch
     ptx = compiled.asm["ptx"]
     facts[f"merge {merge}"] = {
         "atomics": "atom.global" in ptx, "trigger": "griddepcontrol.launch_dependents" in ptx,
+        "volatile": "ld.volatile.global" in ptx,
         "local": "ld.local" in ptx or "st.local" in ptx, "stack": stack_bytes(compiled.asm["cubin"])}
 for timeline in (False, True):  # the clocks read only where a timeline is asked for
     q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
@@ -278,8 +288,19 @@ def test_separate_merge_compiles_without_the_counter(sm90_compiled, merge):
     """With the merge in a second launch the kernel has no arrival counter (no global atomic);
     before a programmatic dependent merge it lets the merge launch be scheduled early."""
     facts = sm90_compiled[f"merge {merge}"]
-    assert not facts["atomics"]
+    assert not facts["atomics"] and not facts["volatile"]
     assert facts["trigger"] == (merge == "launch_pdl")
+    assert not facts["local"] and facts["stack"] == 0
+
+
+@sm90_compile_mark(GLUON_VERSIONS)
+def test_polling_merge_compiles_without_atomics(sm90_compiled):
+    """The polling merge counts nothing: no global atomic, no early launch of a second kernel;
+    its reads of the other programs' partials are volatile, which the compiler may not hoist
+    out of the wait (a plain load was hoisted, and the wait never saw another program's
+    store)."""
+    facts = sm90_compiled["merge poll"]
+    assert not facts["atomics"] and not facts["trigger"] and facts["volatile"]
     assert not facts["local"] and facts["stack"] == 0
 
 
@@ -389,6 +410,76 @@ def test_separate_merge_against_reference(q_heads, kv_heads, head_dim, block_siz
     assert_close(lse, want_lse, DTYPE, "lse", seed)
     again, again_lse = call()
     assert torch.equal(again, out) and torch.equal(again_lse, lse)
+
+
+def _pieces_fit(case) -> bool:
+    """Whether every piece of a units case has a program of its own (what ``merge="poll"`` needs)."""
+    _q_heads, kv_heads, _d, _block_size, seq_lens, num_splits, programs = case
+    if num_splits is None:  # planned: never more pieces than programs
+        return True
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+    return len(seq_lens) * kv_heads * num_splits <= (programs or sms)
+
+
+#: Units cases for the polling merge: the grid's cases where every piece has a program, and
+#: two of its own: 16 splits of one long sequence (128 pieces, the benchmark's batch-1 shape),
+#: and 40 splits of a group of 4 (the merge in three steps of at most 16 splits).
+POLL_CASES = [c for c in CASES if c[5] != "line" and _pieces_fit(c)] + [
+    (32, 8, 128, 16, [32768], 16, None),
+    (8, 2, 128, 16, [5000], 40, None),
+]
+
+
+@hopper_only
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,seq_lens,num_splits,programs",
+                         [pytest.param(*c, id=_case_id(c)) for c in POLL_CASES])
+def test_polling_merge_against_reference(q_heads, kv_heads, head_dim, block_size, seq_lens, num_splits, programs,
+                                         gen, seed):
+    """The units merged by the program of each unit's last split as soon as the other partials
+    are in its workspace: the reference's output; every slot marked empty again after the call
+    (what the next call waits on); and a second call the same bits."""
+    device = torch.device("cuda")
+    pool = PagedPool(seq_lens, block_size, kv_heads, head_dim, DTYPE, device, gen)
+    q = random_tensor((len(seq_lens), q_heads, head_dim), DTYPE, device, gen)
+    want_out, want_lse = reference(q, pool)
+    call = lambda: flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, pool.lens(device),  # noqa: E731
+                                                num_splits=num_splits, programs=programs, merge="poll")
+    out, lse = call()
+    assert_close(out, want_out, DTYPE, "out", seed)
+    assert_close(lse, want_lse, DTYPE, "lse", seed)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = num_splits or plan_splits(len(seq_lens), kv_heads, pool.tables.shape[1] * block_size, programs or sms)
+    if splits > 1:
+        assert slots_not_empty(len(seq_lens), q_heads, splits, head_dim, device) == 0, "slots not marked empty"
+    again, again_lse = call()
+    assert torch.equal(again, out) and torch.equal(again_lse, lse)
+
+
+@hopper_only
+def test_polling_merge_in_a_cuda_graph(gen, seed):
+    """Captured in a CUDA graph (as the engine runs its decode steps) and replayed with new
+    queries and new lengths, the polling merge gives what eager calls with the counter give,
+    replay after replay: each replay finds the slots empty as the last one left them. (The
+    lengths only shrink: the pool's unused slots hold NaNs.)"""
+    device = torch.device("cuda")
+    seq_lens = [3000, 17, 2048]
+    pool = PagedPool(seq_lens, 16, 8, 128, DTYPE, device, gen)
+    q = random_tensor((3, 32, 128), DTYPE, device, gen)
+    lens = pool.lens(device)
+    call = lambda: flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, lens, num_splits=4,  # noqa: E731
+                                                merge="poll")
+    call()  # the workspace is made outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = call()
+    for step in range(3):
+        q.copy_(random_tensor((3, 32, 128), DTYPE, device, gen))
+        lens.copy_(torch.tensor([3000 - 7 * step, 17 - step, 2048 - 64 * step], dtype=torch.int32, device=device))
+        graph.replay()
+        want_out, want_lse = flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, lens, num_splits=4,
+                                                          merge="last")
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse), f"replay {step}"
+    assert slots_not_empty(3, 32, 4, 128, device) == 0
 
 
 @hopper_only
