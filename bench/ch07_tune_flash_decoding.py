@@ -777,9 +777,9 @@ def timeline_us(timeline: torch.Tensor, programs: int) -> torch.Tensor:
 TIMELINE_POINTS = [(1, 8, 4096), (1, 8, 32768), (8, 8, 32768), (32, 8, 32768), (8, 32, 32768)]
 
 
-def gluon_timeline(merge: str | None = None, points=None, saved_as: str = "ch07_gluon_timeline.json"):
-    """What each program of one call does, on the GPU's own clocks: the Gluon kernel (defaults;
-    ``merge``: another place for the merge) at ``points`` (default `TIMELINE_POINTS`) with a
+def gluon_timeline(merge: str = "last", points=None, saved_as: str = "ch07_gluon_timeline.json"):
+    """What each program of one call does, on the GPU's own clocks: the Gluon kernel (defaults,
+    ``merge`` its merge) at ``points`` (default `TIMELINE_POINTS`) with a
     timeline (`TIMELINE_EVENTS`: start, the loader's first copies, the first tile in
     shared memory, the keys done, the end), replayed as a CUDA graph of 16 calls over enough
     copies of the cache that every call reads HBM (one timeline per copy: its last call's
@@ -799,8 +799,7 @@ def gluon_timeline(merge: str | None = None, points=None, saved_as: str = "ch07_
         TIMELINE_EVENTS, flash_decode_attention_gluon, new_timeline, plan_splits,
     )
 
-    print(f"\n== gluon_timeline (merge {merge or 'default'}): us on the GPU's global timer, medians over calls ==")
-    merge_kw = {} if merge is None else {"merge": merge}
+    print(f"\n== gluon_timeline (merge {merge}): us on the GPU's global timer, medians over calls ==")
     sms = fd.num_sms(DEV)
     saved = {"events": list(TIMELINE_EVENTS), "device": torch.cuda.get_device_name(DEV), "points": []}
     for b, hkv, ctx in points or TIMELINE_POINTS:
@@ -813,7 +812,7 @@ def gluon_timeline(merge: str | None = None, points=None, saved_as: str = "ch07_
         for (q, k, v, tables, lens), tl_ in zip(copies, timelines):
             out, lse = decode_outputs(q, None, None)
             fns.append(lambda q=q, k=k, v=v, t=tables, n=lens, o=out, l=lse, tl_=tl_: flash_decode_attention_gluon(
-                q, k, v, t, n, num_splits=plan, out=o, lse=l, timeline=tl_, **merge_kw))
+                q, k, v, t, n, num_splits=plan, out=o, lse=l, timeline=tl_, merge=merge))
         n_calls = -(-16 // n_copies) * n_copies
         graph = capture_calls(fns, n_calls)
         call_us = timer(graph.replay) / n_calls * 1e3  # (also leaves every timeline filled)

@@ -896,7 +896,6 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
     if schedule == "line" and merge != "last":
         raise ValueError("the line's units have a varying number of pieces: only merge='last' merges them")
-    programs = programs or num_sms(q.device)
     if batch * q_heads == 0 and not compile_only:
         return out, lse
     if timeline is not None and (timeline.dtype != torch.int64 or not timeline.is_contiguous()
@@ -904,6 +903,7 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         raise ValueError(f"timeline must be a contiguous int64 tensor [programs, 2, {len(TIMELINE_EVENTS)}]")
     box = min(block_size, block_n)
     capacity = block_tables.shape[1] * block_size
+    programs = programs or num_sms(q.device)
     if schedule == "line":
         line_boxes = batch * kv_heads * max(1, -(-capacity // box))  # the line's longest
         if line_boxes >= 2**31:
