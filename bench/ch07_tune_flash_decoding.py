@@ -5,7 +5,8 @@ Run on a GPU: ``python -m bench.ch07_tune_flash_decoding [part ...]`` (parts: ov
 async, splits, fused, hopper, hopper2, gluon, gluon_balance, gluon_layout,
 gluon_placement, gluon_fixed_cost, gluon_fixed_breakdown, gluon_grid, gluon_pipeline,
 gluon_contiguous, gluon_occupancy, gluon_merge, gluon_short_calls, gluon_ncu_target,
-gluon_timeline, gluon_timeline_repeats, gluon_turns; default all but the sm_90 parts). Prints
+gluon_timeline, gluon_timeline_repeats, gluon_timeline_merges, gluon_claim, gluon_timeline_claims,
+gluon_turns; default all but the sm_90 parts). Prints
 compact tables; times are per call replaying a CUDA graph of 16 calls
 (`bench.common.graph_time_ms`) unless marked eager."""
 from __future__ import annotations
@@ -535,6 +536,28 @@ def gluon_merge():
         "launch pdl": glu(merge="launch_pdl")}, "last")
 
 
+def gluon_claim():
+    """A unit's tiles in fixed runs, one per split (the default), or claimed by the unit's
+    programs from a counter of its own as they go (``schedule="claim"``), after 2 tiles of their
+    own (the default ``claim_first``), none, or 4, at the points where the plan splits; and
+    "claim own run": the claimed kernel with ``claim_first`` = the units' run of tiles per split,
+    so that every program takes exactly the units' tiles in the units' order through the claimed
+    kernel's code (the tile indices through shared memory, the closing slot) and claims none:
+    it tells the code's cost from the cost of the order the claims hand tiles out in."""
+    from minillm.kernels.ch07_flash_decoding_gluon import BLOCK_N, plan_splits
+
+    points = [(1, 8, 4096), (1, 32, 4096), (8, 8, 4096), (1, 8, 32768), (1, 32, 32768), (1, 8, 131072),
+              (8, 8, 32768), (1, 32, 131072), (8, 8, 131072)]
+    sms = fd.num_sms(DEV)
+
+    def variants(glu, b, hkv, ctx):
+        run = -(-(-(-ctx // BLOCK_N)) // plan_splits(b, hkv, ctx, sms))
+        return {"units": glu(), "claim": glu(schedule="claim"), "claim first 0": glu(schedule="claim", claim_first=0),
+                "claim first 4": glu(schedule="claim", claim_first=4),
+                "claim own run": glu(schedule="claim", claim_first=run)}
+    _gluon_variants("gluon_claim", points, variants, "units")
+
+
 def gluon_short_calls():
     """The calls whose plan splits, where fixed costs weigh: the ring's depth (2 slots against
     3), the merge (in the kernel or a second launch) and half the planned splits, alone and
@@ -777,9 +800,10 @@ def timeline_us(timeline: torch.Tensor, programs: int) -> torch.Tensor:
 TIMELINE_POINTS = [(1, 8, 4096), (1, 8, 32768), (8, 8, 32768), (32, 8, 32768), (8, 32, 32768)]
 
 
-def gluon_timeline(merge: str = "last", points=None, saved_as: str = "ch07_gluon_timeline.json"):
+def gluon_timeline(merge: str = "last", points=None, saved_as: str = "ch07_gluon_timeline.json",
+                   schedule: str = "units"):
     """What each program of one call does, on the GPU's own clocks: the Gluon kernel (defaults,
-    ``merge`` its merge) at ``points`` (default `TIMELINE_POINTS`) with a
+    ``merge`` its merge, ``schedule`` its schedule) at ``points`` (default `TIMELINE_POINTS`) with a
     timeline (`TIMELINE_EVENTS`: start, the loader's first copies, the first tile in
     shared memory, the keys done, the end), replayed as a CUDA graph of 16 calls over enough
     copies of the cache that every call reads HBM (one timeline per copy: its last call's
@@ -799,7 +823,8 @@ def gluon_timeline(merge: str = "last", points=None, saved_as: str = "ch07_gluon
         TIMELINE_EVENTS, flash_decode_attention_gluon, new_timeline, plan_splits,
     )
 
-    print(f"\n== gluon_timeline (merge {merge}): us on the GPU's global timer, medians over calls ==")
+    print(f"\n== gluon_timeline (merge {merge}, schedule {schedule}): us on the GPU's global timer, "
+          "medians over calls ==")
     sms = fd.num_sms(DEV)
     saved = {"events": list(TIMELINE_EVENTS), "device": torch.cuda.get_device_name(DEV), "points": []}
     for b, hkv, ctx in points or TIMELINE_POINTS:
@@ -812,7 +837,7 @@ def gluon_timeline(merge: str = "last", points=None, saved_as: str = "ch07_gluon
         for (q, k, v, tables, lens), tl_ in zip(copies, timelines):
             out, lse = decode_outputs(q, None, None)
             fns.append(lambda q=q, k=k, v=v, t=tables, n=lens, o=out, l=lse, tl_=tl_: flash_decode_attention_gluon(
-                q, k, v, t, n, num_splits=plan, out=o, lse=l, timeline=tl_, merge=merge))
+                q, k, v, t, n, num_splits=plan, out=o, lse=l, timeline=tl_, merge=merge, schedule=schedule))
         n_calls = -(-16 // n_copies) * n_copies
         graph = capture_calls(fns, n_calls)
         call_us = timer(graph.replay) / n_calls * 1e3  # (also leaves every timeline filled)
@@ -850,6 +875,14 @@ def gluon_timeline_merges():
     arrive (the counter) and the program of each unit's last split, polling."""
     for merge in ("last", "poll"):
         gluon_timeline(merge, TIMELINE_POINTS[:2], f"ch07_gluon_timeline_{merge}.json")
+
+
+def gluon_timeline_claims():
+    """`gluon_timeline` at the points where the plan splits 16 and 2 ways, with the unit's
+    tiles in fixed runs and claimed (``schedule="claim"``)."""
+    points = [TIMELINE_POINTS[0], TIMELINE_POINTS[1], TIMELINE_POINTS[2]]
+    for schedule in ("units", "claim"):
+        gluon_timeline("last", points, f"ch07_gluon_timeline_{schedule}.json", schedule)
 
 
 def gluon_timeline_repeats():
@@ -1046,6 +1079,7 @@ if __name__ == "__main__":
          "gluon_short_calls": gluon_short_calls, "gluon_ncu_target": gluon_ncu_target,
          "gluon_pipeline": gluon_pipeline, "gluon_contiguous": gluon_contiguous,
          "gluon_timeline": gluon_timeline, "gluon_timeline_repeats": gluon_timeline_repeats,
-         "gluon_timeline_merges": gluon_timeline_merges,
+         "gluon_timeline_merges": gluon_timeline_merges, "gluon_claim": gluon_claim,
+         "gluon_timeline_claims": gluon_timeline_claims,
          "gluon_turns": gluon_turns}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)

@@ -718,9 +718,13 @@ def cached_empty_workspace(batch: int, q_heads: int, num_splits: int, head_dim: 
     return _reused((device, "empty", empty_bits, batch, q_heads, num_splits, head_dim), device, make)
 
 
-def cached_counters(batch: int, q_heads: int, device) -> torch.Tensor:
-    """`split_counters` reused across calls (`_reused`); one buffer serves every split count."""
-    return _reused(("counters", device, batch, q_heads), device, lambda: split_counters(batch, q_heads, device))
+def cached_counters(batch: int, q_heads: int, device, purpose: str = "arrivals") -> torch.Tensor:
+    """`split_counters` reused across calls (`_reused`, key ``("counters", device, batch, q_heads)``);
+    one buffer serves every split count. Another ``purpose`` has a buffer of its own (key
+    ``(purpose, device, batch, q_heads)``; the Gluon kernel's ``"claims"``: the next tile of each
+    unit, beside the arrivals)."""
+    key = ("counters" if purpose == "arrivals" else purpose, device, batch, q_heads)
+    return _reused(key, device, lambda: split_counters(batch, q_heads, device))
 
 
 def flash_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -18,6 +18,8 @@ This module writes the same algorithm with Gluon (the layer under Triton, see Ch
   split) in turn, so the loader fetches the next unit's first tiles while the consumer
   finishes this one; the split count (`plan_splits`) is the largest that gives each program
   at most one unit, instead of the Triton kernel's "one wave of two programs per SM";
+  ``schedule="claim"`` lets a unit's programs take its tiles from a shared counter as they
+  go, so that a program slowed by the memory system takes fewer;
   ``schedule="line"`` instead cuts all the work (every unit's keys, in boxes of a block) into
   one equal chunk per program, from the lengths, on the GPU (stream-K's answer to the tail
   that whole units leave; measured in Chapter 7, slower except where programs are long);
@@ -55,11 +57,13 @@ from minillm.kernels.base import (  # first: it decides on Triton's interpreter 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from minillm.kernels.ch05_paged_attention import check_paged, decode_outputs
-from minillm.kernels.ch07_flash_decoding import MAX_SPLITS, cached_empty_workspace, cached_workspace, reduce_splits
+from minillm.kernels.ch07_flash_decoding import (
+    MAX_SPLITS, cached_counters, cached_empty_workspace, cached_workspace, reduce_splits,
+)
 
 __all__ = ["flash_decode_attention_gluon", "gluon_decode_applies", "plan_splits", "balanced_slots", "as_token_major",
            "to_head_major", "new_timeline", "BLOCK_N", "NUM_STAGES", "ROWS", "KV_LAYOUTS", "TIMELINE_EVENTS", "MERGES",
-           "EMPTY_SLOT_BITS"]
+           "SCHEDULES", "EMPTY_SLOT_BITS", "CLAIM_FIRST", "CLAIM_SPACING", "claim_counters"]
 
 #: Keys per tile, and ring slots (each a K and a V tile: 32 KB at head dim 128). Chosen on an
 #: H200 (`bench.ch07_tune_flash_decoding` part ``gluon``, CUDA-graph times at six points,
@@ -71,6 +75,12 @@ NUM_STAGES = 3
 #: The merge's step: at most ``MERGE_SPLITS`` splits of at most ``MERGE_ROWS`` (head, split)
 #: rows at a time (64 x 128 fp32 is 64 registers a thread of the consumer warpgroup).
 MERGE_SPLITS, MERGE_ROWS = 16, 64
+#: With ``schedule="claim"``, the tiles each program takes as its own before it claims more;
+#: and the int32s from one unit's claim counter to the next (128 bytes: a cache line each, so
+#: that the claims of different units do not queue at one line of L2).
+CLAIM_FIRST = 2
+CLAIM_SPACING = 32
+_CLAIM_SPACING = gl.constexpr(CLAIM_SPACING)
 #: Rows of the query tile: one warpgroup's ``wgmma`` is 64 rows tall.
 ROWS = 64
 #: What a timeline (`flash_decode_attention_gluon`'s ``timeline``) records per program, in
@@ -248,15 +258,122 @@ def _load_tile(desc, rows, col0, ready, ring, slot, BOX: gl.constexpr, BLOCK_N: 
 
 
 @gluon.jit
-def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, block_tables, seq_lens,
-            stride_tb, batch, kv_heads, num_splits, block_size, block_rows, head_rows, head_cols, num_blocks,
-            max_blocks, timeline, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr,
-            NUM_STAGES: gl.constexpr, LINE: gl.constexpr, TIMELINE: gl.constexpr):
+def _put_tile(slot, tile):
+    """The loader (one warp) leaves tile index ``tile`` in ``slot`` (one int32 of shared memory);
+    its next arrival on the ready barrier that guards the ring slot releases it to the consumer."""
+    slot.store(gl.full([1], tile, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+
+
+@gluon.jit
+def _get_tile(slot):
+    """The tile index the loader left in ``slot`` (every thread of the consumer warpgroup reads it)."""
+    return gl.max(slot.load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
+
+
+@gluon.jit
+def _claim_in_lane0(claim):
+    """The counter at ``claim`` incremented by lane 0 of the loader warp, as a ``[32]`` tensor (one
+    element per lane) that holds the counter's old value in lane 0 and 0 elsewhere: nothing waits
+    for the atomic's answer until the value is taken (`_tile_of`). A scalar ``gl.atomic_add``
+    hands its answer to every lane at once, so the warp would wait there for the round trip; and
+    ptxas turns an ``atom.add`` whose address is the same in every lane into a warp-aggregated
+    one followed by a shuffle of the answer, which waits too, so this is ``atom.inc`` (+1 below
+    2^31 - 1), which it leaves as it is."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lane = gl.arange(0, 32, layout)
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred first; setp.eq.s32 first, $2, 0; mov.u32 $0, 0; "
+        "@first atom.relaxed.gpu.global.inc.u32 $0, [$1], 2147483647; }",
+        "=r,l,r", [claim + lane * 0, lane], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _request_tile(k, split, num_splits, claim, FIRST: gl.constexpr):
+    """The ``k``-th tile of split ``split``'s claimed piece, as a request to take later
+    (`_tile_of`, ``num_splits · FIRST`` added then): its own ``FIRST`` tiles first (``split ·
+    FIRST + k``, no atomic on the way to the first copies), then those the unit's counter
+    ``claim`` hands out, from ``num_splits · FIRST`` on. (Nothing here reads the claim's answer,
+    so nothing waits for it.)"""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    if k < FIRST:
+        request = gl.full([32], (split - num_splits) * FIRST + k, gl.int32, layout)
+    else:
+        request = _claim_in_lane0(claim)
+    return request
+
+
+@gluon.jit
+def _tile_of(request, num_splits, FIRST: gl.constexpr):
+    """The tile a `_request_tile` asked for (lane 0's; the others hold no more than it)."""
+    return num_splits * FIRST + gl.max(request, axis=0)
+
+
+@gluon.jit
+def _load_claimed(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_ids, table, seq_lens,
+                  claim, b, split, num_splits, batch, capacity, block_size, block_rows, head_row, col0, num_blocks,
+                  max_blocks, it, timeline, BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  D_CHUNKS: gl.constexpr, FIRST: gl.constexpr, TIMELINE: gl.constexpr):
+    """The loader's share of a claimed piece (`_loader`'s ``CLAIM``), from ring position ``it``:
+    returns the position after it (its tiles and the closing slot). A tile past the sequence's
+    last ends the piece: the own tiles only grow, and every claimed one lies beyond them all."""
+    seq_len, _boxes = _sequence(seq_lens, b, batch, capacity, BOX)
+    n_tiles = gl.cdiv(seq_len, BLOCK_N)
+    tile = _tile_of(_request_tile(0, split, num_splits, claim, FIRST), num_splits, FIRST)
+    rows = _tile_rows(table, tile * BLOCK_N, seq_len, block_size, block_rows, head_row, num_blocks, max_blocks, BOX,
+                      BLOCK_N)
+    ahead = _request_tile(1, split, num_splits, claim, FIRST)
+    k = 0
+    while tile < n_tiles:
+        # Claims two tiles ahead: the one asked for now is taken an iteration later, so its
+        # round trip overlaps a whole tile's wait and copies; the next tile's table entries
+        # are read after this tile's copies, and their round trip overlaps the next wait.
+        later = _request_tile(k + 2, split, num_splits, claim, FIRST)
+        slot = it % NUM_STAGES
+        free = ((it // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), free)
+        _put_tile(tile_ids.index(slot), tile)  # released by the K copies' expect (an arrival)
+        _load_tile(k_desc, rows, col0, k_ready.index(slot), k_smem, slot, BOX, BLOCK_N, D_CHUNKS)
+        mbarrier.wait(v_empty.index(slot), free)
+        _load_tile(v_desc, rows, col0, v_ready.index(slot), v_smem, slot, BOX, BLOCK_N, D_CHUNKS)
+        if it == 0:
+            _stamp(timeline, 1, TIMELINE)
+        tile = _tile_of(ahead, num_splits, FIRST)
+        rows = _tile_rows(table, tile * BLOCK_N, seq_len, block_size, block_rows, head_row, num_blocks, max_blocks,
+                          BOX, BLOCK_N)
+        ahead = later
+        k += 1
+        it += 1
+    # No more tiles for this piece (the claims still in flight lie further on): a slot without
+    # one. Its index waits for the last claim's answer (a tile index is >= 0, so the minimum is
+    # -1): the claim is done before this program can arrive, and so before the merge that
+    # resets the counter.
+    slot = it % NUM_STAGES
+    free = ((it // NUM_STAGES) & 1) ^ 1
+    mbarrier.wait(k_empty.index(slot), free)
+    _put_tile(tile_ids.index(slot), gl.minimum(_tile_of(ahead, num_splits, FIRST), -1))
+    mbarrier.arrive(k_ready.index(slot))
+    mbarrier.wait(v_empty.index(slot), free)
+    mbarrier.arrive(v_ready.index(slot))
+    return it + 1
+
+
+@gluon.jit
+def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_ids, block_tables, seq_lens,
+            claims, stride_tb, stride_cb, batch, kv_heads, num_splits, block_size, block_rows, head_rows, head_cols,
+            num_blocks, max_blocks, timeline, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr,
+            NUM_STAGES: gl.constexpr, LINE: gl.constexpr, CLAIM: gl.constexpr, CLAIM_FIRST: gl.constexpr,
+            TIMELINE: gl.constexpr):
     """One warp: the K and V tiles of this program's pieces into the rings, in the order the
     consumer uses them (the same walk). A slot is refilled once the consumer has arrived on
     its empty barrier (on the first pass the wait is for parity 1, which a fresh barrier
     reports complete). KV head ``h``'s keys sit ``h · head_rows`` rows and ``h · head_cols``
-    columns into a block of the pool's 2-d view (`_pool_view`)."""
+    columns into a block of the pool's 2-d view (`_pool_view`).
+
+    ``CLAIM``: a piece's tiles are not a fixed run of the unit's: after ``CLAIM_FIRST`` tiles of
+    its own, whichever the unit's claim counter (``claims`` + (b · H + kv_h) · `CLAIM_SPACING`) hands out,
+    one tile per increment, until they pass the unit's last tile (`_request_tile`); each tile's
+    index goes into ``tile_ids`` beside its ring slot, and the piece ends with a slot that
+    carries no tile (index -1, both barriers completed without bytes)."""
     D_CHUNKS: gl.constexpr = HEAD_D // 64
     capacity = max_blocks * block_size
     pos, end, b, kv_h, unit_start, unit_len, seq_len, chunk = _walk_start(seq_lens, batch, kv_heads, num_splits,
@@ -268,22 +385,28 @@ def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 
         table = block_tables + pb.to(gl.int64) * stride_tb
         head_row = pkv * head_rows
         col0 = pkv * head_cols
-        rows = _tile_rows(table, lo, hi, block_size, block_rows, head_row, num_blocks, max_blocks, BOX, BLOCK_N)
-        for j in range(gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)):
-            slot = it % NUM_STAGES
-            free = ((it // NUM_STAGES) & 1) ^ 1
-            # The next tile's table entries a tile ahead: their round trip overlaps this
-            # tile's wait for a free slot and its copies.
-            next_rows = _tile_rows(table, lo + (j + 1) * BLOCK_N, hi, block_size, block_rows, head_row, num_blocks,
-                                   max_blocks, BOX, BLOCK_N)
-            mbarrier.wait(k_empty.index(slot), free)
-            _load_tile(k_desc, rows, col0, k_ready.index(slot), k_smem, slot, BOX, BLOCK_N, D_CHUNKS)
-            mbarrier.wait(v_empty.index(slot), free)
-            _load_tile(v_desc, rows, col0, v_ready.index(slot), v_smem, slot, BOX, BLOCK_N, D_CHUNKS)
-            if it == 0:
-                _stamp(timeline, 1, TIMELINE)
-            rows = next_rows
-            it += 1
+        if CLAIM:
+            it = _load_claimed(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_ids, table,
+                               seq_lens, claims + (pb * kv_heads + pkv) * _CLAIM_SPACING, pb, pos % num_splits,
+                               num_splits, batch, capacity, block_size, block_rows, head_row, col0, num_blocks,
+                               max_blocks, it, timeline, BLOCK_N, BOX, NUM_STAGES, D_CHUNKS, CLAIM_FIRST, TIMELINE)
+        else:
+            rows = _tile_rows(table, lo, hi, block_size, block_rows, head_row, num_blocks, max_blocks, BOX, BLOCK_N)
+            for j in range(gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)):
+                slot = it % NUM_STAGES
+                free = ((it // NUM_STAGES) & 1) ^ 1
+                # The next tile's table entries a tile ahead: their round trip overlaps this
+                # tile's wait for a free slot and its copies.
+                next_rows = _tile_rows(table, lo + (j + 1) * BLOCK_N, hi, block_size, block_rows, head_row,
+                                       num_blocks, max_blocks, BOX, BLOCK_N)
+                mbarrier.wait(k_empty.index(slot), free)
+                _load_tile(k_desc, rows, col0, k_ready.index(slot), k_smem, slot, BOX, BLOCK_N, D_CHUNKS)
+                mbarrier.wait(v_empty.index(slot), free)
+                _load_tile(v_desc, rows, col0, v_ready.index(slot), v_smem, slot, BOX, BLOCK_N, D_CHUNKS)
+                if it == 0:
+                    _stamp(timeline, 1, TIMELINE)
+                rows = next_rows
+                it += 1
         pos, b, kv_h, unit_start, unit_len, seq_len = _walk_next(pos, end, b, kv_h, unit_start, unit_len, seq_len,
                                                                  seq_lens, batch, kv_heads, capacity, LINE, BOX)
 
@@ -446,10 +569,12 @@ def _publish_stores():
 
 
 @gluon.jit
-def _merge_if_last(o_part, lse_part, out, lse, counter, group, num_splits, stride_ph, stride_ps, stride_lph,
-                   stride_oh, stride_lh, HEAD_D: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr):
+def _merge_if_last(o_part, lse_part, out, lse, counter, claims, group, num_splits, stride_ph, stride_ps, stride_lph,
+                   stride_oh, stride_lh, HEAD_D: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr,
+                   CLAIM: gl.constexpr):
     """Count this program in at ``counter``; the last of the ``num_splits`` to arrive merges the
-    partials (`_merge_splits`) and sets the counter back to zero.
+    partials (`_merge_splits`) and sets the counter back to zero (``CLAIM``: and the unit's claim
+    counter, which every program of the unit is done with once it has arrived).
 
     Memory ordering as in `flash_decode_attention`'s one-launch merge: the barrier orders the
     partition's partial stores before the atomic, whose release publishes them GPU-wide; the
@@ -462,12 +587,14 @@ def _merge_if_last(o_part, lse_part, out, lse, counter, group, num_splits, strid
         _merge_splits(o_part, lse_part, out, lse, group, num_splits, stride_ph, stride_ps, stride_lph, stride_oh,
                       stride_lh, HEAD_D, MERGE_H, MERGE_S, False)
         gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
+        if CLAIM:
+            gl.atomic_xchg(claims, 0, sem="relaxed", scope="gpu")
 
 
 @gluon.jit
-def _finish_piece(acc0, acc1, m_i, l_i, o_part, lse_part, out, lse, counter, head0, lse0, part, n_parts, group,
-                  stride_ph, stride_ps, stride_lph, stride_oh, stride_lh, HEAD_D: gl.constexpr, MERGE_H: gl.constexpr,
-                  MERGE_S: gl.constexpr, MERGE: gl.constexpr):
+def _finish_piece(acc0, acc1, m_i, l_i, o_part, lse_part, out, lse, counter, claims, head0, lse0, part, n_parts,
+                  group, stride_ph, stride_ps, stride_lph, stride_oh, stride_lh, HEAD_D: gl.constexpr,
+                  MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, MERGE: gl.constexpr, CLAIM: gl.constexpr):
     """A piece's result: the unit's output itself when the piece is its only one, else the
     piece's partial at slot ``part`` (``head0``, ``lse0``: the group's first head's offsets in
     the workspace) and the merge (``MERGE``, `MERGE_CODES`): by the unit's last program to
@@ -478,8 +605,8 @@ def _finish_piece(acc0, acc1, m_i, l_i, o_part, lse_part, out, lse, counter, hea
         _store_partial(acc0, acc1, m_i, l_i, o_part + head0 + part * stride_ps, lse_part + lse0 + part,
                        stride_ph, stride_lph, group, D_CHUNKS)
         if MERGE == 1:
-            _merge_if_last(o_part + head0, lse_part + lse0, out, lse, counter, group, n_parts, stride_ph, stride_ps,
-                           stride_lph, stride_oh, stride_lh, HEAD_D, MERGE_H, MERGE_S)
+            _merge_if_last(o_part + head0, lse_part + lse0, out, lse, counter, claims, group, n_parts, stride_ph,
+                           stride_ps, stride_lph, stride_oh, stride_lh, HEAD_D, MERGE_H, MERGE_S, CLAIM)
         elif MERGE == 2:
             _publish_stores()
             if part == n_parts - 1:
@@ -533,6 +660,22 @@ def _wait_pv(acc0, acc1, p_op, D_CHUNKS: gl.constexpr):
 
 
 @gluon.jit
+def _tile_in_turn(q_smem, k_smem, v_smem, v_ready, k_empty, v_empty, acc0, acc1, m_i, l_i, s_zero, cols, slot, phase,
+                  start, hi, qk_scale, p_layout: gl.constexpr, o_rows: gl.constexpr, BLOCK_N: gl.constexpr,
+                  D_CHUNKS: gl.constexpr):
+    """One tile (keys from ``start``, none past ``hi``) in ring slot ``slot``, its K already there:
+    S = Q Kᵀ (wait), the softmax, P·V (wait), the slot given back. Returns ``(acc0, acc1, m, l)``."""
+    s = _scores(q_smem, k_smem, slot, s_zero, D_CHUNKS)
+    mbarrier.arrive(k_empty.index(slot))
+    p_op, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, start, hi, cols, qk_scale, p_layout, BLOCK_N)
+    mbarrier.wait(v_ready.index(slot), phase)
+    acc0, acc1 = _start_pv(p_op, v_smem, slot, acc0, acc1, alpha, start, hi, o_rows, BLOCK_N, D_CHUNKS)
+    acc0, acc1 = _wait_pv(acc0, acc1, p_op, D_CHUNKS)
+    mbarrier.arrive(v_empty.index(slot))
+    return acc0, acc1, m_i, l_i
+
+
+@gluon.jit
 def _keys_in_turn(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, acc0, acc1, m_i, l_i, s_zero, cols,
                   it, lo, hi, n_tiles, qk_scale, p_layout: gl.constexpr, o_rows: gl.constexpr,
                   NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, D_CHUNKS: gl.constexpr):
@@ -541,15 +684,10 @@ def _keys_in_turn(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ac
     for j in range(n_tiles):
         slot = (it + j) % NUM_STAGES
         phase = ((it + j) // NUM_STAGES) & 1
-        start = lo + j * BLOCK_N
         mbarrier.wait(k_ready.index(slot), phase)
-        s = _scores(q_smem, k_smem, slot, s_zero, D_CHUNKS)
-        mbarrier.arrive(k_empty.index(slot))
-        p_op, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, start, hi, cols, qk_scale, p_layout, BLOCK_N)
-        mbarrier.wait(v_ready.index(slot), phase)
-        acc0, acc1 = _start_pv(p_op, v_smem, slot, acc0, acc1, alpha, start, hi, o_rows, BLOCK_N, D_CHUNKS)
-        acc0, acc1 = _wait_pv(acc0, acc1, p_op, D_CHUNKS)
-        mbarrier.arrive(v_empty.index(slot))
+        acc0, acc1, m_i, l_i = _tile_in_turn(q_smem, k_smem, v_smem, v_ready, k_empty, v_empty, acc0, acc1, m_i, l_i,
+                                             s_zero, cols, slot, phase, lo + j * BLOCK_N, hi, qk_scale, p_layout,
+                                             o_rows, BLOCK_N, D_CHUNKS)
     return acc0, acc1, m_i, l_i
 
 
@@ -596,17 +734,46 @@ def _keys_pipelined(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr, seq_lens, o_part, lse_part, out,
-              lse, counters, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_lpb, stride_lph,
-              stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, batch, group, kv_heads, num_splits,
+def _keys_claimed(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_ids, acc0, acc1, m_i, l_i, s_zero,
+                  cols, it, seq_len, qk_scale, p_layout: gl.constexpr, o_rows: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, D_CHUNKS: gl.constexpr):
+    """`_keys_in_turn` over the tiles the loader claimed for this piece (`_load_claimed`), in the
+    order they arrive, each tile's index read beside its ring slot, until a slot without one:
+    the online softmax and its partial do not depend on which keys, or in which order. Returns
+    ``(acc0, acc1, m, l, it)``, ``it`` past the closing slot."""
+    slot = it % NUM_STAGES
+    phase = (it // NUM_STAGES) & 1
+    mbarrier.wait(k_ready.index(slot), phase)
+    tile = _get_tile(tile_ids.index(slot))
+    while tile >= 0:
+        acc0, acc1, m_i, l_i = _tile_in_turn(q_smem, k_smem, v_smem, v_ready, k_empty, v_empty, acc0, acc1, m_i, l_i,
+                                             s_zero, cols, slot, phase, tile * BLOCK_N, seq_len, qk_scale, p_layout,
+                                             o_rows, BLOCK_N, D_CHUNKS)
+        it += 1
+        slot = it % NUM_STAGES
+        phase = (it // NUM_STAGES) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        tile = _get_tile(tile_ids.index(slot))
+    # the closing slot: nothing to read, given back at once
+    mbarrier.arrive(k_empty.index(slot))
+    mbarrier.wait(v_ready.index(slot), phase)
+    mbarrier.arrive(v_empty.index(slot))
+    return acc0, acc1, m_i, l_i, it + 1
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_ids, q_ptr, seq_lens, o_part, lse_part,
+              out, lse, counters, claims, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_lpb,
+              stride_lph, stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, batch, group, kv_heads, num_splits,
               block_size, max_blocks, qk_scale, timeline, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, BOX: gl.constexpr, LINE: gl.constexpr, SPLIT: gl.constexpr,
-              MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, PIPELINE: gl.constexpr, MERGE: gl.constexpr,
-              TIMELINE: gl.constexpr):
+              NUM_STAGES: gl.constexpr, BOX: gl.constexpr, LINE: gl.constexpr, CLAIM: gl.constexpr,
+              SPLIT: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, PIPELINE: gl.constexpr,
+              MERGE: gl.constexpr, TIMELINE: gl.constexpr):
     """One warpgroup: for each of this program's pieces, the online softmax over its tiles
-    (base 2, FA2's unscaled accumulator), then the piece's result: the output itself when the
-    piece is its unit's only one, else (``SPLIT``) a partial in the fp32 workspace and the
-    merge by the unit's last program to finish (`_merge_if_last`)."""
+    (base 2, FA2's unscaled accumulator; ``CLAIM``: the tiles the loader claimed,
+    `_keys_claimed`), then the piece's result: the output itself when the piece is its unit's
+    only one, else (``SPLIT``) a partial in the fp32 workspace and the merge by the unit's last
+    program to finish (`_merge_if_last`)."""
     _stamp(timeline, 0, TIMELINE)
     D_CHUNKS: gl.constexpr = HEAD_D // 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -630,10 +797,16 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr,
         acc1 = gl.zeros([64, 64], gl.float32, o_layout)
         n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
         if TIMELINE:
-            if it == 0 and n_tiles > 0:  # an extra wait on the first tile, for its arrival's time
+            if it == 0 and (CLAIM or n_tiles > 0):  # an extra wait on the first tile, for its arrival's time
                 mbarrier.wait(k_ready.index(0), 0)
                 _stamp(timeline, 2, TIMELINE)
-        if PIPELINE:
+        if CLAIM:
+            seq_b, _boxes = _sequence(seq_lens, pb, batch, capacity, BOX)
+            acc0, acc1, m_i, l_i, it = _keys_claimed(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                                                     tile_ids, acc0, acc1, m_i, l_i, s_zero, cols, it, seq_b,
+                                                     qk_scale, p_layout, o_rows, NUM_STAGES, BLOCK_N, D_CHUNKS)
+            n_tiles = 0  # (`it` is past this piece's slots already)
+        elif PIPELINE:
             acc0, acc1, m_i, l_i = _keys_pipelined(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, acc0,
                                                    acc1, m_i, l_i, s_zero, cols, it, lo, hi, n_tiles, qk_scale,
                                                    p_layout, o_rows, NUM_STAGES, BLOCK_N, D_CHUNKS)
@@ -648,10 +821,11 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr,
         if SPLIT:
             part, n_parts = _walk_part(pos, unit_start, unit_len, chunk, num_splits, LINE)
             _finish_piece(acc0, acc1, m_i, l_i, o_part, lse_part, out_b, lse_b, counters + pb * stride_cb + pkv,
+                          claims + (pb * kv_heads + pkv) * _CLAIM_SPACING,
                           pb.to(gl.int64) * stride_pb + (pkv * group) * stride_ph,
                           pb.to(gl.int64) * stride_lpb + (pkv * group) * stride_lph, part, n_parts, group,
                           stride_ph, stride_ps, stride_lph, stride_oh, stride_lh, HEAD_D, MERGE_H, MERGE_S,
-                          MERGE)
+                          MERGE, CLAIM)
         else:  # every unit is one piece: no merge code at all
             _store_partial(acc0, acc1, m_i, l_i, out_b, lse_b, stride_oh, stride_lh, group, D_CHUNKS)
         _stamp(timeline, 4, TIMELINE)
@@ -660,20 +834,21 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr,
 
 
 @gluon.jit
-def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_part, out, lse, counters,
+def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_part, out, lse, counters, claims,
                    stride_qb, stride_qh, stride_tb, stride_pb, stride_ph, stride_ps, stride_lpb, stride_lph,
                    stride_ob, stride_oh, stride_lb, stride_lh, stride_cb,
                    batch, group, kv_heads, num_splits, block_size, block_rows, head_rows, head_cols, num_blocks,
                    max_blocks, qk_scale, timeline,
                    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   LINE: gl.constexpr, SPLIT: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr,
-                   LOADER_REGS: gl.constexpr, PIPELINE: gl.constexpr, MERGE: gl.constexpr,
-                   LAUNCH_DEPENDENTS: gl.constexpr, TIMELINE: gl.constexpr):
+                   LINE: gl.constexpr, CLAIM: gl.constexpr, CLAIM_FIRST: gl.constexpr, SPLIT: gl.constexpr,
+                   MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, LOADER_REGS: gl.constexpr, PIPELINE: gl.constexpr,
+                   MERGE: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr, TIMELINE: gl.constexpr):
     """A 1-d grid of at most one program per SM, each walking its work: units ``pid``, ``pid +
-    P``, ..., or (``LINE``) its chunk of the work line. ``num_warps=4``: the consumer (the
-    default partition) and a one-warp loader. Shared memory: the query tile and
-    ``NUM_STAGES`` slots of K and V, each as ``HEAD_D / 64`` tiles of ``[BLOCK_N, 64]`` (the
-    descriptors' layout)."""
+    P``, ..., or (``LINE``) its chunk of the work line; ``CLAIM``: a unit's tiles go to its
+    programs as they claim them (``claims``: zeroed int32s, one per unit every `CLAIM_SPACING`).
+    ``num_warps=4``: the consumer (the default partition) and a one-warp loader. Shared memory:
+    the query tile and ``NUM_STAGES`` slots of K and V, each as ``HEAD_D / 64`` tiles of
+    ``[BLOCK_N, 64]`` (the descriptors' layout), and with ``CLAIM`` a tile index per slot."""
     if LAUNCH_DEPENDENTS:  # the merge launch (a programmatic dependent launch) may be scheduled now
         tl.extra.cuda.gdc_launch_dependents()
     D_CHUNKS: gl.constexpr = HEAD_D // 64
@@ -690,18 +865,24 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=1)  # the consumer's
         mbarrier.init(v_empty.index(i), count=1)
+    if CLAIM:
+        tile_ids = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        tile_ids = k_ready  # (unused)
     fence_async_shared()
 
     # (The argument tuples are written in place: see Chapter 4's Gluon kernel.)
     gl.warp_specialize(
-        [(_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_ptr, seq_lens, o_part, lse_part,
-                      out, lse, counters, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_lpb,
-                      stride_lph, stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, batch, group, kv_heads,
-                      num_splits, block_size, max_blocks, qk_scale, timeline, HEAD_D, BLOCK_N, NUM_STAGES, BOX, LINE,
-                      SPLIT, MERGE_H, MERGE_S, PIPELINE, MERGE, TIMELINE)),
-         (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, block_tables, seq_lens,
-                    stride_tb, batch, kv_heads, num_splits, block_size, block_rows, head_rows, head_cols, num_blocks,
-                    max_blocks, timeline, HEAD_D, BLOCK_N, BOX, NUM_STAGES, LINE, TIMELINE))],
+        [(_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_ids, q_ptr,
+                      seq_lens, o_part, lse_part, out, lse, counters, claims, stride_qb, stride_qh, stride_pb,
+                      stride_ph, stride_ps, stride_lpb, stride_lph, stride_ob, stride_oh, stride_lb, stride_lh,
+                      stride_cb, batch, group, kv_heads, num_splits, block_size, max_blocks, qk_scale, timeline,
+                      HEAD_D, BLOCK_N, NUM_STAGES, BOX, LINE, CLAIM, SPLIT, MERGE_H, MERGE_S, PIPELINE, MERGE,
+                      TIMELINE)),
+         (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_ids, block_tables,
+                    seq_lens, claims, stride_tb, stride_cb, batch, kv_heads, num_splits, block_size, block_rows,
+                    head_rows, head_cols, num_blocks, max_blocks, timeline, HEAD_D, BLOCK_N, BOX, NUM_STAGES, LINE,
+                    CLAIM, CLAIM_FIRST, TIMELINE))],
         [1],
         [LOADER_REGS],
     )
@@ -751,6 +932,8 @@ KV_LAYOUTS = ("NHD", "HND")
 #: code in the kernel (``MERGE``: 0, a second launch; 1, the last to arrive; 2, polling).
 MERGE_CODES = {"last": 1, "poll": 2, "launch": 0, "launch_pdl": 0}
 MERGES = tuple(MERGE_CODES)
+#: How the programs share the work (`flash_decode_attention_gluon`'s ``schedule``).
+SCHEDULES = ("units", "line", "claim")
 
 
 def as_token_major(cache: torch.Tensor, kv_layout: str) -> torch.Tensor:
@@ -764,6 +947,13 @@ def to_head_major(cache: torch.Tensor) -> torch.Tensor:
     """An NHD pool ``[num_blocks, block_size, kv_heads, head_dim]`` copied into HND,
     ``[num_blocks, kv_heads, block_size, head_dim]`` (the same tables address it)."""
     return cache.transpose(1, 2).contiguous()
+
+
+def claim_counters(batch: int, q_heads: int, device) -> torch.Tensor:
+    """The claim counters of ``schedule="claim"``, reused across calls: int32, zero, `CLAIM_SPACING`
+    apart per (sequence, KV head) (``[batch, CLAIM_SPACING · q_heads]``, enough for any number of KV
+    heads); the merges leave them zero again."""
+    return cached_counters(batch, CLAIM_SPACING * q_heads, device, "claims")
 
 
 def new_timeline(programs: int, device) -> torch.Tensor:
@@ -838,7 +1028,8 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                                  block_n: int = BLOCK_N, num_stages: int = NUM_STAGES,
                                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                                  kv_layout: str = "NHD", pipeline: bool = False, loader_regs: int = 40,
-                                 merge: str = "last", timeline: torch.Tensor | None = None,
+                                 merge: str = "last", claim_first: int = CLAIM_FIRST,
+                                 timeline: torch.Tensor | None = None,
                                  compile_only: bool = False):
     """`flash_decode_attention`'s contract (``q: [batch, q_heads, head_dim]``, pools
     ``[num_blocks, block_size, kv_heads, head_dim]``, ``block_tables: [batch, max_blocks]``
@@ -854,7 +1045,13 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
       ``num_splits`` defaults to `plan_splits` (``max_seq_len`` bounds the lengths for it;
       default the table's capacity). ``"line"``: the balanced schedule, every program one
       equal chunk of the work line (all units' boxes of keys in a row), cut on the GPU from
-      the lengths (`minillm.reference.ch07_flash_decoding.work_line_pieces`);
+      the lengths (`minillm.reference.ch07_flash_decoding.work_line_pieces`). ``"claim"``: the
+      units' splits and merge, but a unit's programs take its tiles one at a time from a
+      counter of the unit's instead of each a fixed run of them, so a program that streams
+      faster takes more (each still leaves one partial; which program sums which keys, and so
+      the last bits of the result, changes from call to call); ``merge="last"`` only;
+      ``claim_first``: tiles each program takes as its own before it claims (the first ones
+      need no atomic's round trip before their copies);
     - ``programs``: persistent programs (default one per SM);
     - ``pipeline``: overlap tile j's scores with tile j-1's P·V in the consumer
       (`_keys_pipelined`, FlashAttention-3's intra-warpgroup overlap) instead of taking each
@@ -888,14 +1085,18 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     out, lse = decode_outputs(q, out, lse)
     if block_n not in (64, 128) or (block_n % block_size and block_size % block_n):
         raise ValueError(f"block_n must be 64 or 128 and divide the block size or be a multiple of it, got {block_n}")
-    if schedule not in ("units", "line"):
-        raise ValueError(f"schedule must be 'units' or 'line', got {schedule!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if schedule == "line" and num_splits is not None:
         raise ValueError("num_splits belongs to the 'units' schedule; the line cuts itself")
     if merge not in MERGES:
         raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
     if schedule == "line" and merge != "last":
         raise ValueError("the line's units have a varying number of pieces: only merge='last' merges them")
+    if int(claim_first) != claim_first or claim_first < 0:
+        raise ValueError(f"claim_first must be an integer >= 0, got {claim_first}")
+    if schedule == "claim" and merge != "last":
+        raise ValueError("schedule='claim' resets its claim counters in the last program's merge: merge='last' only")
     if batch * q_heads == 0 and not compile_only:
         return out, lse
     if timeline is not None and (timeline.dtype != torch.int64 or not timeline.is_contiguous()
@@ -931,17 +1132,20 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         o_part, lse_part, counters = cached_workspace(batch, q_heads, slots, head_dim, q.device)
     else:  # unused placeholders: the units write the output itself
         o_part, lse_part, counters = out[:, :, None], lse[:, :, None], seq_lens[:, None]
+    claim = split and schedule == "claim"  # (one split: its program claims every tile, so it takes them in turn)
+    claims = claim_counters(batch, q_heads, q.device) if claim else counters
     merge_h = triton.next_power_of_2(q_heads // kv_heads)
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
     view, block_rows, head_rows, head_cols = _pool_view(num_blocks, block_size, kv_heads, head_dim, kv_layout)
     args = (_descriptor(k_cache, view, box), _descriptor(v_cache, view, box), q, block_tables, seq_lens, o_part,
-            lse_part, out, lse, counters, q.stride(0), q.stride(1), block_tables.stride(0), o_part.stride(0),
+            lse_part, out, lse, counters, claims, q.stride(0), q.stride(1), block_tables.stride(0), o_part.stride(0),
             o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
             lse.stride(0), lse.stride(1), counters.stride(0), batch, q_heads // kv_heads, kv_heads, num_splits,
             block_size, block_rows, head_rows, head_cols, num_blocks, block_tables.shape[1], qk_scale,
             seq_lens if timeline is None else timeline)  # (an unused placeholder without one)
     meta = dict(HEAD_D=head_dim, BLOCK_N=block_n, BOX=box, NUM_STAGES=num_stages, LINE=schedule == "line",
-                SPLIT=split, MERGE_H=merge_h, LOADER_REGS=loader_regs, PIPELINE=bool(pipeline), num_warps=4,
+                CLAIM=claim, CLAIM_FIRST=int(claim_first), SPLIT=split, MERGE_H=merge_h, LOADER_REGS=loader_regs,
+                PIPELINE=bool(pipeline), num_warps=4,
                 MERGE=MERGE_CODES[merge], LAUNCH_DEPENDENTS=split and merge == "launch_pdl",
                 TIMELINE=timeline is not None,
                 MERGE_S=max(1, min(MERGE_SPLITS, MERGE_ROWS // merge_h, triton.next_power_of_2(slots))))

@@ -12,13 +12,16 @@
   the pipelined consumer (scores of tile j beside P·V of tile j-1). Out and lse against
   `minillm.reference.ch07_flash_decoding` with the bf16 tolerance; the arrival counters back
   at zero after every call, and a second call equal to the first; the polling merge (its slots
-  marked empty again after every call), also replayed in a CUDA graph.
+  marked empty again after every call) and the claimed tiles (every ``claim_first``, the claim
+  counters back at zero; a second call within the tolerance, since the tiles may go to other
+  programs), both also replayed in a CUDA graph.
 - CPU: `plan_splits` on hand-computed cases; the argument checks; the balanced work line
   (`minillm.reference.ch07_flash_decoding.work_line_pieces`) covers every key once and cuts no
   unit into more pieces than `balanced_slots`; the scope checks; and (with a Triton whose
   Gluon API the module knows) the kernel compiled for sm_90 with a stand-in driver: one TMA
   copy per block and 64 columns, asynchronous wgmma, register reallocation, the merge's
-  atomics only where a unit can have several pieces, no spills, shared memory within an SM's.
+  atomics only where a unit can have several pieces (and the claims' with ``schedule="claim"``),
+  no spills, shared memory within an SM's.
 """
 import numpy as np
 import pytest
@@ -28,7 +31,7 @@ from minillm.kernels.base import triton
 from minillm.kernels.ch04_flash_attention_gluon import GLUON_VERSIONS
 from minillm.kernels.ch07_flash_decoding import cached_empty_workspace, cached_workspace
 from minillm.kernels.ch07_flash_decoding_gluon import (
-    BLOCK_N, EMPTY_SLOT_BITS, KV_LAYOUTS, TIMELINE_EVENTS, as_token_major, balanced_slots,
+    BLOCK_N, EMPTY_SLOT_BITS, KV_LAYOUTS, TIMELINE_EVENTS, as_token_major, balanced_slots, claim_counters,
     flash_decode_attention_gluon, gluon_decode_applies, new_timeline, plan_splits, to_head_major,
 )
 from minillm.paged import PAD
@@ -165,7 +168,11 @@ def test_refuses_inputs_out_of_scope(change, match):
                                        (dict(merge="atomics"), "merge"),
                                        (dict(schedule="line", merge="launch"), "merge"),
                                        (dict(schedule="line", merge="poll"), "merge"),
-                                       (dict(merge="poll", num_splits=4, programs=15), "a program per piece")])
+                                       (dict(merge="poll", num_splits=4, programs=15), "a program per piece"),
+                                       (dict(schedule="claim", merge="launch"), "merge='last' only"),
+                                       (dict(schedule="claim", merge="poll"), "merge='last' only"),
+                                       (dict(schedule="claim", claim_first=-1), "claim_first"),
+                                       (dict(schedule="claim", claim_first=1.5), "claim_first")])
 def test_refuses_bad_schedules(kw, match):
     q = torch.zeros(2, 8, 64, dtype=DTYPE)
     pool = torch.zeros(4, 16, 2, 64, dtype=DTYPE)
@@ -236,6 +243,22 @@ for merge in ("launch", "launch_pdl", "poll"):  # the splits merged by a second 
         "atomics": "atom.global" in ptx, "trigger": "griddepcontrol.launch_dependents" in ptx,
         "volatile": "ld.volatile.global" in ptx,
         "local": "ld.local" in ptx or "st.local" in ptx, "stack": stack_bytes(compiled.asm["cubin"])}
+for head_dim, splits in itertools.product((64, 128), (1, 4)):  # a unit's tiles claimed as its programs go
+    q = torch.zeros(2, 8, head_dim, dtype=torch.bfloat16)
+    pool = torch.zeros((64, 16, 2, head_dim), dtype=torch.bfloat16)
+    compiled = flash_decode_attention_gluon(q, pool, pool, torch.zeros(2, 8, dtype=torch.int32),
+                                            torch.zeros(2, dtype=torch.int32), num_splits=splits, schedule="claim",
+                                            compile_only=True)
+    ptx = compiled.asm["ptx"]
+    facts[f"claim {head_dim} {splits}"] = {
+        "atomics": ptx.count("atom.global"), "tma": ptx.count("cp.async.bulk.tensor"),
+        "local": "ld.local" in ptx or "st.local" in ptx, "stack": stack_bytes(compiled.asm["cubin"]),
+        "shared": compiled.metadata.shared}
+    if splits > 1:
+        compiled = flash_decode_attention_gluon(q, pool, pool, torch.zeros(2, 8, dtype=torch.int32),
+                                                torch.zeros(2, dtype=torch.int32), num_splits=splits,
+                                                compile_only=True)
+        facts[f"units {head_dim} {splits}"] = {"atomics": compiled.asm["ptx"].count("atom.global")}
 for timeline in (False, True):  # the clocks read only where a timeline is asked for
     q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
     pool = torch.zeros((64, 16, 2, 128), dtype=torch.bfloat16)
@@ -302,6 +325,24 @@ def test_polling_merge_compiles_without_atomics(sm90_compiled):
     facts = sm90_compiled["merge poll"]
     assert not facts["atomics"] and not facts["trigger"] and facts["volatile"]
     assert not facts["local"] and facts["stack"] == 0
+
+
+@sm90_compile_mark(GLUON_VERSIONS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_claimed_tiles_compile(sm90_compiled, head_dim, splits):
+    """With ``schedule="claim"`` and several splits the kernel has the units' atomics (the
+    arrival, its reset) and more: the loader's claims (own tiles, then an atomic per tile) and
+    the claim counter's reset after the merge; the copies are the units' (one per block and 64
+    columns, K and V); nothing spilled. With one split there is nothing to share: no atomic."""
+    facts = sm90_compiled[f"claim {head_dim} {splits}"]
+    if splits > 1:
+        assert facts["atomics"] > sm90_compiled[f"units {head_dim} {splits}"]["atomics"] > 0
+    else:
+        assert facts["atomics"] == 0
+    # K and V copies of the claimed loop (one per block and 64 columns each) and of the unused fixed one
+    assert facts["tma"] >= 2 * (BLOCK_N // 16) * (head_dim // 64)
+    assert not facts["local"] and facts["stack"] == 0 and facts["shared"] <= 227 * 1024
 
 
 @sm90_compile_mark(GLUON_VERSIONS)
@@ -455,31 +496,80 @@ def test_polling_merge_against_reference(q_heads, kv_heads, head_dim, block_size
     assert torch.equal(again, out) and torch.equal(again_lse, lse)
 
 
+#: Units cases for the claimed tiles: the grid's, and 16 splits of one long sequence (the
+#: benchmark's batch-1 shape); with ``claim_first`` 0 (every tile claimed), the default, and 5.
+CLAIM_CASES = [c for c in CASES if c[5] != "line"] + [(32, 8, 128, 16, [32768], 16, None)]
+
+
 @hopper_only
-def test_polling_merge_in_a_cuda_graph(gen, seed):
+@pytest.mark.parametrize("claim_first", [0, 2, 5])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,seq_lens,num_splits,programs",
+                         [pytest.param(*c, id=_case_id(c)) for c in CLAIM_CASES])
+def test_claimed_tiles_against_reference(q_heads, kv_heads, head_dim, block_size, seq_lens, num_splits, programs,
+                                         claim_first, gen, seed):
+    """A unit's programs take its tiles from the unit's counter as they go (``schedule="claim"``,
+    also where programs hold several units and come late to some, which then leave empty
+    partials): the reference's output; the arrival and the claim counters back at zero after the
+    call; a second call within the same tolerance (the tiles may go to other programs, and
+    their sums round in another order)."""
+    device = torch.device("cuda")
+    pool = PagedPool(seq_lens, block_size, kv_heads, head_dim, DTYPE, device, gen)
+    q = random_tensor((len(seq_lens), q_heads, head_dim), DTYPE, device, gen)
+    want_out, want_lse = reference(q, pool)
+    call = lambda: flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, pool.lens(device),  # noqa: E731
+                                                num_splits=num_splits, programs=programs, schedule="claim",
+                                                claim_first=claim_first)
+    for attempt in ("first", "second"):
+        out, lse = call()
+        assert_close(out, want_out, DTYPE, f"out ({attempt} call)", seed)
+        assert_close(lse, want_lse, DTYPE, f"lse ({attempt} call)", seed)
+        assert not claim_counters(len(seq_lens), q_heads, device).any(), "claim counters not reset"
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        splits = num_splits or plan_splits(len(seq_lens), kv_heads, pool.tables.shape[1] * block_size,
+                                           programs or sms)
+        if splits > 1:
+            assert not counters_of(len(seq_lens), q_heads, splits, head_dim, device).any(), "counters not reset"
+
+
+@hopper_only
+@pytest.mark.parametrize("variant", ["poll", "claim"])
+def test_replayed_in_a_cuda_graph(variant, gen, seed):
     """Captured in a CUDA graph (as the engine runs its decode steps) and replayed with new
-    queries and new lengths, the polling merge gives what eager calls with the counter give,
-    replay after replay: each replay finds the slots empty as the last one left them. (The
-    lengths only shrink: the pool's unused slots hold NaNs.)"""
+    queries and new lengths, replay after replay: the polling merge gives the same bits as
+    eager calls with the counter, each replay finding the slots empty as the last one left them;
+    the claimed tiles give the reference's output, each replay finding the claim counters at
+    zero as the last merge left them. (The lengths only shrink: the pool's unused slots hold
+    NaNs.)"""
     device = torch.device("cuda")
     seq_lens = [3000, 17, 2048]
     pool = PagedPool(seq_lens, 16, 8, 128, DTYPE, device, gen)
     q = random_tensor((3, 32, 128), DTYPE, device, gen)
     lens = pool.lens(device)
+    kw = dict(merge="poll") if variant == "poll" else dict(schedule="claim")
     call = lambda: flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, lens, num_splits=4,  # noqa: E731
-                                                merge="poll")
-    call()  # the workspace is made outside the capture
+                                                **kw)
+    call()  # the workspace and the counters are made outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = call()
     for step in range(3):
         q.copy_(random_tensor((3, 32, 128), DTYPE, device, gen))
-        lens.copy_(torch.tensor([3000 - 7 * step, 17 - step, 2048 - 64 * step], dtype=torch.int32, device=device))
+        new_lens = [3000 - 7 * step, 17 - step, 2048 - 64 * step]
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32, device=device))
         graph.replay()
-        want_out, want_lse = flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, lens, num_splits=4,
-                                                          merge="last")
-        assert torch.equal(out, want_out) and torch.equal(lse, want_lse), f"replay {step}"
-    assert slots_not_empty(3, 32, 4, 128, device) == 0
+        if variant == "poll":
+            want_out, want_lse = flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, lens, num_splits=4,
+                                                              merge="last")
+            assert torch.equal(out, want_out) and torch.equal(lse, want_lse), f"replay {step}"
+        else:
+            pool.seq_lens = new_lens  # (the reference reads the same blocks, fewer keys)
+            want_out, want_lse = reference(q, pool)
+            assert_close(out, want_out, DTYPE, f"out (replay {step})", seed)
+            assert_close(lse, want_lse, DTYPE, f"lse (replay {step})", seed)
+    if variant == "poll":
+        assert slots_not_empty(3, 32, 4, 128, device) == 0
+    else:
+        assert not claim_counters(3, 32, device).any()
 
 
 @hopper_only
