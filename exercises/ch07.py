@@ -1,7 +1,7 @@
 """Chapter 7 exercises: flash-decoding. Grade your work with ``make grade CH=7``.
 
 Replace each ``raise NotImplementedError(...)`` with your implementation: in plain Python and
-NumPy for Exercises 7.1-7.3, 7.6 and 7.7; Exercises 7.4 and 7.5 are the two Triton kernels of
+NumPy for Exercises 7.1-7.3 and 7.6-7.8; Exercises 7.4 and 7.5 are the two Triton kernels of
 flash-decoding, whose launchers are written for you (write the kernel's body, then delete the
 launcher's ``raise``). The tests compare your code with the float64 references in
 `minillm.reference.ch07_flash_decoding` and with the split heuristics of
@@ -237,3 +237,30 @@ def work_line_pieces(seq_lens, kv_heads: int, programs: int, box: int,
     The kernel's schedule: `minillm.kernels.ch07_flash_decoding_gluon` with ``schedule="line"``.
     """
     raise NotImplementedError("Exercise 7.7 (work_line_pieces): not started. Read its docstring; hints: python -m minillm.grade 7 --hint 7.7")
+
+
+# == Exercise 7.8: tiles claimed as the programs go ================================================
+
+def claimed_tiles(n_tiles: int, tile_times, claim_first: int) -> tuple[list[list[int]], list[int]]:
+    """Exercise 7.8 — the claimed schedule of one unit: which tiles each program sums, and when it
+    is done.
+
+    A unit of ``n_tiles`` tiles has ``S = len(tile_times)`` programs; program ``p`` takes
+    ``tile_times[p]`` (a positive integer, nanoseconds say) per tile, so a slow program is one
+    with a large time. Program ``p`` first takes its own ``F = claim_first`` tiles ``p·F, p·F + 1,
+    …, p·F + F − 1`` back to back from time 0, and if one of them is past the unit's last tile
+    (``>= n_tiles``) it stops there, without ever claiming. Otherwise, each time it has finished
+    a tile (at time 0 if ``F = 0``) it **claims**: the unit's counter (from 0) gives it tile
+    ``S·F + counter`` and counts on by one. Claims made at the same time are served in program
+    order. A claimed tile past the unit ends the program.
+
+    Return ``(tiles, finish)``: ``tiles[p]``, program ``p``'s tiles in the order it takes them,
+    and ``finish[p]``, the time its last tile is done (0 if it took none). Example: 10 tiles,
+    ``tile_times = [1, 2]``, ``claim_first = 2``: program 0 takes 0, 1, then claims 4, 5, 6, 8,
+    9 and is done at 7; program 1 takes 2, 3, then 7, and is done at 6 (with fixed runs of 5
+    tiles each it would be done at 10).
+
+    The kernel's schedule: `minillm.kernels.ch07_flash_decoding_gluon` with ``schedule="claim"``
+    (there a claim's answer takes a round trip, and the ring holds tiles ahead).
+    """
+    raise NotImplementedError("Exercise 7.8 (claimed_tiles): not started. Read its docstring; hints: python -m minillm.grade 7 --hint 7.8")

@@ -207,3 +207,29 @@ def work_line_pieces(seq_lens, kv_heads: int, programs: int, box: int,
             pos = piece_end
         out.append(pieces)
     return out
+
+
+def claimed_tiles(n_tiles: int, tile_times, claim_first: int) -> tuple[list[list[int]], list[int]]:
+    """Exercise 7.8: an event queue of claims, ordered by (time, program)."""
+    import heapq
+
+    S, F = len(tile_times), claim_first
+    tiles, finish, queue = [[] for _ in range(S)], [0] * S, []
+    for p in range(S):
+        for k in range(F):
+            if p * F + k >= n_tiles:
+                break                      # an own tile past the unit: this program never claims
+            tiles[p].append(p * F + k)
+            finish[p] += tile_times[p]
+        else:
+            heapq.heappush(queue, (finish[p], p))
+    next_tile = S * F
+    while queue:
+        now, p = heapq.heappop(queue)
+        tile, next_tile = next_tile, next_tile + 1
+        if tile >= n_tiles:
+            continue                       # past the unit: the program is done
+        tiles[p].append(tile)
+        finish[p] = now + tile_times[p]
+        heapq.heappush(queue, (finish[p], p))
+    return tiles, finish

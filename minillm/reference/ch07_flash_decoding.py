@@ -22,7 +22,9 @@ The functions follow the kernels step by step:
 - `flash_decode_partials` and `flash_decode_attention`: the same over a paged cache (gathered
   with `minillm.reference.ch05_paged_attention.gather_paged_kv`);
 - `work_line_pieces`: the schedule of the persistent Gluon kernel (which program computes
-  which piece of which sequence and KV head).
+  which piece of which sequence and KV head);
+- `claimed_tiles`: its claimed schedule for one unit, with each program's speed given (which
+  tiles each program sums, and when it is done).
 
 The safe window of the asynchronized softmax is a parameter here (``window = (lo, hi)``, in
 log2 units of ``max(x) − φ``); the kernels' values are `minillm.kernels.ch07_flash_decoding.async_window`.
@@ -227,3 +229,39 @@ def work_line_pieces(seq_lens, kv_heads: int, programs: int, box: int,
                                   k - first, last - first + 1))
             unit_start = unit_end
     return pieces
+
+
+def claimed_tiles(n_tiles: int, tile_times, claim_first: int) -> tuple[list[list[int]], list[int]]:
+    """The Gluon kernel's claimed schedule (``schedule="claim"``) for one unit of ``n_tiles``
+    tiles and ``S = len(tile_times)`` programs, program ``p`` taking ``tile_times[p]`` (a positive
+    integer: ns, say) per tile: ``(tiles, finish)``, program ``p``'s tiles in the order it takes
+    them and the time its last one is done (0 if it took none).
+
+    Program ``p`` first takes its own tiles ``p·F, …, p·F + F − 1`` (``F = claim_first``) back to
+    back from time 0, and stops at the first one past the unit (``>= n_tiles``) without ever
+    claiming. Otherwise, each time it has finished a tile (at time 0 if ``F = 0``) it claims:
+    the unit's counter, from 0, gives it tile ``S·F + counter`` and counts on; claims made at the
+    same time are served in program order; a claimed tile past the unit ends the program. A
+    model of the kernel in which a claim is answered at once and the ring holds no tile ahead."""
+    import heapq
+
+    programs = len(tile_times)
+    tiles: list[list[int]] = [[] for _ in range(programs)]
+    finish = [0] * programs
+    claims = []  # (time of the claim, program): the heap serves the earliest, then the lowest program
+    for p, per_tile in enumerate(tile_times):
+        own = range(p * claim_first, (p + 1) * claim_first)
+        tiles[p] = [t for t in own if t < n_tiles]
+        finish[p] = len(tiles[p]) * per_tile
+        if len(tiles[p]) == claim_first:  # no own tile past the unit (they only grow): on to the claims
+            heapq.heappush(claims, (finish[p], p))
+    counter = 0
+    while claims:
+        when, p = heapq.heappop(claims)
+        tile = programs * claim_first + counter
+        counter += 1
+        if tile < n_tiles:
+            tiles[p].append(tile)
+            finish[p] = when + tile_times[p]
+            heapq.heappush(claims, (finish[p], p))
+    return tiles, finish

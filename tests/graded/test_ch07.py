@@ -23,6 +23,7 @@ split_kernel_ex = pytest.mark.exercise(id="7.4", title="The split kernel: partia
 merge_kernel_ex = pytest.mark.exercise(id="7.5", title="The merge kernel", points=2, kind="triton")
 plan_ex = pytest.mark.exercise(id="7.6", title="Splits for persistent programs", points=2)
 line_ex = pytest.mark.exercise(id="7.7", title="One equal chunk of work per program", points=2)
+claim_ex = pytest.mark.exercise(id="7.8", title="Tiles claimed as the programs go", points=2)
 
 
 # --- 7.1 -------------------------------------------------------------------------------------
@@ -404,3 +405,35 @@ def test_line_matches_the_reference(impl, trial, seed):
         assert [list(map(tuple, p)) for p in got] == want, \
             (f"work_line_pieces({lens}, {kv_heads}, {programs}, {box}, capacity={capacity}) differs from the "
              f"reference (seed {seed + trial})")
+
+
+# --- 7.8 -------------------------------------------------------------------------------------
+
+@claim_ex
+def test_claims_hand_computed(impl):
+    assert impl.claimed_tiles(10, [1, 2], 2) == ([[0, 1, 4, 5, 6, 8, 9], [2, 3, 7]], [7, 6]), \
+        "10 tiles, programs of 1 and 2 per tile, 2 own tiles each: the fast one claims 5 of the 6 others"
+    assert impl.claimed_tiles(3, [1, 1, 1, 1], 1) == ([[0], [1], [2], []], [1, 1, 1, 0]), \
+        "own tile 3 is past the unit: program 3 stops there and takes nothing"
+    assert impl.claimed_tiles(4, [3, 3], 0) == ([[0, 2], [1, 3]], [6, 6]), \
+        "no own tiles: both claim at time 0, program 0 first"
+    assert impl.claimed_tiles(0, [5, 1], 0) == ([[], []], [0, 0]), "an empty unit: every first claim fails"
+
+
+@claim_ex
+@pytest.mark.parametrize("trial", range(3))
+def test_claims_match_the_reference(impl, trial, seed):
+    rng = np.random.default_rng(seed + trial)
+    for _ in range(300):
+        programs, claim_first = int(rng.integers(1, 17)), int(rng.integers(0, 6))
+        n_tiles = int(rng.integers(0, 200))
+        times = [int(t) for t in rng.integers(1, 10, programs)]
+        want = ref.claimed_tiles(n_tiles, times, claim_first)
+        tiles, finish = impl.claimed_tiles(n_tiles, times, claim_first)
+        got = ([list(map(int, t)) for t in tiles], [int(f) for f in finish])
+        assert sorted(t for ts in got[0] for t in ts) == list(range(n_tiles)), \
+            (f"claimed_tiles({n_tiles}, {times}, {claim_first}): every tile must go to exactly one program "
+             f"(seed {seed + trial})")
+        assert got == want, (f"claimed_tiles({n_tiles}, {times}, {claim_first}) = {got}, want {want} "
+                             f"(seed {seed + trial})")
+
