@@ -551,7 +551,7 @@ def gluon_claim():
     sms = fd.num_sms(DEV)
 
     def variants(glu, b, hkv, ctx):
-        run = -(-(-(-ctx // BLOCK_N)) // plan_splits(b, hkv, ctx, sms))
+        run = math.ceil(math.ceil(ctx / BLOCK_N) / plan_splits(b, hkv, ctx, sms))  # a split's tiles
         return {"units": glu(), "claim": glu(schedule="claim"), "claim first 0": glu(schedule="claim", claim_first=0),
                 "claim first 4": glu(schedule="claim", claim_first=4),
                 "claim own run": glu(schedule="claim", claim_first=run)}
@@ -880,9 +880,8 @@ def gluon_timeline_merges():
 def gluon_timeline_claims():
     """`gluon_timeline` at the points where the plan splits 16 and 2 ways, with the unit's
     tiles in fixed runs and claimed (``schedule="claim"``)."""
-    points = [TIMELINE_POINTS[0], TIMELINE_POINTS[1], TIMELINE_POINTS[2]]
     for schedule in ("units", "claim"):
-        gluon_timeline("last", points, f"ch07_gluon_timeline_{schedule}.json", schedule)
+        gluon_timeline("last", TIMELINE_POINTS[:3], f"ch07_gluon_timeline_{schedule}.json", schedule)
 
 
 def gluon_timeline_repeats():

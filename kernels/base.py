@@ -38,7 +38,7 @@ __all__ = ["triton", "tl", "interpreting", "launch", "LOG2E", "LN2", "LOG2E_C", 
            "capture_calls", "graph_ms_per_call", "l2_copies", "recording", "Recording", "record_call",
            "is_recording", "unrecorded", "TensorAddress", "cached_descriptor", "DESCRIPTOR_CACHE_SIZE",
            "TensorDescriptor", "fence_async_shared", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait",
-           "gluon_tma_load", "gluon_tma_store", "gluon_warps_barrier"]
+           "gluon_tma_load", "gluon_tma_store", "gluon_warps_barrier", "gluon_put_index", "gluon_get_index"]
 
 
 def interpreting() -> bool:
@@ -591,11 +591,29 @@ try:
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+    from triton.experimental import gluon as _gluon  # noqa: E402
     from triton.experimental.gluon import language as _gl  # noqa: E402
 except ImportError:
-    fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = _gl = None
+    fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = _gl = _gluon = None
 
 #: A TMA copy global -> shared, shared -> global, and a barrier across one partition's warps.
 gluon_tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
 gluon_tma_store = getattr(tma, "async_store", None) or getattr(tma, "async_copy_shared_to_global", None)
 gluon_warps_barrier = getattr(_gl, "barrier", None) or getattr(_gl, "thread_barrier", None)
+
+if _gluon is not None:
+    # A loader warp telling its consumers which tile (or piece of work) sits in a ring slot.
+    @_gluon.jit
+    def gluon_put_index(slot, index):
+        """The loader (one warp) leaves ``index`` in ``slot`` (one int32 of shared memory); its next
+        arrival on the barrier that guards the slot releases it to the consumers."""
+        slot.store(_gl.full([1], index, _gl.int32, _gl.BlockedLayout([1], [32], [1], [0])))
+
+    @_gluon.jit
+    def gluon_get_index(slot, NUM_WARPS: _gl.constexpr):
+        """The index the loader left in ``slot`` (`gluon_put_index`), read by every thread of
+        ``NUM_WARPS`` warps."""
+        layout: _gl.constexpr = _gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        return _gl.max(slot.load(layout), axis=0)
+else:
+    gluon_put_index = gluon_get_index = None

@@ -80,6 +80,7 @@ from triton.experimental.gluon.language._core import builtin as gl_builtin
 from minillm.kernels.base import (
     LOG2E, TensorDescriptor, fence_async_shared, mbarrier, num_sms, tma, warpgroup_mma, warpgroup_mma_wait,
     gluon_tma_load as _tma_load, gluon_tma_store as _tma_store, gluon_warps_barrier as _warps_barrier,
+    gluon_put_index as _write_tile, gluon_get_index as _read_tile,
 )
 from minillm.reference.ch04_fp8 import EXP2_POLY_COEFFS, EXP2_POLY_MIN, ROUND_MAGIC
 
@@ -493,20 +494,6 @@ def _pipelined_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seq_len, q_heads,
 # ----------------------------------------------------------------------------------------
 # Kernel 2: a loader warp and two consumer warpgroups (optionally in ping-pong)
 # ----------------------------------------------------------------------------------------
-@gluon.jit
-def _write_tile(slot, tile):
-    """The loader (one warp) leaves tile index ``tile`` in ``slot`` (one int32 of shared memory);
-    its next arrival on the ready barrier that guards the slot releases it to the consumers."""
-    slot.store(gl.full([1], tile, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
-
-
-@gluon.jit
-def _read_tile(slot, NUM_WARPS: gl.constexpr):
-    """The tile index the loader left in ``slot`` (every thread of ``NUM_WARPS`` reads it)."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    return gl.max(slot.load(layout), axis=0)
-
-
 @gluon.jit
 def _next_unit(unit, tile_counter, DYNAMIC: gl.constexpr):
     """The unit of work a persistent program takes after ``unit``, in a grid of P programs:

@@ -52,7 +52,8 @@ import torch
 
 from minillm.kernels.base import (  # first: it decides on Triton's interpreter before Triton is imported
     LOG2E, TensorAddress, TensorDescriptor, cached_descriptor, fence_async_shared, launch, mbarrier, num_sms, tl,
-    triton, warpgroup_mma, warpgroup_mma_wait, gluon_tma_load as _tma_load, gluon_warps_barrier as _warps_barrier,
+    triton, warpgroup_mma, warpgroup_mma_wait, gluon_get_index, gluon_put_index, gluon_tma_load as _tma_load,
+    gluon_warps_barrier as _warps_barrier,
 )
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -258,19 +259,6 @@ def _load_tile(desc, rows, col0, ready, ring, slot, BOX: gl.constexpr, BLOCK_N: 
 
 
 @gluon.jit
-def _put_tile(slot, tile):
-    """The loader (one warp) leaves tile index ``tile`` in ``slot`` (one int32 of shared memory);
-    its next arrival on the ready barrier that guards the ring slot releases it to the consumer."""
-    slot.store(gl.full([1], tile, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
-
-
-@gluon.jit
-def _get_tile(slot):
-    """The tile index the loader left in ``slot`` (every thread of the consumer warpgroup reads it)."""
-    return gl.max(slot.load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
-
-
-@gluon.jit
 def _claim_in_lane0(claim):
     """The counter at ``claim`` incremented by lane 0 of the loader warp, as a ``[32]`` tensor (one
     element per lane) that holds the counter's old value in lane 0 and 0 elsewhere: nothing waits
@@ -331,7 +319,7 @@ def _load_claimed(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_e
         slot = it % NUM_STAGES
         free = ((it // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(slot), free)
-        _put_tile(tile_ids.index(slot), tile)  # released by the K copies' expect (an arrival)
+        gluon_put_index(tile_ids.index(slot), tile)  # released by the K copies' expect (an arrival)
         _load_tile(k_desc, rows, col0, k_ready.index(slot), k_smem, slot, BOX, BLOCK_N, D_CHUNKS)
         mbarrier.wait(v_empty.index(slot), free)
         _load_tile(v_desc, rows, col0, v_ready.index(slot), v_smem, slot, BOX, BLOCK_N, D_CHUNKS)
@@ -350,7 +338,7 @@ def _load_claimed(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_e
     slot = it % NUM_STAGES
     free = ((it // NUM_STAGES) & 1) ^ 1
     mbarrier.wait(k_empty.index(slot), free)
-    _put_tile(tile_ids.index(slot), gl.minimum(_tile_of(ahead, num_splits, FIRST), -1))
+    gluon_put_index(tile_ids.index(slot), gl.minimum(_tile_of(ahead, num_splits, FIRST), -1))
     mbarrier.arrive(k_ready.index(slot))
     mbarrier.wait(v_empty.index(slot), free)
     mbarrier.arrive(v_ready.index(slot))
@@ -370,10 +358,11 @@ def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 
     columns into a block of the pool's 2-d view (`_pool_view`).
 
     ``CLAIM``: a piece's tiles are not a fixed run of the unit's: after ``CLAIM_FIRST`` tiles of
-    its own, whichever the unit's claim counter (``claims`` + (b · H + kv_h) · `CLAIM_SPACING`) hands out,
-    one tile per increment, until they pass the unit's last tile (`_request_tile`); each tile's
-    index goes into ``tile_ids`` beside its ring slot, and the piece ends with a slot that
-    carries no tile (index -1, both barriers completed without bytes)."""
+    its own, whichever the unit's claim counter (``claims`` + (b · H + kv_h) · `CLAIM_SPACING`)
+    hands out, one tile per increment, until they pass the unit's last tile (`_request_tile`);
+    each tile's index goes into ``tile_ids`` beside its ring slot
+    (`minillm.kernels.base.gluon_put_index`), and the piece ends with a slot that carries no
+    tile (index -1, both barriers completed without bytes)."""
     D_CHUNKS: gl.constexpr = HEAD_D // 64
     capacity = max_blocks * block_size
     pos, end, b, kv_h, unit_start, unit_len, seq_len, chunk = _walk_start(seq_lens, batch, kv_heads, num_splits,
@@ -744,7 +733,7 @@ def _keys_claimed(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ti
     slot = it % NUM_STAGES
     phase = (it // NUM_STAGES) & 1
     mbarrier.wait(k_ready.index(slot), phase)
-    tile = _get_tile(tile_ids.index(slot))
+    tile = gluon_get_index(tile_ids.index(slot), 4)
     while tile >= 0:
         acc0, acc1, m_i, l_i = _tile_in_turn(q_smem, k_smem, v_smem, v_ready, k_empty, v_empty, acc0, acc1, m_i, l_i,
                                              s_zero, cols, slot, phase, tile * BLOCK_N, seq_len, qk_scale, p_layout,
@@ -753,7 +742,7 @@ def _keys_claimed(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ti
         slot = it % NUM_STAGES
         phase = (it // NUM_STAGES) & 1
         mbarrier.wait(k_ready.index(slot), phase)
-        tile = _get_tile(tile_ids.index(slot))
+        tile = gluon_get_index(tile_ids.index(slot), 4)
     # the closing slot: nothing to read, given back at once
     mbarrier.arrive(k_empty.index(slot))
     mbarrier.wait(v_ready.index(slot), phase)
