@@ -66,8 +66,15 @@ with 256-key tiles of K and Vᵀ against the 128-key default (`TILE_KERNELS`: ws
 in registers or through shared memory), each also against bf16 ``ws``. Budget
 ``MINILLM_CH04_GLUON_TILES_BUDGET_S`` (default 240).
 
-``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax,tiles``) picks the parts to run; a
-re-run of some parts keeps the others' earlier rows in the results file.
+The consumers part (``params["part"] = "consumers"``; head dim 64 without a mask, N 1k-16k):
+three consumer warpgroups per program (192-row tiles, 160 registers a thread) against two
+(128 rows, 240 registers), in bf16 and FP8, with and without ping-pong (`CONSUMER_KERNELS`):
+``TFLOPs`` and ``time_ms`` of each against SDPA cuDNN and bf16 ``ws``, and of each
+three-consumer kernel against its two-consumer counterpart; ``rel_err`` against cuDNN. Budget
+``MINILLM_CH04_GLUON_CONSUMERS_BUDGET_S`` (default 120).
+
+``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax,tiles,consumers``) picks the
+parts to run; a re-run of some parts keeps the others' earlier rows in the results file.
 """
 from __future__ import annotations
 
@@ -93,7 +100,7 @@ from bench.common import Results, attempt, cuda_device, dtype_name, rel_err, swe
 BENCHMARK = "ch04_gluon"
 DEFAULT_VARIANT = "ws"
 PEERS = ("sdpa_cudnn", "sdpa_flash", "triton_hopper")
-PARTS = ("forward", "backward", "softmax", "tiles")
+PARTS = ("forward", "backward", "softmax", "tiles", "consumers")
 #: The backward's kernels, each setting spelled out (the module's default is ``bwd_tma`` at head
 #: dim 128 and ``bwd_tma_prefetch`` at 64, `default_prefetch_stats`); the ablations are against
 #: ``bwd_tma``.
@@ -132,6 +139,21 @@ TILE_KERNELS = {
     "fp8_ws_n256": ("ws", 256, "registers"), "fp8_ws_pingpong_n256": ("ws_pingpong", 256, "registers"),
     "fp8_ws_n256_smem": ("ws", 256, "smem"), "fp8_ws_pingpong_n256_smem": ("ws_pingpong", 256, "smem"),
 }
+#: The consumers part's kernels: name -> (dtype, variant, P in "registers" or "smem" (FP8), consumer
+#: warpgroups per program, ring stages (None: `default_tiles`'s)). The two-consumer ones are the
+#: forward part's defaults.
+CONSUMER_KERNELS = {
+    "ws": ("bf16", "ws", None, 2, None), "ws_c3": ("bf16", "ws", None, 3, None),
+    "ws_pingpong": ("bf16", "ws_pingpong", None, 2, None), "ws_pingpong_c3": ("bf16", "ws_pingpong", None, 3, None),
+    "fp8_ws": ("fp8", "ws", "registers", 2, None), "fp8_ws_c3": ("fp8", "ws", "registers", 3, None),
+    "fp8_ws_c3_smem": ("fp8", "ws", "smem", 3, None), "fp8_ws_c3_smem_s4": ("fp8", "ws", "smem", 3, 4),
+    "fp8_ws_pingpong": ("fp8", "ws_pingpong", "registers", 2, None),
+    "fp8_ws_pingpong_c3": ("fp8", "ws_pingpong", "registers", 3, None),
+    "fp8_ws_pingpong_c3_smem": ("fp8", "ws_pingpong", "smem", 3, None),
+    "fp8_ws_pingpong_c3_smem_s4": ("fp8", "ws_pingpong", "smem", 3, 4),
+}
+#: The consumers part's lengths (head dim 64, no mask).
+CONSUMER_SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
 #: The tiles part's lengths.
 TILE_SEQ_LENS = (2048, 4096, 8192, 16384)
 #: The softmax part's lengths (every head dim, causal or not).
@@ -178,6 +200,11 @@ def softmax_budget_s() -> float:
     return float(os.environ.get("MINILLM_CH04_GLUON_SOFTMAX_BUDGET_S", "240"))
 
 
+def consumers_budget_s() -> float:
+    """The consumers part's budget: ``MINILLM_CH04_GLUON_CONSUMERS_BUDGET_S`` (default 120)."""
+    return float(os.environ.get("MINILLM_CH04_GLUON_CONSUMERS_BUDGET_S", "120"))
+
+
 def selected_parts() -> tuple[str, ...]:
     """The parts ``MINILLM_CH04_GLUON_PARTS`` names (default: all), in `PARTS` order."""
     names = {p.strip() for p in os.environ.get("MINILLM_CH04_GLUON_PARTS", ",".join(PARTS)).split(",")}
@@ -190,7 +217,7 @@ def selected_parts() -> tuple[str, ...]:
 def row_part(row: dict) -> str:
     """The part that wrote a row of this benchmark."""
     params = row.get("params") or {}
-    if params.get("part") in ("softmax", "tiles"):
+    if params.get("part") in ("softmax", "tiles", "consumers"):
         return params["part"]
     return "backward" if params.get("pass") == "bwd" else "forward"
 
@@ -215,6 +242,8 @@ def run(results: Results, device) -> None:
         softmax_sweep(results, device)
     if "tiles" in parts:
         tiles_sweep(results, device)
+    if "consumers" in parts:
+        consumers_sweep(results, device)
 
 
 def sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, tokens: int = TOKENS,
@@ -367,13 +396,14 @@ def _bwd_point(results: Results, device, gen, n: int, head_dim: int, causal: boo
 # The parts timed point by point (softmax, tiles)
 # ----------------------------------------------------------------------------------------
 def part_sweep(results: Results, device, part: str, budget: float, point: Callable, head_dims, seq_lens,
-               tokens: int, hidden: int, timer: Callable | None) -> None:
+               tokens: int, hidden: int, timer: Callable | None, masks=(False, True)) -> None:
     """``point(results, device, gen, n, head_dim, causal, timer, tokens, hidden)`` at every point
-    of one part (head dims, masks, ``seq_lens``), until ``budget`` seconds are spent."""
+    of one part (head dims, ``masks``, ``seq_lens``), until ``budget`` seconds are spent."""
     timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, budget, timer, WARMUP_MS, REP_MS)
     timer = median_of_rounds(timer, timing_rounds())
     each_point(f"{BENCHMARK} {part}", head_dims, seq_lens, out_of_time,
-               lambda head_dim, causal, n: point(results, device, gen, n, head_dim, causal, timer, tokens, hidden))
+               lambda head_dim, causal, n: point(results, device, gen, n, head_dim, causal, timer, tokens, hidden),
+               masks)
 
 
 # ----------------------------------------------------------------------------------------
@@ -459,4 +489,55 @@ def _tiles_point(results: Results, device, gen, n: int, head_dim: int, causal: b
                 results.add(BENCHMARK, params, "time_ms", ms[name], peer, ms[peer], note=note)
                 results.add(BENCHMARK, params, "TFLOPs", tflops(ms[name]), peer, tflops(ms[peer]), note=note)
     print(f"  [{BENCHMARK} tiles] D={head_dim} causal={causal} N={n}: "
+          + ", ".join(f"{name} {tflops(t):.0f}" for name, t in ms.items()) + " TFLOP/s", flush=True)
+
+
+# ----------------------------------------------------------------------------------------
+# Three consumer warpgroups
+# ----------------------------------------------------------------------------------------
+def consumers_sweep(results: Results, device, seq_lens=CONSUMER_SEQ_LENS, tokens: int = TOKENS,
+                    hidden: int = HIDDEN, timer: Callable | None = None) -> None:
+    """The consumers rows (`CONSUMER_KERNELS`, head dim 64, no mask) at every point, until
+    `consumers_budget_s`."""
+    part_sweep(results, device, "consumers", consumers_budget_s(), _consumers_point, (64,), seq_lens, tokens,
+               hidden, timer, masks=(False,))
+
+
+def _consumers_point(results: Results, device, gen, n: int, head_dim: int, causal: bool, timer, tokens: int,
+                     hidden: int) -> None:
+    """Every kernel of `CONSUMER_KERNELS` and SDPA cuDNN at one point: ``TFLOPs`` and ``time_ms``
+    of each kernel against cuDNN and bf16 ``ws`` and, with three consumers, against the same
+    kernel with two (ratio > 1: the third consumer pays); ``rel_err`` against cuDNN."""
+    batch, heads = max(1, tokens // n), hidden // head_dim
+    q, k, v = (torch.randn((batch, heads, n, head_dim), device=device, dtype=torch.bfloat16, generator=gen)
+               for _ in range(3))
+    flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal)
+    tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+    ms = {}
+    ms["sdpa_cudnn"], cudnn_out = timed_output(lambda: sdpa_attention("sdpa_cudnn", causal)(q, k, v), timer)
+    prepared = {where: prepare_gluon_fp8(q, k, v, p_in_registers=where == "registers")
+                for where in ("registers", "smem")}
+    errs = {}
+    for name, (dtype, variant, where, consumers, stages) in CONSUMER_KERNELS.items():
+        if dtype == "fp8":
+            fn = lambda: flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant,  # noqa: E731
+                                                   prepared=prepared[where], consumers=consumers, num_stages=stages)
+        else:
+            fn = lambda: flash_attention_gluon(q, k, v, causal=causal, variant=variant,  # noqa: E731
+                                               consumers=consumers, num_stages=stages)
+        ms[name], (out, _) = timed_output(fn, timer)
+        errs[name] = rel_err(out, cudnn_out)
+    for name, (dtype, variant, where, consumers, stages) in CONSUMER_KERNELS.items():
+        params = {"batch": batch, "heads": heads, "seq_len": n, "head_dim": head_dim, "causal": causal,
+                  "dtype": dtype, "kernel": name, "part": "consumers"}
+        note = (f"{consumers} consumer warpgroups ({64 * consumers}-row tiles)"
+                + (f", P in {where}" if where else "") + (f", {stages} stages" if stages else ""))
+        results.add(BENCHMARK, params, "rel_err", errs[name], "sdpa_cudnn",
+                    note="‖ours − cuDNN (bf16)‖ / ‖cuDNN‖")
+        two = ("fp8_" if dtype == "fp8" else "") + variant
+        for peer in ("sdpa_cudnn", "ws") + ((two,) if consumers == 3 else ()) + ((name[:-3],) if stages else ()):
+            if peer != name:
+                results.add(BENCHMARK, params, "time_ms", ms[name], peer, ms[peer], note=note)
+                results.add(BENCHMARK, params, "TFLOPs", tflops(ms[name]), peer, tflops(ms[peer]), note=note)
+    print(f"  [{BENCHMARK} consumers] D={head_dim} N={n}: "
           + ", ".join(f"{name} {tflops(t):.0f}" for name, t in ms.items()) + " TFLOP/s", flush=True)

@@ -161,12 +161,12 @@ def sweep_points(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LEN
 
 
 def each_point(benchmark: str, head_dims, seq_lens, out_of_time: Callable[[], bool],
-               run_point: Callable[[int, bool, int], None]) -> None:
+               run_point: Callable[[int, bool, int], None], masks=CAUSAL) -> None:
     """``run_point(head_dim, causal, n)`` at every forward point (head dim outermost, then the
-    mask, then N), each followed by freeing memory and a line with its time, until
-    ``out_of_time()``."""
+    mask, then N; ``masks``: the values of ``causal``), each followed by freeing memory and a
+    line with its time, until ``out_of_time()``."""
     for head_dim in head_dims:
-        for causal in CAUSAL:
+        for causal in masks:
             for n in seq_lens:
                 if out_of_time():
                     return

@@ -30,7 +30,9 @@ per SM, taking tiles in turn, with the rings running on from one tile to the nex
 buffers, so that the loader fetches the next tile while the consumers finish this one
 (`default_schedule` says when that is the default), and share out their tiles in one of
 several orders: with a causal mask, pairs of tiles of equal total length claimed from an
-atomic counter.
+atomic counter. And both can run with **three consumer warpgroups** (``consumers=3``:
+FA3's 192-row tiles at head dim 64, without a mask), 160 registers a thread instead of 240
+(`CONSUMER_REGS`).
 
 And `flash_attention_gluon_fp8`: the warp-specialized kernel with e4m3 matmuls (Hopper's FP8
 tensor cores run at twice the bf16 rate): Q with one scale per 64 rows, K per ``block_n`` keys,
@@ -95,6 +97,10 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 #: Query rows per program (two warpgroups of 64).
 BLOCK_M = 128
+#: Registers per thread of a consumer warpgroup (``setmaxnreg``) for two consumers (a tile of
+#: 128 query rows) and three (192 rows, FlashAttention-3's tile at head dim 64): with the loader's
+#: warpgroup at 24, 2 · 4 · 32 · 240 and 3 · 4 · 32 · 160 both leave 64,512 of an SM's 65,536.
+CONSUMER_REGS = {2: 240, 3: 160}
 #: The three kernels, in the order the chapter builds them.
 VARIANTS = ("pipelined", "ws", "ws_pingpong")
 #: Triton versions whose Gluon API this module was compiled against.
@@ -294,13 +300,24 @@ def _wait_pv(acc_tok, p_op, FP8: gl.constexpr):
 
 
 @gluon.jit
+def _wait_turn(turn, CONSUMER: gl.constexpr, t):
+    """Ping-pong: wait for this consumer's ``t``-th turn at the tensor cores. The turns go round
+    the consumers in a ring (each passes on by arriving on the next one's barrier), and
+    consumer 0's first wait is for parity 1, which a fresh barrier reports as complete."""
+    if CONSUMER == 0:
+        mbarrier.wait(turn.index(0), (t & 1) ^ 1)
+    else:
+        mbarrier.wait(turn.index(CONSUMER), t & 1)
+
+
+@gluon.jit
 def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
                  k_desc, v_desc, kv_row0, n_blocks, n_full, row0, qk_scale, k_scales, p_smem, it0, turn0,
                  CONSUMER: gl.constexpr, WS: gl.constexpr, PINGPONG: gl.constexpr,
                  CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                  HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
                  FP8: gl.constexpr = False, TREE: gl.constexpr = False, FMA_EXP2: gl.constexpr = 0,
-                 SLACK: gl.constexpr = 0.0):
+                 SLACK: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2):
     """The key loop of one set of query rows: returns ``(acc [ROWS, HEAD_D] fp32, not yet
     divided by l; m_i, l_i [ROWS])`` for ``softmax(Q Kᵀ · scale) V`` over ``n_blocks`` blocks.
 
@@ -312,7 +329,7 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
     - ``WS``: a consumer frees a slot by arriving on ``*_empty`` (the loader warp refills it);
       else these warps refill it themselves.
     - ``PINGPONG``: wait for ``turn[CONSUMER]`` before starting the matmuls, pass the turn on
-      right after (``turn0``: turns taken in earlier tiles).
+      to the next of the ``CONSUMERS`` right after (``turn0``: turns taken in earlier tiles).
     - ``FP8``: Q, K and V are e4m3, V's ring holds tiles of Vᵀ (``[HEAD_D, BLOCK_N]``: an
       8-bit ``wgmma`` reads its second operand along the keys), block j's scores are scaled
       by ``qk_scale · k_scales[j]`` (K's scale per block; Q's is in ``qk_scale`` already) and
@@ -357,8 +374,8 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
         phase = ((it0 + j) // NUM_STAGES) & 1
         prev = (it0 + j - 1) % NUM_STAGES
         prev_phase = ((it0 + j - 1) // NUM_STAGES) & 1
-        if PINGPONG:  # turn t: consumer 0's first wait passes at once, consumer 1 waits for it
-            mbarrier.wait(turn.index(CONSUMER), ((turn0 + j - 1) & 1) ^ (1 - CONSUMER))
+        if PINGPONG:
+            _wait_turn(turn, CONSUMER, turn0 + j - 1)
         mbarrier.wait(k_ready.index(slot), phase)
         s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = _rescaled(acc, alpha, o_rows, SLACK)
@@ -366,7 +383,7 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
         acc_tok = warpgroup_mma(_p_for_mma(p_op, p_layout, FP8), _v_operand(v_smem.index(prev), FP8), acc,
                                 is_async=True)
         if PINGPONG:
-            mbarrier.arrive(turn.index(1 - CONSUMER))
+            mbarrier.arrive(turn.index((CONSUMER + 1) % CONSUMERS))
         # Matmul groups retire in order: leaving 1 outstanding retires S_j and keeps P V running.
         s = warpgroup_mma_wait(1, deps=[s_tok])
         if WS:
@@ -434,17 +451,30 @@ def _schedule(index, units_per_head, n_heads, head_group):
 
 
 @gluon.jit
-def _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Query tile ``tile = head · (seq_len / 128) + rank`` (``head`` among the batch's
-    ``batch · q_heads``; rank 0: the head's last rows, the longest under a causal mask), and
-    where its rows sit in the 2-D views: ``(row0, q_row, kv_bh, n_blocks)`` (``kv_bh``: the
-    index of its K/V head among all of the batch's, whose rows start at ``kv_bh · seq_len``)."""
-    n_m = seq_len // 128
-    row0 = (n_m - 1 - tile % n_m) * 128
+def _tiles_per_head(seq_len, TILE_M: gl.constexpr):
+    """Query tiles of ``TILE_M`` rows per head: ``seq_len / 128`` (every tile full), or for
+    192-row tiles ``ceil(seq_len / 192)``, the last one short by 64 or 128 rows."""
+    if TILE_M == 128:
+        n_m = seq_len // 128
+    else:
+        n_m = (seq_len + TILE_M - 1) // TILE_M
+    return n_m
+
+
+@gluon.jit
+def _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                      TILE_M: gl.constexpr = 128):
+    """Query tile ``tile = head · n_m + rank`` of ``TILE_M`` rows (``n_m``: `_tiles_per_head`;
+    ``head`` among the batch's ``batch · q_heads``; rank 0: the head's last rows, the longest
+    under a causal mask, and with 192-row tiles the one that may be short), and where its rows
+    sit in the 2-D views: ``(row0, q_row, kv_bh, n_blocks)`` (``kv_bh``: the index of its K/V
+    head among all of the batch's, whose rows start at ``kv_bh · seq_len``)."""
+    n_m = _tiles_per_head(seq_len, TILE_M)
+    row0 = (n_m - 1 - tile % n_m) * TILE_M
     bh = tile // n_m
     kv_bh = (bh // q_heads) * (q_heads // group) + (bh % q_heads) // group  # GQA: shared K/V
     if CAUSAL:  # the blocks up to the tile's last row (the last one partly masked when wider than the tile)
-        n_blocks = (row0 + 128 + BLOCK_N - 1) // BLOCK_N
+        n_blocks = (row0 + TILE_M + BLOCK_N - 1) // BLOCK_N
     else:
         n_blocks = seq_len // BLOCK_N
     return row0, bh * seq_len + row0, kv_bh, n_blocks
@@ -508,42 +538,90 @@ def _next_unit(unit, tile_counter, DYNAMIC: gl.constexpr):
 
 
 @gluon.jit
+def _consume_tile(my_q, my_o, k_smem, v_smem, p_smem, k_ready, v_ready, k_empty, v_empty, turn, k_desc, v_desc,
+                  o_desc, lse_ptr, q_scales, k_scales, v_scales, kv_bh, n_blocks, my_row0, o_row, seq_len, qk_scale,
+                  it0, turn0, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
+                  CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  FP8: gl.constexpr, TREE: gl.constexpr, FMA_EXP2: gl.constexpr, SLACK: gl.constexpr):
+    """One consumer's 64 rows of a tile: the key loop (`_attend_rows`) and the store
+    (`_store_rows`) of rows ``my_row0`` (in the head) / ``o_row`` (in the 2-D views)."""
+    if FP8:
+        rows_scale = qk_scale * gl.load(q_scales + o_row // 64)
+        out_scale = gl.load(v_scales + kv_bh)
+    else:
+        rows_scale = qk_scale
+        out_scale = 1.0
+    acc, m_i, l_i = _attend_rows(my_q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                                 k_desc, v_desc, kv_bh * seq_len, n_blocks, (my_row0 + 1) // BLOCK_N, my_row0,
+                                 rows_scale, k_scales + kv_bh * (seq_len // BLOCK_N), p_smem, it0, turn0,
+                                 CONSUMER, True, PINGPONG, CAUSAL, 64, BLOCK_N, HEAD_D, NUM_STAGES, 4, FP8, TREE,
+                                 FMA_EXP2, SLACK, CONSUMERS)
+    _store_rows(acc, m_i, l_i, my_o, o_desc, lse_ptr, o_row, 64, out_scale)
+
+
+@gluon.jit
+def _pass_rows(k_ready, v_ready, k_empty, v_empty, turn, n_blocks, it0, turn0, CONSUMER: gl.constexpr,
+               CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """A consumer whose rows lie past the end of the head (the short last tile of 192-row
+    tiles) computes nothing, but it still takes part in the ring: it frees each slot once its
+    copy has landed (the loader waits for every consumer's arrival) and passes each ping-pong
+    turn on, so that the others' turns and slots run exactly as in a full tile."""
+    for j in range(n_blocks):
+        slot = (it0 + j) % NUM_STAGES
+        phase = ((it0 + j) // NUM_STAGES) & 1
+        if PINGPONG:
+            if j > 0:
+                _wait_turn(turn, CONSUMER, turn0 + j - 1)
+                mbarrier.arrive(turn.index((CONSUMER + 1) % CONSUMERS))
+        mbarrier.wait(k_ready.index(slot), phase)
+        mbarrier.arrive(k_empty.index(slot))
+        mbarrier.wait(v_ready.index(slot), phase)
+        mbarrier.arrive(v_empty.index(slot))
+
+
+@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group, n_tiles,
               qk_scale, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
               HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, FP8: gl.constexpr,
-              TREE: gl.constexpr, FMA_EXP2: gl.constexpr, SLACK: gl.constexpr):
-    """One consumer warpgroup: rows ``[64·CONSUMER, 64·CONSUMER + 64)`` of each tile the loader
-    hands this program, until it hands over ``n_tiles`` (no more work). Q comes in two buffers,
-    the tiles alternating between them, each with its tile's index in ``tile_ids``; a buffer
-    is given back (``q_empty``) once this consumer's output, staged in it in bf16, has been
-    stored. ``FP8``: the scales are fp32 arrays ``q_scales [batch·q_heads·seq/64]``,
-    ``k_scales [batch·kv_heads·seq/BLOCK_N]`` and ``v_scales [batch·kv_heads]``, in row order."""
+              TREE: gl.constexpr, FMA_EXP2: gl.constexpr, SLACK: gl.constexpr, CONSUMERS: gl.constexpr):
+    """One consumer warpgroup: rows ``[64·CONSUMER, 64·CONSUMER + 64)`` of each tile of
+    ``64 · CONSUMERS`` rows the loader hands this program, until it hands over ``n_tiles`` (no
+    more work). Q comes in two buffers, the tiles alternating between them, each with its tile's
+    index in ``tile_ids``; a buffer is given back (``q_empty``) once this consumer's output,
+    staged in it in bf16, has been stored. ``FP8``: the scales are fp32 arrays ``q_scales
+    [batch·q_heads·seq/64]``, ``k_scales [batch·kv_heads·seq/BLOCK_N]`` and ``v_scales
+    [batch·kv_heads]``, in row order."""
     it0 = 0  # K/V blocks this program's ring has passed
     turn0 = 0  # ping-pong turns taken
     i = 0  # tiles done
     mbarrier.wait(q_ready.index(0), 0)
     tile = _read_tile(tile_ids.index(0), 4)
     while tile < n_tiles:
-        row0, q_row, kv_bh, n_blocks = _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL, BLOCK_N)
+        row0, q_row, kv_bh, n_blocks = _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL, BLOCK_N,
+                                                         64 * CONSUMERS)
         buf = i % 2
-        my_q = q_smem.index(buf * 2 + CONSUMER)
+        my_q = q_smem.index(buf * CONSUMERS + CONSUMER)
         my_row0 = row0 + CONSUMER * 64
         o_row = q_row + CONSUMER * 64
         if FP8:
-            rows_scale = qk_scale * gl.load(q_scales + o_row // 64)
-            out_scale = gl.load(v_scales + kv_bh)
             my_o = o_smem.index(CONSUMER)
         else:
-            rows_scale = qk_scale
-            out_scale = 1.0
             my_o = my_q
-        acc, m_i, l_i = _attend_rows(my_q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-                                     k_desc, v_desc, kv_bh * seq_len, n_blocks, (my_row0 + 1) // BLOCK_N, my_row0,
-                                     rows_scale, k_scales + kv_bh * (seq_len // BLOCK_N), p_smem.index(CONSUMER),
-                                     it0, turn0, CONSUMER, True, PINGPONG, CAUSAL, 64, BLOCK_N, HEAD_D, NUM_STAGES,
-                                     4, FP8, TREE, FMA_EXP2, SLACK)
-        _store_rows(acc, m_i, l_i, my_o, o_desc, lse_ptr, o_row, 64, out_scale)
+        if CONSUMERS == 2:  # 128-row tiles are always full
+            _consume_tile(my_q, my_o, k_smem, v_smem, p_smem.index(CONSUMER), k_ready, v_ready, k_empty, v_empty,
+                          turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, kv_bh, n_blocks,
+                          my_row0, o_row, seq_len, qk_scale, it0, turn0, CONSUMER, CONSUMERS, PINGPONG, CAUSAL,
+                          HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK)
+        else:
+            if my_row0 < seq_len:
+                _consume_tile(my_q, my_o, k_smem, v_smem, p_smem.index(CONSUMER), k_ready, v_ready, k_empty,
+                              v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, kv_bh,
+                              n_blocks, my_row0, o_row, seq_len, qk_scale, it0, turn0, CONSUMER, CONSUMERS,
+                              PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK)
+            else:
+                _pass_rows(k_ready, v_ready, k_empty, v_empty, turn, n_blocks, it0, turn0, CONSUMER, CONSUMERS,
+                           PINGPONG, NUM_STAGES)
         mbarrier.arrive(q_empty.index(buf))
         it0 += n_blocks
         turn0 += n_blocks - 1
@@ -555,22 +633,26 @@ def _consumer(q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty
 @gluon.jit
 def _load_tile(tile, i, it, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q_empty, k_ready,
                v_ready, k_empty, v_empty, seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-               NUM_STAGES: gl.constexpr, FP8: gl.constexpr):
-    """Hand tile ``tile`` (``head · seq/128 + rank``) to the consumers as this program's
-    ``i``-th: its index into ``tile_ids``, the two 64-row halves of Q into Q buffer ``i % 2``,
-    then K_j and V_j into the rings, whose slots have passed ``it`` blocks. A slot or a Q
-    buffer is reused once both consumers arrived on its empty barrier (count 2); on the first
-    pass the wait is for parity 1, which a fresh barrier reports as complete. ``FP8``: V's
+               NUM_STAGES: gl.constexpr, FP8: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Hand tile ``tile`` (``head · tiles per head + rank``) to the consumers as this program's
+    ``i``-th: its index into ``tile_ids``, the ``CONSUMERS`` 64-row parts of Q into Q buffer
+    ``i % 2`` (all of them in a short tile too: rows past the last are another head's, or zeros
+    past the tensor's end, and nobody reads them), then K_j and V_j into the rings, whose slots
+    have passed ``it`` blocks. A slot or a Q buffer is reused once every consumer arrived on its
+    empty barrier (count ``CONSUMERS``); on the first pass the wait is for parity 1, which a fresh
+    barrier reports as complete. ``FP8``: V's
     tiles come from Vᵀ, ``[batch·kv_heads·HEAD_D, seq]``, columns ``j·BLOCK_N`` onwards of the
     head's rows. Returns ``(i + 1, it + the tile's blocks)``."""
-    row0, q_row, kv_bh, n_blocks = _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL, BLOCK_N)
+    row0, q_row, kv_bh, n_blocks = _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL, BLOCK_N,
+                                                     64 * CONSUMERS)
     kv_row0 = kv_bh * seq_len
     buf = i % 2
     mbarrier.wait(q_empty.index(buf), ((i // 2) & 1) ^ 1)
     _write_tile(tile_ids.index(buf), tile)
-    mbarrier.expect(q_ready.index(buf), 2 * q_desc.block_type.nbytes)  # (an arrival: it releases the index)
-    _tma_load(q_desc, [q_row, 0], q_ready.index(buf), q_smem.index(buf * 2))
-    _tma_load(q_desc, [q_row + 64, 0], q_ready.index(buf), q_smem.index(buf * 2 + 1))
+    # (The expect is an arrival: it releases the index. A TMA copy counts its whole box, zeros too.)
+    mbarrier.expect(q_ready.index(buf), CONSUMERS * q_desc.block_type.nbytes)
+    for c in gl.static_range(CONSUMERS):
+        _tma_load(q_desc, [q_row + c * 64, 0], q_ready.index(buf), q_smem.index(buf * CONSUMERS + c))
     for j in range(n_blocks):
         slot = (it + j) % NUM_STAGES
         free_phase = (((it + j) // NUM_STAGES) & 1) ^ 1
@@ -591,7 +673,7 @@ def _load_tile(tile, i, it, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty,
             v_empty, tile_counter, seq_len, q_heads, group, n_tiles, head_group, CAUSAL: gl.constexpr,
             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, FP8: gl.constexpr, PAIRED: gl.constexpr,
-            DYNAMIC: gl.constexpr):
+            DYNAMIC: gl.constexpr, CONSUMERS: gl.constexpr):
     """One warp: it picks this program's *units* of work and loads their tiles (`_load_tile`).
     A unit is one query tile, or with ``PAIRED`` (causal) two tiles of one head, ranks r and
     ``seq/128 − 1 − r``, whose key blocks add up to the same number for every r: equal units,
@@ -602,7 +684,7 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q
     unit no program has claimed. The rings and the Q buffers run on from one tile to the next,
     so a persistent program loads its next tile while the consumers finish this one. When the
     units run out, it hands over ``n_tiles`` (no more work)."""
-    n_m = seq_len // 128
+    n_m = _tiles_per_head(seq_len, 64 * CONSUMERS)
     n_bh = n_tiles // n_m
     if PAIRED:
         per_head = (n_m + 1) // 2  # (odd n_m: the middle tile is a unit of its own)
@@ -616,12 +698,12 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q
         head, rank = _schedule(unit, per_head, n_bh, head_group)
         i, it = _load_tile(head * n_m + rank, i, it, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids,
                            q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, seq_len, q_heads, group, CAUSAL,
-                           BLOCK_N, NUM_STAGES, FP8)
+                           BLOCK_N, NUM_STAGES, FP8, CONSUMERS)
         if PAIRED:
             if n_m - 1 - rank != rank:
                 i, it = _load_tile(head * n_m + n_m - 1 - rank, i, it, q_desc, k_desc, v_desc, q_smem, k_smem,
                                    v_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, seq_len,
-                                   q_heads, group, CAUSAL, BLOCK_N, NUM_STAGES, FP8)
+                                   q_heads, group, CAUSAL, BLOCK_N, NUM_STAGES, FP8, CONSUMERS)
         unit = next_unit
     # No more tiles: say so through the next buffer.
     buf = i % 2
@@ -637,23 +719,24 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
                              PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                              FP8: gl.constexpr = False, PAIRED: gl.constexpr = False,
                              DYNAMIC: gl.constexpr = False, TREE: gl.constexpr = False,
-                             FMA_EXP2: gl.constexpr = 0, SLACK: gl.constexpr = 0.0):
-    """A 1-d grid over the ``n_tiles = seq / 128 · batch · q_heads`` query tiles: one program
+                             FMA_EXP2: gl.constexpr = 0, SLACK: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2):
+    """A 1-d grid over the ``n_tiles`` query tiles of ``64 · CONSUMERS`` rows (``CONSUMERS``: 2,
+    or 3 for FlashAttention-3's 192-row tiles, `_tiles_per_head` of them per head): one program
     per tile, or fewer (persistent: each takes tiles in turn, `_loader` says which;
     ``tile_counter``: one int32, zero, for ``DYNAMIC``).
-    ``num_warps=4`` (consumer 0, the default partition) plus the workers: consumer 1 (4 warps)
-    and the loader (1 warp). Q and O blocks of 64 rows, K blocks of ``BLOCK_N`` rows, V blocks
-    of ``BLOCK_N`` rows (FP8: of Vᵀ, ``HEAD_D`` rows by ``BLOCK_N`` keys). Q has two buffers
-    (``[tile parity · 2 + consumer]``), so that a persistent program loads the next tile's Q
-    while it finishes this one. In bf16 each consumer's Q buffer takes its O for the store;
-    in FP8 O (bf16) is twice the size of Q (e4m3) and has buffers of its own."""
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [4, 64, HEAD_D], q_desc.layout)
+    ``num_warps=4`` (consumer 0, the default partition) plus the workers: the other consumers
+    (4 warps each) and the loader (1 warp). Q and O blocks of 64 rows, K blocks of ``BLOCK_N``
+    rows, V blocks of ``BLOCK_N`` rows (FP8: of Vᵀ, ``HEAD_D`` rows by ``BLOCK_N`` keys). Q has
+    two buffers (``[tile parity · CONSUMERS + consumer]``), so that a persistent program loads
+    the next tile's Q while it finishes this one. In bf16 each consumer's Q buffer takes its O
+    for the store; in FP8 O (bf16) is twice the size of Q (e4m3) and has buffers of its own."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * CONSUMERS, 64, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     if FP8:
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, HEAD_D, BLOCK_N], v_desc.layout)
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, 64, HEAD_D], o_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, 64, HEAD_D], o_desc.layout)
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.float8e4nv)
-        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, BLOCK_N], p_layout)
+        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS, 64, BLOCK_N], p_layout)
     else:
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
         o_smem = q_smem
@@ -664,36 +747,59 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # one per Q buffer
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(q_empty.index(i), count=CONSUMERS)
+        mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(2, CONSUMERS):
         mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)  # the loader's expect() is the one arrival
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # one arrival per consumer
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
     fence_async_shared()
 
     # The argument tuples are written in place: a tuple kept in a variable would turn its
     # constexpr members (the consumer's index among them) into run-time values.
-    gl.warp_specialize(
-        [(_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
-                      k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len,
-                      q_heads, group, n_tiles, qk_scale, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
-                      NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK)),
-         (_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
-                      k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len,
-                      q_heads, group, n_tiles, qk_scale, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
-                      NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK)),
-         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
-                    k_empty, v_empty, tile_counter, seq_len, q_heads, group, n_tiles, head_group, CAUSAL, BLOCK_N,
-                    NUM_STAGES, FP8, PAIRED, DYNAMIC))],
-        [4, 1],
-        [CONSUMER_REGS, LOADER_REGS],
-    )
+    if CONSUMERS == 2:
+        gl.warp_specialize(
+            [(_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
+                          k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales,
+                          seq_len, q_heads, group, n_tiles, qk_scale, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
+                          NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, CONSUMERS)),
+             (_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
+                          k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales,
+                          seq_len, q_heads, group, n_tiles, qk_scale, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
+                          NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, CONSUMERS)),
+             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
+                        k_empty, v_empty, tile_counter, seq_len, q_heads, group, n_tiles, head_group, CAUSAL,
+                        BLOCK_N, NUM_STAGES, FP8, PAIRED, DYNAMIC, CONSUMERS))],
+            [4, 1],
+            [CONSUMER_REGS, LOADER_REGS],
+        )
+    else:
+        gl.warp_specialize(
+            [(_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
+                          k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales,
+                          seq_len, q_heads, group, n_tiles, qk_scale, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
+                          NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, CONSUMERS)),
+             (_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
+                          k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales,
+                          seq_len, q_heads, group, n_tiles, qk_scale, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
+                          NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, CONSUMERS)),
+             (_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
+                          k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales,
+                          seq_len, q_heads, group, n_tiles, qk_scale, 2, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
+                          NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, CONSUMERS)),
+             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
+                        k_empty, v_empty, tile_counter, seq_len, q_heads, group, n_tiles, head_group, CAUSAL,
+                        BLOCK_N, NUM_STAGES, FP8, PAIRED, DYNAMIC, CONSUMERS))],
+            [4, 4, 1],
+            [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS],
+        )
 
 
 # ----------------------------------------------------------------------------------------
@@ -755,10 +861,11 @@ def _descriptor(t2d: torch.Tensor, rows: int, cols: int | None = None) -> Tensor
 
 def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                           scale: float | None = None, variant: str = "ws", block_n: int | None = None,
-                          num_stages: int | None = None, consumer_regs: int = 240, loader_regs: int = 24,
+                          num_stages: int | None = None, consumer_regs: int | None = None, loader_regs: int = 24,
                           persistent: bool | int | None = None, head_group: int | None = None,
                           paired: bool | None = None, dynamic: bool | None = None, tree_reductions: bool = False,
-                          fma_exp2: int = 0, lazy_rescale: bool = False, compile_only: bool = False):
+                          fma_exp2: int = 0, lazy_rescale: bool = False, consumers: int = 2,
+                          compile_only: bool = False):
     """``softmax(scale · q kᵀ + mask) v`` with the Gluon kernels (forward only).
 
     - ``q: [batch, q_heads, seq, head_dim]``, ``k, v: [batch, kv_heads, seq, head_dim]``, bf16,
@@ -768,7 +875,10 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     - ``variant``: one of `VARIANTS`; ``block_n`` (64 or 128; FP8 also 256, with ``seq`` a
       multiple of it) and ``num_stages`` default to
       `default_tiles`; ``consumer_regs`` / ``loader_regs``: registers per thread of the
-      warp-specialized partitions (``setmaxnreg``); ``persistent`` (warp-specialized kernels):
+      warp-specialized partitions (``setmaxnreg``; the consumers' default: `CONSUMER_REGS`);
+      ``consumers`` (warp-specialized kernels): 2 consumer warpgroups per program (tiles of 128
+      query rows), or 3 (FlashAttention-3's 192 rows; head_dim 64 without a mask only, the last
+      tile of a head short unless ``seq`` is a multiple of 192); ``persistent`` (warp-specialized kernels):
       True for one program per SM taking tiles in turn instead of one per tile, or a number of
       programs (the tests use a few, so that each takes many tiles). How the warp-specialized
       kernels share out the tiles (`_loader`): ``paired`` (causal only): units of two tiles
@@ -796,16 +906,17 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return _launch(q, k, v, None, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs,
                    persistent, head_group, paired, dynamic, tree_reductions, compile_only, fma_exp2=fma_exp2,
-                   lazy_rescale=lazy_rescale)
+                   lazy_rescale=lazy_rescale, consumers=consumers)
 
 
 def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                               scale: float | None = None, variant: str = "ws", prepared: tuple | None = None,
-                              block_n: int | None = None, num_stages: int | None = None, consumer_regs: int = 240,
-                              loader_regs: int = 24, persistent: bool | int | None = None,
-                              head_group: int | None = None, paired: bool | None = None,
-                              dynamic: bool | None = None, tree_reductions: bool = True,
-                              fma_exp2: int = 0, lazy_rescale: bool = False, compile_only: bool = False):
+                              block_n: int | None = None, num_stages: int | None = None,
+                              consumer_regs: int | None = None, loader_regs: int = 24,
+                              persistent: bool | int | None = None, head_group: int | None = None,
+                              paired: bool | None = None, dynamic: bool | None = None, tree_reductions: bool = True,
+                              fma_exp2: int = 0, lazy_rescale: bool = False, consumers: int = 2,
+                              compile_only: bool = False):
     """The warp-specialized kernel with e4m3 matmuls: Q in blocks of 64 rows (one consumer's
     rows) and K in blocks of ``block_n`` keys, each with its own scale, V with one scale per
     head, fp32 accumulation (the quantization of `minillm.kernels.ch04_flash_attention_hopper.
@@ -815,9 +926,12 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     `prepare_gluon_fp8`'s result for these inputs, to time the kernel without the
     quantization (it also says whether P·V reads P from registers, the default, or from
     shared memory); ``tree_reductions``: as
-    `flash_attention_gluon`'s, here on by default; ``fma_exp2`` and ``lazy_rescale``: as
-    `flash_attention_gluon`'s, off by default here too (P, at most ``2^8`` with a lazy max,
-    still fits e4m3's 448)."""
+    `flash_attention_gluon`'s, here on by default; ``fma_exp2``, ``lazy_rescale`` and
+    ``consumers``: as `flash_attention_gluon`'s, the first two off by default here too (P, at
+    most ``2^8`` with a lazy max, still fits e4m3's 448). With three consumers the kernel fits
+    its 160 registers a thread only with P through shared memory (``prepared`` with
+    ``p_in_registers=False``): P held in registers spills, and the kernel runs at well under half
+    speed (0.37-0.39x on an H200, ``bench.ch04_gluon``'s consumers part)."""
     if variant not in VARIANTS[1:]:
         raise ValueError(f"the FP8 kernel is warp-specialized: variant must be one of {VARIANTS[1:]}, got {variant!r}")
     reason = _reason(q, k, v)
@@ -827,7 +941,7 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q8, k8, v8t, scales, p_in_registers = prepared or prepare_gluon_fp8(q, k, v, block_n)
     return _launch(q8, k8, v8t, (scales, p_in_registers), causal, scale, variant, block_n, num_stages, consumer_regs,
                    loader_regs, persistent, head_group, paired, dynamic, tree_reductions, compile_only,
-                   out_shape=q.shape, fma_exp2=fma_exp2, lazy_rescale=lazy_rescale)
+                   out_shape=q.shape, fma_exp2=fma_exp2, lazy_rescale=lazy_rescale, consumers=consumers)
 
 
 #: With ``lazy_rescale``, how far (base 2) a row's max may outgrow the one its P and accumulator
@@ -906,7 +1020,7 @@ def _grid(n_units: int, persistent: bool | int, dynamic: bool, device) -> tuple[
 
 def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs, persistent,
             head_group, paired, dynamic, tree_reductions, compile_only, out_shape=None, fma_exp2=0,
-            lazy_rescale=False):
+            lazy_rescale=False, consumers=2):
     """Make the descriptors and launch (or compile) the kernel of ``variant``. ``scales``:
     None for bf16, else FP8's ``((q_scales, k_scales, v_scales), p_in_registers)`` with ``v``
     as Vᵀ."""
@@ -929,13 +1043,20 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
         raise ValueError(f"fma_exp2 must be one of {FMA_EXP2_SHARES}, got {fma_exp2!r}")
     if (fma_exp2 or lazy_rescale) and variant == "pipelined":
         raise ValueError("fma_exp2 and lazy_rescale need a warp-specialized variant")
+    if consumers not in CONSUMER_REGS:
+        raise ValueError(f"consumers must be one of {tuple(CONSUMER_REGS)}, got {consumers!r}")
+    if consumers == 3 and (variant == "pipelined" or d != 64 or causal):
+        # 160 registers a thread hold a 64 x 64 accumulator, not a 64 x 128 one, and the
+        # causal schedules pair up 128-row tiles
+        raise ValueError("three consumers need a warp-specialized variant, head_dim 64 and no causal mask")
+    consumer_regs = CONSUMER_REGS[consumers] if consumer_regs is None else consumer_regs
     qk_scale = (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E
     out = torch.empty(out_shape or q.shape, device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((b, h, s), device=q.device, dtype=torch.float32)
     k_desc = _descriptor(k.view(-1, d), block_n)
     # FP8: V's tiles are [d, block_n] blocks of Vᵀ, viewed as [b·h_kv·d, s].
     v_desc = _descriptor(v.view(-1, s), d, block_n) if fp8 else _descriptor(v.view(-1, d), block_n)
-    n_tiles = s // BLOCK_M * b * h
+    n_tiles = -(-s // (64 * consumers)) * b * h
     if variant == "pipelined":
         if persistent:
             raise ValueError("the pipelined kernel has one program per tile: persistent=True needs a 'ws' variant")
@@ -951,7 +1072,7 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
         meta = dict(PINGPONG=variant == "ws_pingpong", CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
                     FP8=(2 if p_in_registers else 1) if fp8 else 0, PAIRED=paired, DYNAMIC=dynamic,
                     TREE=bool(tree_reductions), FMA_EXP2=fma_exp2,
-                    SLACK=LAZY_RESCALE_SLACK if lazy_rescale else 0.0, num_warps=4)
+                    SLACK=LAZY_RESCALE_SLACK if lazy_rescale else 0.0, CONSUMERS=consumers, num_warps=4)
     descriptors = (_descriptor(q.view(-1, d), rows), k_desc, v_desc, _descriptor(out.view(-1, d), rows))
     meta.update(CAUSAL=bool(causal), HEAD_D=d, BLOCK_N=block_n, NUM_STAGES=num_stages)
     if compile_only:

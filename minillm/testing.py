@@ -371,7 +371,7 @@ def fp8_quantized_inputs(prepared: tuple, q_len: int, kv_len: int, block_m: int,
 
 def assert_within_fp8_bound(out: torch.Tensor, q, k, v, block_m: int, block_n: int, causal: bool,
                             v_block: int | None, what: str = "", seed: int | None = None,
-                            p_rel_error: float = 0.0) -> None:
+                            p_rel_error: float = 0.0, nonvacuous: bool = True) -> None:
     """Assert an FP8 attention kernel's ``out`` is within the error that FP8 allows of exact
     attention of the block-quantized inputs (`minillm.reference.ch04_fp8`), elementwise:
     rounding P to e4m3, on a GPU the tensor cores' ~14-bit FP8 accumulation, and the rounding
@@ -380,7 +380,9 @@ def assert_within_fp8_bound(out: torch.Tensor, q, k, v, block_m: int, block_n: i
     and V (``v_block`` None: ``block_n``); ``p_rel_error``: the relative error of the kernel's
     exponentials before any rounding (e.g. `minillm.reference.ch04_fp8.EXP2_POLY_REL_ERROR`),
     which reaches both P·V and ℓ: the bound's unit roundoff grows by three times it. Also checks
-    that the bound is not vacuous (well below the output's own size)."""
+    that the bound is not vacuous (well below the output's own size), unless ``nonvacuous`` is
+    False: over many keys of random inputs the output, an average, shrinks while the bound does
+    not, and the caller must then catch a lost block another way."""
     from minillm.reference import ch04_fp8 as ref8
 
     kw = dict(causal=causal, v_block=v_block)
@@ -397,7 +399,7 @@ def assert_within_fp8_bound(out: torch.Tensor, q, k, v, block_m: int, block_n: i
                                     f"at {worst} (want {want[worst]:.4e}; {int((err > allowed).sum())} of "
                                     f"{err.size} elements)")
     # A wrong scale or a lost block would move the output by about its own size.
-    assert np.linalg.norm(bound) < 0.5 * np.linalg.norm(want)
+    assert not nonvacuous or np.linalg.norm(bound) < 0.5 * np.linalg.norm(want)
 
 
 # ----------------------------------------------------------------------------------------

@@ -84,6 +84,21 @@ def test_refuses_unknown_variant_and_tile():
         flash_attention_gluon(q, q, q, variant="pipelined", lazy_rescale=True)
 
 
+def test_refuses_three_consumers_out_of_scope():
+    """Three consumer warpgroups (192-row tiles) at head dim 64 without a mask only: 160
+    registers a thread do not hold a 64 x 128 accumulator, and the causal schedules pair up
+    128-row tiles."""
+    q64 = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
+    q128 = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="consumers must be one of"):
+        flash_attention_gluon(q64, q64, q64, consumers=4)
+    for q, kwargs in ((q64, dict(variant="pipelined")), (q128, {}), (q64, dict(causal=True))):
+        with pytest.raises(ValueError, match="three consumers"):
+            flash_attention_gluon(q, q, q, consumers=3, **kwargs)
+    with pytest.raises(ValueError, match="three consumers"):
+        flash_attention_gluon_fp8(q128, q128, q128, consumers=3)
+
+
 def test_backward_refuses_what_it_does_not_cover():
     q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 256)
@@ -167,6 +182,15 @@ for variant in VARIANTS:
                 compiled = flash_attention_gluon_fp8(q, k, k, causal=causal, variant=variant, compile_only=True,
                                                      prepared=prepare_gluon_fp8(q, k, k, p_in_registers=False))
                 facts[f"fp8 smem {variant} {head_dim} {causal}"] = facts_of(compiled, "e4m3.e4m3")
+q = torch.zeros(1, 4, 640, 64, dtype=torch.bfloat16)  # 3 tiles of 192 rows and a short one a head
+k = torch.zeros(1, 2, 640, 64, dtype=torch.bfloat16)
+for variant in VARIANTS[1:]:
+    compiled = flash_attention_gluon(q, k, k, variant=variant, consumers=3, compile_only=True)
+    facts[f"c3 {variant}"] = dict(facts_of(compiled, "wgmma.mma_async"), warps=compiled.metadata.num_warps)
+    for where in ("registers", "smem"):
+        compiled = flash_attention_gluon_fp8(q, k, k, variant=variant, consumers=3, compile_only=True,
+                                             prepared=prepare_gluon_fp8(q, k, k, p_in_registers=where == "registers"))
+        facts[f"c3 fp8 {where} {variant}"] = dict(facts_of(compiled, "e4m3.e4m3"), warps=compiled.metadata.num_warps)
 q = torch.zeros(1, 4, 256, 128, dtype=torch.bfloat16)
 k = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
 compiled = flash_attention_gluon_fp8(q, k, k, causal=True, lazy_rescale=True, compile_only=True)
@@ -245,6 +269,22 @@ def test_wide_fp8_tiles_compile_for_sm90(sm90_compiled):
     assert 200 * 1024 < smem["shared"] <= 227 * 1024
     assert smem["stack"] <= (32 if triton.__version__.startswith("3.6") else 0)
     assert registers["a_from_registers"] and registers["stack"] > 0
+
+
+@sm90_compile_mark(GLUON_VERSIONS)
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+def test_three_consumers_compile_for_sm90(sm90_compiled, variant):
+    """Three consumer warpgroups and the loader's: 16 warps, with 160 registers a consumer
+    thread. In bf16 (Q in six buffers of 64 rows, four stages of K and V: 180,648 bytes of shared
+    memory) and in FP8 with P through shared memory nothing spills; with P kept in fp32 in
+    registers until the matmul, 64 values more a thread than 160 registers hold with the rest,
+    ptxas spills (240-300 bytes)."""
+    for key in (f"c3 {variant}", f"c3 fp8 smem {variant}", f"c3 fp8 registers {variant}"):
+        facts = sm90_compiled[key]
+        assert facts["warps"] == 16 and facts["setmaxnreg"] and facts["wgmma"] > 0 and facts["wait_1"]
+        assert not facts["local"] and facts["shared"] <= 227 * 1024
+        assert facts["a_from_registers"] == ("smem" not in key)
+        assert (facts["stack"] > 0) == ("registers" in key)
 
 
 @sm90_compile_mark(GLUON_VERSIONS)
@@ -394,6 +434,45 @@ def test_fp8_within_bound_on_gpu(variant, head_dim, causal, programs, p_in_regis
     # The reference multiplies the same quantized values with V's keys in their own order.
     qd, kd, vd = fp8_quantized_inputs(prepare_gluon_fp8(q, k, v, p_in_registers=False), 256, 256, 64, 128)
     assert_within_fp8_bound(out, qd, kd, vd, 64, 128, causal, vd.shape[2], f"gluon fp8 {variant}", seed)
+
+
+def on_hopper_three_consumers(test):
+    """A GPU test (sm_90) over both warp-specialized variants with three consumers and
+    lengths whose last 192-row tile is short by 64 rows (128, 896), by 128 (640) or full (384,
+    1152), on one program per tile, one per SM and two programs that take many tiles each."""
+    for mark in (pytest.mark.parametrize("programs", [False, True, 2]),
+                 pytest.mark.parametrize("seq", [128, 384, 640, 896, 1152]),
+                 pytest.mark.parametrize("variant", VARIANTS[1:]),
+                 pytest.mark.skipif(not _hopper(), reason="Gluon's wgmma/TMA kernels need an sm_90 GPU"),
+                 pytest.mark.gpu):
+        test = mark(test)
+    return test
+
+
+@on_hopper_three_consumers
+def test_three_consumers_match_reference_on_gpu(variant, seq, programs, gen, seed):
+    q, k, v = make_qkv(2, 4, 2, seq, 64, "cuda", gen)
+    check_against_reference(q, k, v, False, seed, variant=variant, persistent=programs, consumers=3)
+
+
+@on_hopper_three_consumers
+def test_fp8_three_consumers_within_bound_on_gpu(variant, seq, programs, gen, seed):
+    """Within FP8's bound at every length, and close to the two-consumer kernel on the same
+    quantized inputs: from 640 keys on the bound of random inputs comes within half of the
+    output's own size (an average of many values of V), so a lost block is caught by the
+    comparison instead (it would move the output by about its size)."""
+    q, k, v = make_qkv(1, 4, 2, seq, 64, "cuda", gen, scale=2.0)
+    qd, kd, vd = fp8_quantized_inputs(prepare_gluon_fp8(q, k, v, p_in_registers=False), seq, seq, 64, 128)
+    for p_in_registers in (True, False):
+        prepared = prepare_gluon_fp8(q, k, v, p_in_registers=p_in_registers)
+        out, lse = flash_attention_gluon_fp8(q, k, v, variant=variant, prepared=prepared, persistent=programs,
+                                             consumers=3)
+        assert out.dtype == torch.bfloat16 and torch.isfinite(lse).all()
+        assert_within_fp8_bound(out, qd, kd, vd, 64, 128, False, vd.shape[2], f"gluon fp8 c3 {variant}", seed,
+                                nonvacuous=seq <= 384)
+        two, two_lse = flash_attention_gluon_fp8(q, k, v, variant=variant, prepared=prepared)
+        assert (out.float() - two.float()).norm() <= 1e-2 * two.float().norm(), f"seed {seed}"
+        assert (lse - two_lse).abs().max() <= 1e-3, f"seed {seed}"
 
 
 @on_hopper_warp_specialized
