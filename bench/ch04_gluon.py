@@ -66,12 +66,13 @@ with 256-key tiles of K and Vᵀ against the 128-key default (`TILE_KERNELS`: ws
 in registers or through shared memory), each also against bf16 ``ws``. Budget
 ``MINILLM_CH04_GLUON_TILES_BUDGET_S`` (default 240).
 
-The consumers part (``params["part"] = "consumers"``; head dim 64 without a mask, N 1k-16k):
+The consumers part (``params["part"] = "consumers"``; both head dims without a mask, N 1k-16k):
 three consumer warpgroups per program (192-row tiles, 160 registers a thread) against two
 (128 rows, 240 registers), in bf16 and FP8, with and without ping-pong (`CONSUMER_KERNELS`):
-``TFLOPs`` and ``time_ms`` of each against SDPA cuDNN and bf16 ``ws``, and of each
-three-consumer kernel against its two-consumer counterpart; ``rel_err`` against cuDNN. Budget
-``MINILLM_CH04_GLUON_CONSUMERS_BUDGET_S`` (default 120).
+``TFLOPs`` and ``time_ms`` of each against SDPA cuDNN and bf16 ``ws``, of each
+three-consumer kernel against its two-consumer counterpart and of the ``_s4``/``_n128`` ones
+against the kernel without that suffix; ``rel_err`` against cuDNN. Budget
+``MINILLM_CH04_GLUON_CONSUMERS_BUDGET_S`` (default 240).
 
 ``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax,tiles,consumers``) picks the
 parts to run; a re-run of some parts keeps the others' earlier rows in the results file.
@@ -87,7 +88,7 @@ import torch
 from minillm.costs import nominal_attention_flops
 from minillm.kernels.ch04_flash_attention_gluon import (
     GLUON_VERSIONS, flash_attention_gluon, flash_attention_gluon_backward, flash_attention_gluon_fp8,
-    default_schedule, gluon_applies, prepare_gluon_fp8,
+    default_schedule, default_tiles, gluon_applies, prepare_gluon_fp8,
 )
 from minillm.kernels.ch04_flash_attention_hopper import flash_attention_hopper, flash_attention_hopper_backward
 
@@ -140,19 +141,23 @@ TILE_KERNELS = {
     "fp8_ws_n256_smem": ("ws", 256, "smem"), "fp8_ws_pingpong_n256_smem": ("ws_pingpong", 256, "smem"),
 }
 #: The consumers part's kernels: name -> (dtype, variant, P in "registers" or "smem" (FP8), consumer
-#: warpgroups per program, ring stages (None: `default_tiles`'s)). The two-consumer ones are the
-#: forward part's defaults.
+#: warpgroups per program, {head dim: the other keyword arguments}; a kernel runs at the head dims
+#: it names). The two-consumer ones are the forward part's defaults; the three-consumer ones take
+#: `default_tiles` (at head dim 128: 64-key tiles, four stages) unless told.
+BOTH = {64: {}, 128: {}}
 CONSUMER_KERNELS = {
-    "ws": ("bf16", "ws", None, 2, None), "ws_c3": ("bf16", "ws", None, 3, None),
-    "ws_pingpong": ("bf16", "ws_pingpong", None, 2, None), "ws_pingpong_c3": ("bf16", "ws_pingpong", None, 3, None),
-    "fp8_ws": ("fp8", "ws", "registers", 2, None), "fp8_ws_c3": ("fp8", "ws", "registers", 3, None),
-    "fp8_ws_c3_smem": ("fp8", "ws", "smem", 3, None), "fp8_ws_c3_smem_s4": ("fp8", "ws", "smem", 3, 4),
-    "fp8_ws_pingpong": ("fp8", "ws_pingpong", "registers", 2, None),
-    "fp8_ws_pingpong_c3": ("fp8", "ws_pingpong", "registers", 3, None),
-    "fp8_ws_pingpong_c3_smem": ("fp8", "ws_pingpong", "smem", 3, None),
-    "fp8_ws_pingpong_c3_smem_s4": ("fp8", "ws_pingpong", "smem", 3, 4),
+    "ws": ("bf16", "ws", None, 2, BOTH), "ws_c3": ("bf16", "ws", None, 3, BOTH),
+    "ws_pingpong": ("bf16", "ws_pingpong", None, 2, BOTH), "ws_pingpong_c3": ("bf16", "ws_pingpong", None, 3, BOTH),
+    "fp8_ws": ("fp8", "ws", "registers", 2, BOTH), "fp8_ws_c3": ("fp8", "ws", "registers", 3, BOTH),
+    "fp8_ws_c3_smem": ("fp8", "ws", "smem", 3, BOTH),
+    "fp8_ws_c3_smem_s4": ("fp8", "ws", "smem", 3, {64: dict(num_stages=4)}),
+    "fp8_ws_c3_smem_n128": ("fp8", "ws", "smem", 3, {128: dict(block_n=128, num_stages=2)}),
+    "fp8_ws_pingpong": ("fp8", "ws_pingpong", "registers", 2, BOTH),
+    "fp8_ws_pingpong_c3": ("fp8", "ws_pingpong", "registers", 3, BOTH),
+    "fp8_ws_pingpong_c3_smem": ("fp8", "ws_pingpong", "smem", 3, BOTH),
+    "fp8_ws_pingpong_c3_smem_s4": ("fp8", "ws_pingpong", "smem", 3, {64: dict(num_stages=4)}),
 }
-#: The consumers part's lengths (head dim 64, no mask).
+#: The consumers part's lengths (no mask).
 CONSUMER_SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
 #: The tiles part's lengths.
 TILE_SEQ_LENS = (2048, 4096, 8192, 16384)
@@ -201,8 +206,8 @@ def softmax_budget_s() -> float:
 
 
 def consumers_budget_s() -> float:
-    """The consumers part's budget: ``MINILLM_CH04_GLUON_CONSUMERS_BUDGET_S`` (default 120)."""
-    return float(os.environ.get("MINILLM_CH04_GLUON_CONSUMERS_BUDGET_S", "120"))
+    """The consumers part's budget: ``MINILLM_CH04_GLUON_CONSUMERS_BUDGET_S`` (default 240)."""
+    return float(os.environ.get("MINILLM_CH04_GLUON_CONSUMERS_BUDGET_S", "240"))
 
 
 def selected_parts() -> tuple[str, ...]:
@@ -497,9 +502,9 @@ def _tiles_point(results: Results, device, gen, n: int, head_dim: int, causal: b
 # ----------------------------------------------------------------------------------------
 def consumers_sweep(results: Results, device, seq_lens=CONSUMER_SEQ_LENS, tokens: int = TOKENS,
                     hidden: int = HIDDEN, timer: Callable | None = None) -> None:
-    """The consumers rows (`CONSUMER_KERNELS`, head dim 64, no mask) at every point, until
+    """The consumers rows (`CONSUMER_KERNELS`, no mask) at every point, until
     `consumers_budget_s`."""
-    part_sweep(results, device, "consumers", consumers_budget_s(), _consumers_point, (64,), seq_lens, tokens,
+    part_sweep(results, device, "consumers", consumers_budget_s(), _consumers_point, HEAD_DIMS, seq_lens, tokens,
                hidden, timer, masks=(False,))
 
 
@@ -515,27 +520,33 @@ def _consumers_point(results: Results, device, gen, n: int, head_dim: int, causa
     tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
     ms = {}
     ms["sdpa_cudnn"], cudnn_out = timed_output(lambda: sdpa_attention("sdpa_cudnn", causal)(q, k, v), timer)
-    prepared = {where: prepare_gluon_fp8(q, k, v, p_in_registers=where == "registers")
-                for where in ("registers", "smem")}
-    errs = {}
-    for name, (dtype, variant, where, consumers, stages) in CONSUMER_KERNELS.items():
+    kernels = {name: (dtype, variant, where, consumers, settings[head_dim])
+               for name, (dtype, variant, where, consumers, settings) in CONSUMER_KERNELS.items()
+               if head_dim in settings}
+    prepared, errs = {}, {}
+    for name, (dtype, variant, where, consumers, kw) in kernels.items():
         if dtype == "fp8":
+            block_n = kw.get("block_n") or default_tiles(head_dim, True, consumers)[0]
+            if (where, block_n) not in prepared:
+                prepared[where, block_n] = prepare_gluon_fp8(q, k, v, block_n, p_in_registers=where == "registers")
             fn = lambda: flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant,  # noqa: E731
-                                                   prepared=prepared[where], consumers=consumers, num_stages=stages)
+                                                   prepared=prepared[where, block_n], consumers=consumers, **kw)
         else:
             fn = lambda: flash_attention_gluon(q, k, v, causal=causal, variant=variant,  # noqa: E731
-                                               consumers=consumers, num_stages=stages)
+                                               consumers=consumers, **kw)
         ms[name], (out, _) = timed_output(fn, timer)
         errs[name] = rel_err(out, cudnn_out)
-    for name, (dtype, variant, where, consumers, stages) in CONSUMER_KERNELS.items():
+    for name, (dtype, variant, where, consumers, kw) in kernels.items():
         params = {"batch": batch, "heads": heads, "seq_len": n, "head_dim": head_dim, "causal": causal,
                   "dtype": dtype, "kernel": name, "part": "consumers"}
-        note = (f"{consumers} consumer warpgroups ({64 * consumers}-row tiles)"
-                + (f", P in {where}" if where else "") + (f", {stages} stages" if stages else ""))
+        tiles = {**dict(zip(("block_n", "num_stages"), default_tiles(head_dim, dtype == "fp8", consumers))), **kw}
+        note = (f"{consumers} consumer warpgroups ({64 * consumers}-row tiles), {tiles['block_n']}-key tiles, "
+                f"{tiles['num_stages']} stages" + (f", P in {where}" if where else ""))
         results.add(BENCHMARK, params, "rel_err", errs[name], "sdpa_cudnn",
                     note="‖ours − cuDNN (bf16)‖ / ‖cuDNN‖")
         two = ("fp8_" if dtype == "fp8" else "") + variant
-        for peer in ("sdpa_cudnn", "ws") + ((two,) if consumers == 3 else ()) + ((name[:-3],) if stages else ()):
+        variant_of = name.rsplit("_", 1)[0] if name.endswith(("_s4", "_n128")) else None
+        for peer in ("sdpa_cudnn", "ws") + ((two,) if consumers == 3 else ()) + ((variant_of,) if variant_of else ()):
             if peer != name:
                 results.add(BENCHMARK, params, "time_ms", ms[name], peer, ms[peer], note=note)
                 results.add(BENCHMARK, params, "TFLOPs", tflops(ms[name]), peer, tflops(ms[peer]), note=note)

@@ -31,8 +31,8 @@ buffers, so that the loader fetches the next tile while the consumers finish thi
 (`default_schedule` says when that is the default), and share out their tiles in one of
 several orders: with a causal mask, pairs of tiles of equal total length claimed from an
 atomic counter. And both can run with **three consumer warpgroups** (``consumers=3``:
-FA3's 192-row tiles at head dim 64, without a mask), 160 registers a thread instead of 240
-(`CONSUMER_REGS`).
+FA3's 192-row tiles at head dim 64, without a mask; at head dim 128 with 64-key tiles), 160
+registers a thread instead of 240 (`CONSUMER_REGS`).
 
 And `flash_attention_gluon_fp8`: the warp-specialized kernel with e4m3 matmuls (Hopper's FP8
 tensor cores run at twice the bf16 rate): Q with one scale per 64 rows, K per ``block_n`` keys,
@@ -805,7 +805,7 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
 # ----------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------
-def default_tiles(head_dim: int, fp8: bool = False) -> tuple[int, int]:
+def default_tiles(head_dim: int, fp8: bool = False, consumers: int = 2) -> tuple[int, int]:
     """``(block_n, num_stages)``, from a sweep on the H100 (``bench/results/raw/
     nvidia-h100.gluon_tile_sweep.log``). Shared memory per program: Q (128·d·e bytes, e = 2 in
     bf16, 1 in e4m3; two tiles of it in the warp-specialized kernel) plus, per stage, a K and a
@@ -817,7 +817,13 @@ def default_tiles(head_dim: int, fp8: bool = False) -> tuple[int, int]:
     no faster than two on an H200 (within 6 %, ``nvidia-h200.gluon_fp8_stages.log``), and
     256-key tiles (FP8 only) fit with P through shared memory alone (229,824 bytes at d = 128)
     and ran 0.82-1.06x the 128-key kernel, with P in registers they spill and run at half its
-    speed or less (``bench.ch04_gluon`` part ``tiles``, ``nvidia-h200.bench_ch04_gluon_tiles.log``)."""
+    speed or less (``bench.ch04_gluon`` part ``tiles``, ``nvidia-h200.bench_ch04_gluon_tiles.log``).
+    With three consumers at d = 128: 64-key tiles and four stages. A consumer thread's 160
+    registers hold a 64 × 64 fp32 score tile beside its share of the 64 × 128 accumulator, not a
+    64 × 128 one (ptxas spills 248 bytes a thread in bf16 with 128-key tiles, none with 64),
+    and four stages of the smaller tiles fit (229,800 bytes in bf16)."""
+    if consumers == 3 and head_dim == 128:
+        return (64, 4)
     if fp8:
         return (128, 2)
     return (128, 2) if head_dim == 128 else (128, 4)
@@ -877,8 +883,9 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
       `default_tiles`; ``consumer_regs`` / ``loader_regs``: registers per thread of the
       warp-specialized partitions (``setmaxnreg``; the consumers' default: `CONSUMER_REGS`);
       ``consumers`` (warp-specialized kernels): 2 consumer warpgroups per program (tiles of 128
-      query rows), or 3 (FlashAttention-3's 192 rows; head_dim 64 without a mask only, the last
-      tile of a head short unless ``seq`` is a multiple of 192); ``persistent`` (warp-specialized kernels):
+      query rows), or 3 (FlashAttention-3's 192 rows at head dim 64; without a mask only; the
+      last tile of a head short unless ``seq`` is a multiple of 192; at head dim 128 with
+      64-key tiles by default, `default_tiles`); ``persistent`` (warp-specialized kernels):
       True for one program per SM taking tiles in turn instead of one per tile, or a number of
       programs (the tests use a few, so that each takes many tiles). How the warp-specialized
       kernels share out the tiles (`_loader`): ``paired`` (causal only): units of two tiles
@@ -937,7 +944,7 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     reason = _reason(q, k, v)
     if reason:
         raise ValueError(reason)
-    block_n = block_n or default_tiles(q.shape[-1], fp8=True)[0]
+    block_n = block_n or default_tiles(q.shape[-1], True, consumers)[0]
     q8, k8, v8t, scales, p_in_registers = prepared or prepare_gluon_fp8(q, k, v, block_n)
     return _launch(q8, k8, v8t, (scales, p_in_registers), causal, scale, variant, block_n, num_stages, consumer_regs,
                    loader_regs, persistent, head_group, paired, dynamic, tree_reductions, compile_only,
@@ -1033,7 +1040,7 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
     fp8 = scales is not None
     if head_group < 1:
         raise ValueError(f"head_group must be a positive number of heads, got {head_group}")
-    default_n, default_stages = default_tiles(d, fp8)
+    default_n, default_stages = default_tiles(d, fp8, consumers)
     block_n, num_stages = block_n or default_n, num_stages or default_stages
     if block_n not in ((64, 128, 256) if fp8 else (64, 128)):
         raise ValueError(f"block_n must be 64 or 128 (FP8: or 256), got {block_n}")
@@ -1045,10 +1052,9 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
         raise ValueError("fma_exp2 and lazy_rescale need a warp-specialized variant")
     if consumers not in CONSUMER_REGS:
         raise ValueError(f"consumers must be one of {tuple(CONSUMER_REGS)}, got {consumers!r}")
-    if consumers == 3 and (variant == "pipelined" or d != 64 or causal):
-        # 160 registers a thread hold a 64 x 64 accumulator, not a 64 x 128 one, and the
-        # causal schedules pair up 128-row tiles
-        raise ValueError("three consumers need a warp-specialized variant, head_dim 64 and no causal mask")
+    if consumers == 3 and (variant == "pipelined" or causal):
+        # (the causal schedules pair up 128-row tiles)
+        raise ValueError("three consumers need a warp-specialized variant and no causal mask")
     consumer_regs = CONSUMER_REGS[consumers] if consumer_regs is None else consumer_regs
     qk_scale = (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E
     out = torch.empty(out_shape or q.shape, device=q.device, dtype=torch.bfloat16)

@@ -21,7 +21,7 @@ import torch
 import triton
 
 from minillm.kernels.ch04_flash_attention_gluon import (
-    GLUON_VERSIONS, VARIANTS, bwd_shared_bytes, flash_attention_gluon, flash_attention_gluon_backward,
+    GLUON_VERSIONS, VARIANTS, bwd_shared_bytes, default_tiles, flash_attention_gluon, flash_attention_gluon_backward,
     P_KEY_ORDER, flash_attention_gluon_fp8, gluon_applies, prepare_gluon_fp8,
 )
 from minillm.reference import attention
@@ -85,18 +85,19 @@ def test_refuses_unknown_variant_and_tile():
 
 
 def test_refuses_three_consumers_out_of_scope():
-    """Three consumer warpgroups (192-row tiles) at head dim 64 without a mask only: 160
-    registers a thread do not hold a 64 x 128 accumulator, and the causal schedules pair up
-    128-row tiles."""
-    q64 = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
-    q128 = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
+    """Three consumer warpgroups (192-row tiles) without a mask only (the causal schedules pair
+    up 128-row tiles), in a warp-specialized kernel; at head dim 128 with 64-key tiles unless
+    told otherwise (`default_tiles`)."""
+    q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="consumers must be one of"):
-        flash_attention_gluon(q64, q64, q64, consumers=4)
-    for q, kwargs in ((q64, dict(variant="pipelined")), (q128, {}), (q64, dict(causal=True))):
+        flash_attention_gluon(q, q, q, consumers=4)
+    for kwargs in (dict(variant="pipelined"), dict(causal=True)):
         with pytest.raises(ValueError, match="three consumers"):
             flash_attention_gluon(q, q, q, consumers=3, **kwargs)
     with pytest.raises(ValueError, match="three consumers"):
-        flash_attention_gluon_fp8(q128, q128, q128, consumers=3)
+        flash_attention_gluon_fp8(q, q, q, consumers=3, causal=True)
+    assert default_tiles(128, False, 3) == default_tiles(128, True, 3) == (64, 4)
+    assert default_tiles(64, False, 3) == default_tiles(64) and default_tiles(64, True, 3) == default_tiles(64, True)
 
 
 def test_backward_refuses_what_it_does_not_cover():
@@ -182,15 +183,20 @@ for variant in VARIANTS:
                 compiled = flash_attention_gluon_fp8(q, k, k, causal=causal, variant=variant, compile_only=True,
                                                      prepared=prepare_gluon_fp8(q, k, k, p_in_registers=False))
                 facts[f"fp8 smem {variant} {head_dim} {causal}"] = facts_of(compiled, "e4m3.e4m3")
-q = torch.zeros(1, 4, 640, 64, dtype=torch.bfloat16)  # 3 tiles of 192 rows and a short one a head
-k = torch.zeros(1, 2, 640, 64, dtype=torch.bfloat16)
-for variant in VARIANTS[1:]:
-    compiled = flash_attention_gluon(q, k, k, variant=variant, consumers=3, compile_only=True)
-    facts[f"c3 {variant}"] = dict(facts_of(compiled, "wgmma.mma_async"), warps=compiled.metadata.num_warps)
-    for where in ("registers", "smem"):
-        compiled = flash_attention_gluon_fp8(q, k, k, variant=variant, consumers=3, compile_only=True,
-                                             prepared=prepare_gluon_fp8(q, k, k, p_in_registers=where == "registers"))
-        facts[f"c3 fp8 {where} {variant}"] = dict(facts_of(compiled, "e4m3.e4m3"), warps=compiled.metadata.num_warps)
+for head_dim in (64, 128):
+    q = torch.zeros(1, 4, 640, head_dim, dtype=torch.bfloat16)  # 3 tiles of 192 rows and a short one a head
+    k = torch.zeros(1, 2, 640, head_dim, dtype=torch.bfloat16)
+    block_n = 128 if head_dim == 64 else 64
+    for variant in VARIANTS[1:]:
+        compiled = flash_attention_gluon(q, k, k, variant=variant, consumers=3, compile_only=True)
+        facts[f"c3 {variant} {head_dim}"] = dict(facts_of(compiled, "wgmma.mma_async"),
+                                                 warps=compiled.metadata.num_warps)
+        for where in ("registers", "smem"):
+            compiled = flash_attention_gluon_fp8(
+                q, k, k, variant=variant, consumers=3, compile_only=True,
+                prepared=prepare_gluon_fp8(q, k, k, block_n, p_in_registers=where == "registers"))
+            facts[f"c3 fp8 {where} {variant} {head_dim}"] = dict(facts_of(compiled, "e4m3.e4m3"),
+                                                                 warps=compiled.metadata.num_warps)
 q = torch.zeros(1, 4, 256, 128, dtype=torch.bfloat16)
 k = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
 compiled = flash_attention_gluon_fp8(q, k, k, causal=True, lazy_rescale=True, compile_only=True)
@@ -273,18 +279,20 @@ def test_wide_fp8_tiles_compile_for_sm90(sm90_compiled):
 
 @sm90_compile_mark(GLUON_VERSIONS)
 @pytest.mark.parametrize("variant", VARIANTS[1:])
-def test_three_consumers_compile_for_sm90(sm90_compiled, variant):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_three_consumers_compile_for_sm90(sm90_compiled, variant, head_dim):
     """Three consumer warpgroups and the loader's: 16 warps, with 160 registers a consumer
-    thread. In bf16 (Q in six buffers of 64 rows, four stages of K and V: 180,648 bytes of shared
-    memory) and in FP8 with P through shared memory nothing spills; with P kept in fp32 in
-    registers until the matmul, 64 values more a thread than 160 registers hold with the rest,
-    ptxas spills (240-300 bytes)."""
-    for key in (f"c3 {variant}", f"c3 fp8 smem {variant}", f"c3 fp8 registers {variant}"):
+    thread. At head dim 64 (128-key tiles) in bf16 (Q in six buffers of 64 rows, four stages of
+    K and V: 180,648 bytes of shared memory) and in FP8 with P through shared memory nothing
+    spills; with P kept in fp32 in registers until the matmul, 64 values more a thread, ptxas
+    spills (240-300 bytes). At head dim 128 the default 64-key tiles leave room for all three."""
+    for key in (f"c3 {variant} {head_dim}", f"c3 fp8 smem {variant} {head_dim}",
+                f"c3 fp8 registers {variant} {head_dim}"):
         facts = sm90_compiled[key]
         assert facts["warps"] == 16 and facts["setmaxnreg"] and facts["wgmma"] > 0 and facts["wait_1"]
         assert not facts["local"] and facts["shared"] <= 227 * 1024
         assert facts["a_from_registers"] == ("smem" not in key)
-        assert (facts["stack"] > 0) == ("registers" in key)
+        assert (facts["stack"] > 0) == ("registers" in key and head_dim == 64)
 
 
 @sm90_compile_mark(GLUON_VERSIONS)
@@ -437,11 +445,13 @@ def test_fp8_within_bound_on_gpu(variant, head_dim, causal, programs, p_in_regis
 
 
 def on_hopper_three_consumers(test):
-    """A GPU test (sm_90) over both warp-specialized variants with three consumers and
-    lengths whose last 192-row tile is short by 64 rows (128, 896), by 128 (640) or full (384,
-    1152), on one program per tile, one per SM and two programs that take many tiles each."""
+    """A GPU test (sm_90) over both warp-specialized variants with three consumers, both head
+    dims, and lengths whose last 192-row tile is short by 64 rows (128, 896), by 128 (640) or
+    full (384, 1152), on one program per tile, one per SM and two programs that take many
+    tiles each."""
     for mark in (pytest.mark.parametrize("programs", [False, True, 2]),
                  pytest.mark.parametrize("seq", [128, 384, 640, 896, 1152]),
+                 pytest.mark.parametrize("head_dim", [64, 128]),
                  pytest.mark.parametrize("variant", VARIANTS[1:]),
                  pytest.mark.skipif(not _hopper(), reason="Gluon's wgmma/TMA kernels need an sm_90 GPU"),
                  pytest.mark.gpu):
@@ -450,27 +460,30 @@ def on_hopper_three_consumers(test):
 
 
 @on_hopper_three_consumers
-def test_three_consumers_match_reference_on_gpu(variant, seq, programs, gen, seed):
-    q, k, v = make_qkv(2, 4, 2, seq, 64, "cuda", gen)
+def test_three_consumers_match_reference_on_gpu(variant, head_dim, seq, programs, gen, seed):
+    q, k, v = make_qkv(2, 4, 2, seq, head_dim, "cuda", gen)
     check_against_reference(q, k, v, False, seed, variant=variant, persistent=programs, consumers=3)
 
 
 @on_hopper_three_consumers
-def test_fp8_three_consumers_within_bound_on_gpu(variant, seq, programs, gen, seed):
+def test_fp8_three_consumers_within_bound_on_gpu(variant, head_dim, seq, programs, gen, seed):
     """Within FP8's bound at every length, and close to the two-consumer kernel on the same
     quantized inputs: from 640 keys on the bound of random inputs comes within half of the
     output's own size (an average of many values of V), so a lost block is caught by the
-    comparison instead (it would move the output by about its size)."""
-    q, k, v = make_qkv(1, 4, 2, seq, 64, "cuda", gen, scale=2.0)
-    qd, kd, vd = fp8_quantized_inputs(prepare_gluon_fp8(q, k, v, p_in_registers=False), seq, seq, 64, 128)
+    comparison instead (it would move the output by about its size). At head dim 128 the
+    default tiles have 64 keys, and so have K's scales."""
+    q, k, v = make_qkv(1, 4, 2, seq, head_dim, "cuda", gen, scale=2.0)
+    block_n = default_tiles(head_dim, True, 3)[0]
+    qd, kd, vd = fp8_quantized_inputs(prepare_gluon_fp8(q, k, v, block_n, p_in_registers=False), seq, seq, 64,
+                                      block_n)
     for p_in_registers in (True, False):
-        prepared = prepare_gluon_fp8(q, k, v, p_in_registers=p_in_registers)
+        prepared = prepare_gluon_fp8(q, k, v, block_n, p_in_registers=p_in_registers)
         out, lse = flash_attention_gluon_fp8(q, k, v, variant=variant, prepared=prepared, persistent=programs,
                                              consumers=3)
         assert out.dtype == torch.bfloat16 and torch.isfinite(lse).all()
-        assert_within_fp8_bound(out, qd, kd, vd, 64, 128, False, vd.shape[2], f"gluon fp8 c3 {variant}", seed,
+        assert_within_fp8_bound(out, qd, kd, vd, 64, block_n, False, vd.shape[2], f"gluon fp8 c3 {variant}", seed,
                                 nonvacuous=seq <= 384)
-        two, two_lse = flash_attention_gluon_fp8(q, k, v, variant=variant, prepared=prepared)
+        two, two_lse = flash_attention_gluon_fp8(q, k, v, variant=variant, prepared=prepared, block_n=block_n)
         assert (out.float() - two.float()).norm() <= 1e-2 * two.float().norm(), f"seed {seed}"
         assert (lse - two_lse).abs().max() <= 1e-3, f"seed {seed}"
 
