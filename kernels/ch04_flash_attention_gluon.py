@@ -580,18 +580,19 @@ def _pass_rows(k_ready, v_ready, k_empty, v_empty, turn, n_blocks, it0, turn0, C
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group, n_tiles,
-              qk_scale, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
+def _consumer(shared, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
               HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, FP8: gl.constexpr,
               TREE: gl.constexpr, FMA_EXP2: gl.constexpr, SLACK: gl.constexpr, CONSUMERS: gl.constexpr):
-    """One consumer warpgroup: rows ``[64·CONSUMER, 64·CONSUMER + 64)`` of each tile of
+    """One consumer warpgroup (``shared``: the kernel's buffers, barriers, descriptors and sizes,
+    the same tuple for every consumer): rows ``[64·CONSUMER, 64·CONSUMER + 64)`` of each tile of
     ``64 · CONSUMERS`` rows the loader hands this program, until it hands over ``n_tiles`` (no
     more work). Q comes in two buffers, the tiles alternating between them, each with its tile's
     index in ``tile_ids``; a buffer is given back (``q_empty``) once this consumer's output,
     staged in it in bf16, has been stored. ``FP8``: the scales are fp32 arrays ``q_scales
     [batch·q_heads·seq/64]``, ``k_scales [batch·kv_heads·seq/BLOCK_N]`` and ``v_scales
     [batch·kv_heads]``, in row order."""
+    (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+     k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group, n_tiles, qk_scale) = shared
     it0 = 0  # K/V blocks this program's ring has passed
     turn0 = 0  # ping-pong turns taken
     i = 0  # tiles done
@@ -670,10 +671,8 @@ def _load_tile(tile, i, it, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty,
-            v_empty, tile_counter, seq_len, q_heads, group, n_tiles, head_group, CAUSAL: gl.constexpr,
-            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, FP8: gl.constexpr, PAIRED: gl.constexpr,
-            DYNAMIC: gl.constexpr, CONSUMERS: gl.constexpr):
+def _loader(loads, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, FP8: gl.constexpr,
+            PAIRED: gl.constexpr, DYNAMIC: gl.constexpr, CONSUMERS: gl.constexpr):
     """One warp: it picks this program's *units* of work and loads their tiles (`_load_tile`).
     A unit is one query tile, or with ``PAIRED`` (causal) two tiles of one head, ranks r and
     ``seq/128 − 1 − r``, whose key blocks add up to the same number for every r: equal units,
@@ -683,7 +682,10 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q
     increment of the global ``tile_counter`` (zeroed before the launch) returns: the next
     unit no program has claimed. The rings and the Q buffers run on from one tile to the next,
     so a persistent program loads its next tile while the consumers finish this one. When the
-    units run out, it hands over ``n_tiles`` (no more work)."""
+    units run out, it hands over ``n_tiles`` (no more work). ``loads``: the descriptors, buffers,
+    barriers, ``tile_counter`` and sizes it needs, as the kernel gathers them."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+     tile_counter, seq_len, q_heads, group, n_tiles, head_group) = loads
     n_m = _tiles_per_head(seq_len, 64 * CONSUMERS)
     n_bh = n_tiles // n_m
     if PAIRED:
@@ -762,41 +764,28 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
     fence_async_shared()
 
-    # The argument tuples are written in place: a tuple kept in a variable would turn its
-    # constexpr members (the consumer's index among them) into run-time values.
+    # What every consumer reads: run-time values only, since a tuple kept in a variable would
+    # turn constexpr members into run-time values (the consumer's index and the switches are
+    # therefore written in place, in each partition's own tuple).
+    shared = (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group, n_tiles,
+              qk_scale)
+    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty,
+             v_empty, tile_counter, seq_len, q_heads, group, n_tiles, head_group)
     if CONSUMERS == 2:
         gl.warp_specialize(
-            [(_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
-                          k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales,
-                          seq_len, q_heads, group, n_tiles, qk_scale, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
-                          NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, CONSUMERS)),
-             (_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
-                          k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales,
-                          seq_len, q_heads, group, n_tiles, qk_scale, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
-                          NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, CONSUMERS)),
-             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
-                        k_empty, v_empty, tile_counter, seq_len, q_heads, group, n_tiles, head_group, CAUSAL,
-                        BLOCK_N, NUM_STAGES, FP8, PAIRED, DYNAMIC, CONSUMERS))],
+            [(_consumer, (shared, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 2)),
+             (_consumer, (shared, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 2)),
+             (_loader, (loads, CAUSAL, BLOCK_N, NUM_STAGES, FP8, PAIRED, DYNAMIC, CONSUMERS))],
             [4, 1],
             [CONSUMER_REGS, LOADER_REGS],
         )
     else:
         gl.warp_specialize(
-            [(_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
-                          k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales,
-                          seq_len, q_heads, group, n_tiles, qk_scale, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
-                          NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, CONSUMERS)),
-             (_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
-                          k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales,
-                          seq_len, q_heads, group, n_tiles, qk_scale, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
-                          NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, CONSUMERS)),
-             (_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
-                          k_empty, v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales,
-                          seq_len, q_heads, group, n_tiles, qk_scale, 2, PINGPONG, CAUSAL, HEAD_D, BLOCK_N,
-                          NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, CONSUMERS)),
-             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q_empty, k_ready, v_ready,
-                        k_empty, v_empty, tile_counter, seq_len, q_heads, group, n_tiles, head_group, CAUSAL,
-                        BLOCK_N, NUM_STAGES, FP8, PAIRED, DYNAMIC, CONSUMERS))],
+            [(_consumer, (shared, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 3)),
+             (_consumer, (shared, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 3)),
+             (_consumer, (shared, 2, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 3)),
+             (_loader, (loads, CAUSAL, BLOCK_N, NUM_STAGES, FP8, PAIRED, DYNAMIC, CONSUMERS))],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS],
         )
