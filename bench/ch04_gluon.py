@@ -144,17 +144,17 @@ TILE_KERNELS = {
 #: warpgroups per program, {head dim: the other keyword arguments}; a kernel runs at the head dims
 #: it names). The two-consumer ones are the forward part's defaults; the three-consumer ones take
 #: `default_tiles` (at head dim 128: 64-key tiles, four stages) unless told.
-BOTH = {64: {}, 128: {}}
+EVERY_HEAD_DIM = {64: {}, 128: {}}
 CONSUMER_KERNELS = {
-    "ws": ("bf16", "ws", None, 2, BOTH), "ws_c3": ("bf16", "ws", None, 3, BOTH),
-    "ws_pingpong": ("bf16", "ws_pingpong", None, 2, BOTH), "ws_pingpong_c3": ("bf16", "ws_pingpong", None, 3, BOTH),
-    "fp8_ws": ("fp8", "ws", "registers", 2, BOTH), "fp8_ws_c3": ("fp8", "ws", "registers", 3, BOTH),
-    "fp8_ws_c3_smem": ("fp8", "ws", "smem", 3, BOTH),
+    "ws": ("bf16", "ws", None, 2, EVERY_HEAD_DIM), "ws_c3": ("bf16", "ws", None, 3, EVERY_HEAD_DIM),
+    "ws_pingpong": ("bf16", "ws_pingpong", None, 2, EVERY_HEAD_DIM), "ws_pingpong_c3": ("bf16", "ws_pingpong", None, 3, EVERY_HEAD_DIM),
+    "fp8_ws": ("fp8", "ws", "registers", 2, EVERY_HEAD_DIM), "fp8_ws_c3": ("fp8", "ws", "registers", 3, EVERY_HEAD_DIM),
+    "fp8_ws_c3_smem": ("fp8", "ws", "smem", 3, EVERY_HEAD_DIM),
     "fp8_ws_c3_smem_s4": ("fp8", "ws", "smem", 3, {64: dict(num_stages=4)}),
     "fp8_ws_c3_smem_n128": ("fp8", "ws", "smem", 3, {128: dict(block_n=128, num_stages=2)}),
-    "fp8_ws_pingpong": ("fp8", "ws_pingpong", "registers", 2, BOTH),
-    "fp8_ws_pingpong_c3": ("fp8", "ws_pingpong", "registers", 3, BOTH),
-    "fp8_ws_pingpong_c3_smem": ("fp8", "ws_pingpong", "smem", 3, BOTH),
+    "fp8_ws_pingpong": ("fp8", "ws_pingpong", "registers", 2, EVERY_HEAD_DIM),
+    "fp8_ws_pingpong_c3": ("fp8", "ws_pingpong", "registers", 3, EVERY_HEAD_DIM),
+    "fp8_ws_pingpong_c3_smem": ("fp8", "ws_pingpong", "smem", 3, EVERY_HEAD_DIM),
     "fp8_ws_pingpong_c3_smem_s4": ("fp8", "ws_pingpong", "smem", 3, {64: dict(num_stages=4)}),
 }
 #: The consumers part's lengths (no mask).

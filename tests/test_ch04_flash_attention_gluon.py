@@ -152,7 +152,8 @@ def test_does_not_apply_off_the_gpu():
 COMPILE_SCRIPT = SM90_COMPILE_PRELUDE + r"""
 import re
 from minillm.kernels.ch04_flash_attention_gluon import (
-    VARIANTS, flash_attention_gluon, flash_attention_gluon_backward, flash_attention_gluon_fp8, prepare_gluon_fp8,
+    VARIANTS, default_tiles, flash_attention_gluon, flash_attention_gluon_backward, flash_attention_gluon_fp8,
+    prepare_gluon_fp8,
 )
 
 
@@ -186,7 +187,7 @@ for variant in VARIANTS:
 for head_dim in (64, 128):
     q = torch.zeros(1, 4, 640, head_dim, dtype=torch.bfloat16)  # 3 tiles of 192 rows and a short one a head
     k = torch.zeros(1, 2, 640, head_dim, dtype=torch.bfloat16)
-    block_n = 128 if head_dim == 64 else 64
+    block_n = default_tiles(head_dim, True, 3)[0]
     for variant in VARIANTS[1:]:
         compiled = flash_attention_gluon(q, k, k, variant=variant, consumers=3, compile_only=True)
         facts[f"c3 {variant} {head_dim}"] = dict(facts_of(compiled, "wgmma.mma_async"),
