@@ -147,7 +147,8 @@ TILE_KERNELS = {
 EVERY_HEAD_DIM = {64: {}, 128: {}}
 CONSUMER_KERNELS = {
     "ws": ("bf16", "ws", None, 2, EVERY_HEAD_DIM), "ws_c3": ("bf16", "ws", None, 3, EVERY_HEAD_DIM),
-    "ws_pingpong": ("bf16", "ws_pingpong", None, 2, EVERY_HEAD_DIM), "ws_pingpong_c3": ("bf16", "ws_pingpong", None, 3, EVERY_HEAD_DIM),
+    "ws_pingpong": ("bf16", "ws_pingpong", None, 2, EVERY_HEAD_DIM),
+    "ws_pingpong_c3": ("bf16", "ws_pingpong", None, 3, EVERY_HEAD_DIM),
     "fp8_ws": ("fp8", "ws", "registers", 2, EVERY_HEAD_DIM), "fp8_ws_c3": ("fp8", "ws", "registers", 3, EVERY_HEAD_DIM),
     "fp8_ws_c3_smem": ("fp8", "ws", "smem", 3, EVERY_HEAD_DIM),
     "fp8_ws_c3_smem_s4": ("fp8", "ws", "smem", 3, {64: dict(num_stages=4)}),
