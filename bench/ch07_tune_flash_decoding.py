@@ -6,7 +6,7 @@ async, splits, fused, hopper, hopper2, gluon, gluon_balance, gluon_layout,
 gluon_placement, gluon_fixed_cost, gluon_fixed_breakdown, gluon_grid, gluon_pipeline,
 gluon_contiguous, gluon_occupancy, gluon_merge, gluon_short_calls, gluon_ncu_target,
 gluon_timeline, gluon_timeline_repeats, gluon_timeline_merges, gluon_claim, gluon_timeline_claims,
-gluon_turns; default all but the sm_90 parts). Prints
+gluon_steal, gluon_timeline_steals, gluon_turns; default all but the sm_90 parts). Prints
 compact tables; times are per call replaying a CUDA graph of 16 calls
 (`bench.common.graph_time_ms`) unless marked eager."""
 from __future__ import annotations
@@ -558,6 +558,18 @@ def gluon_claim():
     _gluon_variants("gluon_claim", points, variants, "units")
 
 
+def gluon_steal():
+    """A unit's tiles in fixed runs (the default), or the same runs with work stealing
+    (``schedule="steal"``: a program whose run is done takes tiles from the back of its unit's
+    run with the most left), with the default 2 tiles of each run kept for its owner, none, and
+    8; beside them the claims (``schedule="claim"``), at the points where the plan splits."""
+    points = [(1, 8, 4096), (1, 32, 4096), (8, 8, 4096), (1, 8, 32768), (1, 32, 32768), (1, 8, 131072),
+              (8, 8, 32768), (1, 32, 131072), (8, 8, 131072)]
+    _gluon_variants("gluon_steal", points, lambda glu, *_: {
+        "units": glu(), "steal": glu(schedule="steal"), "steal first 0": glu(schedule="steal", claim_first=0),
+        "steal first 8": glu(schedule="steal", claim_first=8), "claim": glu(schedule="claim")}, "units")
+
+
 def gluon_short_calls():
     """The calls whose plan splits, where fixed costs weigh: the ring's depth (2 slots against
     3), the merge (in the kernel or a second launch) and half the planned splits, alone and
@@ -884,6 +896,13 @@ def gluon_timeline_claims():
         gluon_timeline("last", TIMELINE_POINTS[:3], f"ch07_gluon_timeline_{schedule}.json", schedule)
 
 
+def gluon_timeline_steals():
+    """`gluon_timeline` at the points where the plan splits 16 and 2 ways, with the unit's
+    tiles in fixed runs and with stealing (``schedule="steal"``)."""
+    for schedule in ("units", "steal"):
+        gluon_timeline("last", TIMELINE_POINTS[:3], f"ch07_gluon_timeline_steals_{schedule}.json", schedule)
+
+
 def gluon_timeline_repeats():
     """Is a slow program slow because of where its data lies, or at random? At batch 1 with 8 KV
     heads (4k and 32k keys) and at batch 32 (32k), six eager calls of the Gluon kernel (defaults)
@@ -1079,6 +1098,7 @@ if __name__ == "__main__":
          "gluon_pipeline": gluon_pipeline, "gluon_contiguous": gluon_contiguous,
          "gluon_timeline": gluon_timeline, "gluon_timeline_repeats": gluon_timeline_repeats,
          "gluon_timeline_merges": gluon_timeline_merges, "gluon_claim": gluon_claim,
-         "gluon_timeline_claims": gluon_timeline_claims,
+         "gluon_timeline_claims": gluon_timeline_claims, "gluon_steal": gluon_steal,
+         "gluon_timeline_steals": gluon_timeline_steals,
          "gluon_turns": gluon_turns}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)

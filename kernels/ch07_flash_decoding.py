@@ -672,11 +672,20 @@ def split_counters(batch: int, q_heads: int, device) -> torch.Tensor:
     return torch.zeros(batch, q_heads, device=device, dtype=torch.int32)
 
 
+def _same_device(device: torch.device) -> torch.device:
+    """``device`` with its index: ``cuda`` and ``cuda:0`` are one key of `_WORKSPACES` (a caller
+    that names the device without an index finds the buffers the kernels use)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _reused(key: tuple, device, make):
     """``_WORKSPACES[key]``, made by ``make()`` on first use: the buffers `flash_decode_attention`
     reuses across calls when the caller gives none. Nothing is kept while a CUDA graph is being
     captured: memory allocated during capture belongs to the graph's private pool (and a zero
     fill is captured with the graph, so every replay starts from zero)."""
+    key = tuple(_same_device(k) if isinstance(k, torch.device) else k for k in key)
     buf = _WORKSPACES.get(key)
     if buf is None:
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()

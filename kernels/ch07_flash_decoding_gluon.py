@@ -23,6 +23,8 @@ This module writes the same algorithm with Gluon (the layer under Triton, see Ch
   ``schedule="line"`` instead cuts all the work (every unit's keys, in boxes of a block) into
   one equal chunk per program, from the lengths, on the GPU (stream-K's answer to the tail
   that whole units leave; measured in Chapter 7, slower except where programs are long);
+  ``schedule="steal"`` keeps every split's fixed run, but a program that has finished its own
+  takes tiles from the back of the slowest-looking run of its unit (work stealing);
 - the splits are merged in the same launch by the last of a group's programs to finish
   (an arrival counter, as `flash_decode_attention`'s one-launch merge), by the program of its
   last split as soon as the others' partials are there (``merge="poll"``: it reads their
@@ -64,7 +66,8 @@ from minillm.kernels.ch07_flash_decoding import (
 
 __all__ = ["flash_decode_attention_gluon", "gluon_decode_applies", "plan_splits", "balanced_slots", "as_token_major",
            "to_head_major", "new_timeline", "BLOCK_N", "NUM_STAGES", "ROWS", "KV_LAYOUTS", "TIMELINE_EVENTS", "MERGES",
-           "SCHEDULES", "EMPTY_SLOT_BITS", "CLAIM_FIRST", "CLAIM_SPACING", "claim_counters"]
+           "SCHEDULES", "EMPTY_SLOT_BITS", "CLAIM_FIRST", "CLAIM_SPACING", "claim_counters", "steal_words",
+           "STEAL_MAX_SPLITS", "LOADER_REGS"]
 
 #: Keys per tile, and ring slots (each a K and a V tile: 32 KB at head dim 128). Chosen on an
 #: H200 (`bench.ch07_tune_flash_decoding` part ``gluon``, CUDA-graph times at six points,
@@ -81,6 +84,13 @@ MERGE_SPLITS, MERGE_ROWS = 16, 64
 #: that the claims of different units do not queue at one line of L2).
 CLAIM_FIRST = 2
 CLAIM_SPACING = 32
+#: With ``schedule="steal"``, the most splits a unit may have: a thief looks at all of its unit's
+#: runs in one vector load of the loader warp (`_richest_run`, 4 words a lane).
+STEAL_MAX_SPLITS = 128
+#: Registers per thread of the loader warp (``setmaxnreg``): 40 hold every schedule's loop but
+#: the thieves'; with ``schedule="steal"`` ptxas spilled 72 bytes a thread at 40 and 24 at 48
+#: (Triton 3.9, head dim 128), none at 56.
+LOADER_REGS = {"steal": 56}
 _CLAIM_SPACING = gl.constexpr(CLAIM_SPACING)
 #: Rows of the query tile: one warpgroup's ``wgmma`` is 64 rows tall.
 ROWS = 64
@@ -297,6 +307,38 @@ def _tile_of(request, num_splits, FIRST: gl.constexpr):
 
 
 @gluon.jit
+def _fill_slot(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_ids, tile, rows, col0, it,
+               timeline, BOX: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, D_CHUNKS: gl.constexpr,
+               TIMELINE: gl.constexpr):
+    """Tile ``tile`` (its pool ``rows``, `_tile_rows`) into the ring slot of position ``it``, its
+    index beside the slot (released by the K copies' expect, an arrival), once the consumer has
+    given the slot back."""
+    slot = it % NUM_STAGES
+    free = ((it // NUM_STAGES) & 1) ^ 1
+    mbarrier.wait(k_empty.index(slot), free)
+    gluon_put_index(tile_ids.index(slot), tile)
+    _load_tile(k_desc, rows, col0, k_ready.index(slot), k_smem, slot, BOX, BLOCK_N, D_CHUNKS)
+    mbarrier.wait(v_empty.index(slot), free)
+    _load_tile(v_desc, rows, col0, v_ready.index(slot), v_smem, slot, BOX, BLOCK_N, D_CHUNKS)
+    if it == 0:
+        _stamp(timeline, 1, TIMELINE)
+
+
+@gluon.jit
+def _close_piece(k_ready, v_ready, k_empty, v_empty, tile_ids, index, it, NUM_STAGES: gl.constexpr):
+    """The slot that ends a claimed piece: ``index`` (< 0) beside it, both barriers completed
+    without bytes. Returns the ring position after it."""
+    slot = it % NUM_STAGES
+    free = ((it // NUM_STAGES) & 1) ^ 1
+    mbarrier.wait(k_empty.index(slot), free)
+    gluon_put_index(tile_ids.index(slot), index)
+    mbarrier.arrive(k_ready.index(slot))
+    mbarrier.wait(v_empty.index(slot), free)
+    mbarrier.arrive(v_ready.index(slot))
+    return it + 1
+
+
+@gluon.jit
 def _load_claimed(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_ids, table, seq_lens,
                   claim, b, split, num_splits, batch, capacity, block_size, block_rows, head_row, col0, num_blocks,
                   max_blocks, it, timeline, BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -316,15 +358,8 @@ def _load_claimed(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_e
         # round trip overlaps a whole tile's wait and copies; the next tile's table entries
         # are read after this tile's copies, and their round trip overlaps the next wait.
         later = _request_tile(k + 2, split, num_splits, claim, FIRST)
-        slot = it % NUM_STAGES
-        free = ((it // NUM_STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(slot), free)
-        gluon_put_index(tile_ids.index(slot), tile)  # released by the K copies' expect (an arrival)
-        _load_tile(k_desc, rows, col0, k_ready.index(slot), k_smem, slot, BOX, BLOCK_N, D_CHUNKS)
-        mbarrier.wait(v_empty.index(slot), free)
-        _load_tile(v_desc, rows, col0, v_ready.index(slot), v_smem, slot, BOX, BLOCK_N, D_CHUNKS)
-        if it == 0:
-            _stamp(timeline, 1, TIMELINE)
+        _fill_slot(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_ids, tile, rows, col0,
+                   it, timeline, BOX, BLOCK_N, NUM_STAGES, D_CHUNKS, TIMELINE)
         tile = _tile_of(ahead, num_splits, FIRST)
         rows = _tile_rows(table, tile * BLOCK_N, seq_len, block_size, block_rows, head_row, num_blocks, max_blocks,
                           BOX, BLOCK_N)
@@ -335,22 +370,134 @@ def _load_claimed(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_e
     # one. Its index waits for the last claim's answer (a tile index is >= 0, so the minimum is
     # -1): the claim is done before this program can arrive, and so before the merge that
     # resets the counter.
-    slot = it % NUM_STAGES
-    free = ((it // NUM_STAGES) & 1) ^ 1
-    mbarrier.wait(k_empty.index(slot), free)
-    gluon_put_index(tile_ids.index(slot), gl.minimum(_tile_of(ahead, num_splits, FIRST), -1))
-    mbarrier.arrive(k_ready.index(slot))
-    mbarrier.wait(v_empty.index(slot), free)
-    mbarrier.arrive(v_ready.index(slot))
-    return it + 1
+    return _close_piece(k_ready, v_ready, k_empty, v_empty, tile_ids,
+                        gl.minimum(_tile_of(ahead, num_splits, FIRST), -1), it, NUM_STAGES)
+
+
+# Stealing (``schedule="steal"``): split ``s`` of a unit keeps its fixed run of the unit's tiles,
+# ``[s R, s R + run_s)`` (``R = ⌈tiles / S⌉``), and one int32 of its own (`CLAIM_SPACING` apart,
+# a cache line each) counts what has been taken of the run: the low 16 bits the tiles its owner
+# claimed from the front (after its first ``FIRST``, which are never stolen), the high 16 bits
+# those other programs of the unit stole from the back. A claim adds one to its half and looks
+# at the word before it: tiles remain while ``min(FIRST, run) + front + back < run``. Every
+# claim moves the sum by one, so the first claims in the word's order get the tiles and every
+# tile goes exactly once; a late claim only overshoots its half (never by 2^15).
+_STEAL_BACK = gl.constexpr(1 << 16)
+
+
+@gluon.jit
+def _own_request(k, word, FIRST: gl.constexpr):
+    """The ``k``-th tile of this split's own run, as a request to take later (`_own_tile`): lane 0
+    holds ``-(k + 1)`` for one of the first ``FIRST`` (no atomic), else the run's word before
+    lane 0 added one to its low half (`_claim_in_lane0`); the other lanes hold 0."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    if k < FIRST:
+        lane = gl.arange(0, 32, layout)
+        request = gl.where(lane == 0, -(k + 1), 0)
+    else:
+        request = _claim_in_lane0(word)
+    return request
+
+
+@gluon.jit
+def _own_tile(request, start, run, FIRST: gl.constexpr):
+    """The tile an `_own_request` got: ``start`` + its place in the run, or -1 once the run has
+    none left for its owner."""
+    word = gl.sum(request, axis=0)
+    fixed = -word - 1
+    claimed = gl.minimum(run, FIRST) + (word & 0xFFFF) + (word >> 16) < run
+    own = gl.where(fixed < run, start + fixed, -1)
+    return gl.where(word < 0, own, gl.where(claimed, start + FIRST + (word & 0xFFFF), -1))
+
+
+@gluon.jit
+def _split_run(split, n_tiles, per_split):
+    """The tiles of split ``split``'s fixed run (``[split · per_split, ...)``, none past the last)."""
+    return gl.minimum(gl.maximum(n_tiles - split * per_split, 0), per_split)
+
+
+@gluon.jit
+def _richest_run(unit_claims, n_tiles, per_split, num_splits, FIRST: gl.constexpr):
+    """One look at every run's word of the unit (volatile loads: the words change under other
+    programs' atomics, and must not be served from this SM's L1): ``left · 128 + split`` for the
+    run with the most tiles left, or -1 where none has any (ties: the highest split)."""
+    layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
+    s = gl.arange(0, 128, layout)
+    inside = s < num_splits
+    words = gl.load(unit_claims + s * _CLAIM_SPACING, mask=inside, other=0, volatile=True)
+    run = _split_run(s, n_tiles, per_split)
+    left = run - gl.minimum(run, FIRST) - (words & 0xFFFF) - (words >> 16)
+    return gl.max(gl.where(inside & (left > 0), left * 128 + s, -1), axis=0)
+
+
+@gluon.jit
+def _load_stolen(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_ids, table, seq_lens,
+                 unit_claims, b, split, num_splits, batch, capacity, block_size, block_rows, head_row, col0,
+                 num_blocks, max_blocks, it, timeline, BLOCK_N: gl.constexpr, BOX: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, D_CHUNKS: gl.constexpr, FIRST: gl.constexpr, TIMELINE: gl.constexpr):
+    """The loader's share of a stolen-from piece (`_loader`'s ``STEAL``): this split's own run from
+    the front, its claims two tiles ahead as `_load_claimed`'s; then, while any run of the unit
+    has tiles left, tiles from the back of the run with the most (`_richest_run`), one claim
+    each, until that run has none and another look is taken. Returns the ring position after
+    the piece's closing slot."""
+    seq_len, _boxes = _sequence(seq_lens, b, batch, capacity, BOX)
+    n_tiles = gl.cdiv(seq_len, BLOCK_N)
+    per_split = gl.cdiv(n_tiles, num_splits)
+    start = split * per_split
+    run = _split_run(split, n_tiles, per_split)
+    word = unit_claims + split * _CLAIM_SPACING
+    tile = _own_tile(_own_request(0, word, FIRST), start, run, FIRST)
+    rows = _tile_rows(table, gl.maximum(tile, 0) * BLOCK_N, seq_len, block_size, block_rows, head_row, num_blocks,
+                      max_blocks, BOX, BLOCK_N)
+    ahead = _own_request(1, word, FIRST)
+    k = 0
+    while tile >= 0:
+        later = _own_request(k + 2, word, FIRST)
+        _fill_slot(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_ids, tile, rows, col0,
+                   it, timeline, BOX, BLOCK_N, NUM_STAGES, D_CHUNKS, TIMELINE)
+        tile = _own_tile(ahead, start, run, FIRST)
+        rows = _tile_rows(table, gl.maximum(tile, 0) * BLOCK_N, seq_len, block_size, block_rows, head_row,
+                          num_blocks, max_blocks, BOX, BLOCK_N)
+        ahead = later
+        k += 1
+        it += 1
+    # The own run is done (the claim still in flight can only find it so: the front half only
+    # grows). Its answer is waited for at the closing slot, as the thefts' are where they are made.
+    best = _richest_run(unit_claims, n_tiles, per_split, num_splits, FIRST)
+    while best >= 0:
+        victim = best % 128
+        victim_run = _split_run(victim, n_tiles, per_split)
+        taken = gl.atomic_add(unit_claims + victim * _CLAIM_SPACING, _STEAL_BACK, sem="relaxed", scope="gpu")
+        back = taken >> 16
+        if gl.minimum(victim_run, FIRST) + (taken & 0xFFFF) + back < victim_run:
+            tile = victim * per_split + victim_run - 1 - back
+            rows = _tile_rows(table, tile * BLOCK_N, seq_len, block_size, block_rows, head_row, num_blocks,
+                              max_blocks, BOX, BLOCK_N)
+            _fill_slot(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_ids, tile, rows,
+                       col0, it, timeline, BOX, BLOCK_N, NUM_STAGES, D_CHUNKS, TIMELINE)
+            it += 1
+        else:
+            best = _richest_run(unit_claims, n_tiles, per_split, num_splits, FIRST)
+    return _close_piece(k_ready, v_ready, k_empty, v_empty, tile_ids,
+                        gl.minimum(_own_tile(ahead, start, run, FIRST), -1), it, NUM_STAGES)
+
+
+@gluon.jit
+def _unit_claims(claims, b, kv_h, kv_heads, num_splits, STEAL: gl.constexpr):
+    """Where unit (``b``, ``kv_h``)'s claim words start: one counter (``"claim"``), or one word per
+    split (``"steal"``), `CLAIM_SPACING` int32s apart either way."""
+    unit = b * kv_heads + kv_h
+    if STEAL:
+        unit = unit * num_splits
+    return claims + unit * _CLAIM_SPACING
 
 
 @gluon.jit
 def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_ids, block_tables, seq_lens,
             claims, stride_tb, stride_cb, batch, kv_heads, num_splits, block_size, block_rows, head_rows, head_cols,
             num_blocks, max_blocks, timeline, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr,
-            NUM_STAGES: gl.constexpr, LINE: gl.constexpr, CLAIM: gl.constexpr, CLAIM_FIRST: gl.constexpr,
-            TIMELINE: gl.constexpr):
+            NUM_STAGES: gl.constexpr, LINE: gl.constexpr, CLAIM: gl.constexpr, STEAL: gl.constexpr,
+            CLAIM_FIRST: gl.constexpr, TIMELINE: gl.constexpr):
     """One warp: the K and V tiles of this program's pieces into the rings, in the order the
     consumer uses them (the same walk). A slot is refilled once the consumer has arrived on
     its empty barrier (on the first pass the wait is for parity 1, which a fresh barrier
@@ -362,7 +509,9 @@ def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 
     hands out, one tile per increment, until they pass the unit's last tile (`_request_tile`);
     each tile's index goes into ``tile_ids`` beside its ring slot
     (`minillm.kernels.base.gluon_put_index`), and the piece ends with a slot that carries no
-    tile (index -1, both barriers completed without bytes)."""
+    tile (index -1, both barriers completed without bytes). ``STEAL`` (with ``CLAIM``): each split
+    keeps its fixed run and a claim word of its own, and a program whose run is done takes
+    tiles from the back of its unit's other runs (`_load_stolen`)."""
     D_CHUNKS: gl.constexpr = HEAD_D // 64
     capacity = max_blocks * block_size
     pos, end, b, kv_h, unit_start, unit_len, seq_len, chunk = _walk_start(seq_lens, batch, kv_heads, num_splits,
@@ -374,11 +523,18 @@ def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 
         table = block_tables + pb.to(gl.int64) * stride_tb
         head_row = pkv * head_rows
         col0 = pkv * head_cols
-        if CLAIM:
+        if STEAL:
+            it = _load_stolen(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_ids, table,
+                              seq_lens, _unit_claims(claims, pb, pkv, kv_heads, num_splits, STEAL), pb,
+                              pos % num_splits, num_splits, batch, capacity, block_size, block_rows, head_row, col0,
+                              num_blocks, max_blocks, it, timeline, BLOCK_N, BOX, NUM_STAGES, D_CHUNKS, CLAIM_FIRST,
+                              TIMELINE)
+        elif CLAIM:
             it = _load_claimed(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_ids, table,
-                               seq_lens, claims + (pb * kv_heads + pkv) * _CLAIM_SPACING, pb, pos % num_splits,
-                               num_splits, batch, capacity, block_size, block_rows, head_row, col0, num_blocks,
-                               max_blocks, it, timeline, BLOCK_N, BOX, NUM_STAGES, D_CHUNKS, CLAIM_FIRST, TIMELINE)
+                               seq_lens, _unit_claims(claims, pb, pkv, kv_heads, num_splits, STEAL), pb,
+                               pos % num_splits, num_splits, batch, capacity, block_size, block_rows, head_row, col0,
+                               num_blocks, max_blocks, it, timeline, BLOCK_N, BOX, NUM_STAGES, D_CHUNKS, CLAIM_FIRST,
+                               TIMELINE)
         else:
             rows = _tile_rows(table, lo, hi, block_size, block_rows, head_row, num_blocks, max_blocks, BOX, BLOCK_N)
             for j in range(gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)):
@@ -560,10 +716,11 @@ def _publish_stores():
 @gluon.jit
 def _merge_if_last(o_part, lse_part, out, lse, counter, claims, group, num_splits, stride_ph, stride_ps, stride_lph,
                    stride_oh, stride_lh, HEAD_D: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr,
-                   CLAIM: gl.constexpr):
+                   CLAIM: gl.constexpr, STEAL: gl.constexpr):
     """Count this program in at ``counter``; the last of the ``num_splits`` to arrive merges the
     partials (`_merge_splits`) and sets the counter back to zero (``CLAIM``: and the unit's claim
-    counter, which every program of the unit is done with once it has arrived).
+    counter, ``STEAL``: its runs' words, which every program of the unit is done with once it has
+    arrived).
 
     Memory ordering as in `flash_decode_attention`'s one-launch merge: the barrier orders the
     partition's partial stores before the atomic, whose release publishes them GPU-wide; the
@@ -576,14 +733,19 @@ def _merge_if_last(o_part, lse_part, out, lse, counter, claims, group, num_split
         _merge_splits(o_part, lse_part, out, lse, group, num_splits, stride_ph, stride_ps, stride_lph, stride_oh,
                       stride_lh, HEAD_D, MERGE_H, MERGE_S, False)
         gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
-        if CLAIM:
+        if STEAL:
+            layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            s = gl.arange(0, 128, layout)
+            gl.store(claims + s * _CLAIM_SPACING, gl.zeros([128], gl.int32, layout), mask=s < num_splits)
+        elif CLAIM:
             gl.atomic_xchg(claims, 0, sem="relaxed", scope="gpu")
 
 
 @gluon.jit
 def _finish_piece(acc0, acc1, m_i, l_i, o_part, lse_part, out, lse, counter, claims, head0, lse0, part, n_parts,
                   group, stride_ph, stride_ps, stride_lph, stride_oh, stride_lh, HEAD_D: gl.constexpr,
-                  MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, MERGE: gl.constexpr, CLAIM: gl.constexpr):
+                  MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, MERGE: gl.constexpr, CLAIM: gl.constexpr,
+                  STEAL: gl.constexpr):
     """A piece's result: the unit's output itself when the piece is its only one, else the
     piece's partial at slot ``part`` (``head0``, ``lse0``: the group's first head's offsets in
     the workspace) and the merge (``MERGE``, `MERGE_CODES`): by the unit's last program to
@@ -595,7 +757,7 @@ def _finish_piece(acc0, acc1, m_i, l_i, o_part, lse_part, out, lse, counter, cla
                        stride_ph, stride_lph, group, D_CHUNKS)
         if MERGE == 1:
             _merge_if_last(o_part + head0, lse_part + lse0, out, lse, counter, claims, group, n_parts, stride_ph,
-                           stride_ps, stride_lph, stride_oh, stride_lh, HEAD_D, MERGE_H, MERGE_S, CLAIM)
+                           stride_ps, stride_lph, stride_oh, stride_lh, HEAD_D, MERGE_H, MERGE_S, CLAIM, STEAL)
         elif MERGE == 2:
             _publish_stores()
             if part == n_parts - 1:
@@ -756,8 +918,8 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_i
               stride_lph, stride_ob, stride_oh, stride_lb, stride_lh, stride_cb, batch, group, kv_heads, num_splits,
               block_size, max_blocks, qk_scale, timeline, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, BOX: gl.constexpr, LINE: gl.constexpr, CLAIM: gl.constexpr,
-              SPLIT: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, PIPELINE: gl.constexpr,
-              MERGE: gl.constexpr, TIMELINE: gl.constexpr):
+              STEAL: gl.constexpr, SPLIT: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr,
+              PIPELINE: gl.constexpr, MERGE: gl.constexpr, TIMELINE: gl.constexpr):
     """One warpgroup: for each of this program's pieces, the online softmax over its tiles
     (base 2, FA2's unscaled accumulator; ``CLAIM``: the tiles the loader claimed,
     `_keys_claimed`), then the piece's result: the output itself when the piece is its unit's
@@ -810,11 +972,11 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_i
         if SPLIT:
             part, n_parts = _walk_part(pos, unit_start, unit_len, chunk, num_splits, LINE)
             _finish_piece(acc0, acc1, m_i, l_i, o_part, lse_part, out_b, lse_b, counters + pb * stride_cb + pkv,
-                          claims + (pb * kv_heads + pkv) * _CLAIM_SPACING,
+                          _unit_claims(claims, pb, pkv, kv_heads, num_splits, STEAL),
                           pb.to(gl.int64) * stride_pb + (pkv * group) * stride_ph,
                           pb.to(gl.int64) * stride_lpb + (pkv * group) * stride_lph, part, n_parts, group,
                           stride_ph, stride_ps, stride_lph, stride_oh, stride_lh, HEAD_D, MERGE_H, MERGE_S,
-                          MERGE, CLAIM)
+                          MERGE, CLAIM, STEAL)
         else:  # every unit is one piece: no merge code at all
             _store_partial(acc0, acc1, m_i, l_i, out_b, lse_b, stride_oh, stride_lh, group, D_CHUNKS)
         _stamp(timeline, 4, TIMELINE)
@@ -829,12 +991,14 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
                    batch, group, kv_heads, num_splits, block_size, block_rows, head_rows, head_cols, num_blocks,
                    max_blocks, qk_scale, timeline,
                    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   LINE: gl.constexpr, CLAIM: gl.constexpr, CLAIM_FIRST: gl.constexpr, SPLIT: gl.constexpr,
-                   MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, LOADER_REGS: gl.constexpr, PIPELINE: gl.constexpr,
+                   LINE: gl.constexpr, CLAIM: gl.constexpr, STEAL: gl.constexpr, CLAIM_FIRST: gl.constexpr,
+                   SPLIT: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, LOADER_REGS: gl.constexpr,
+                   PIPELINE: gl.constexpr,
                    MERGE: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr, TIMELINE: gl.constexpr):
     """A 1-d grid of at most one program per SM, each walking its work: units ``pid``, ``pid +
     P``, ..., or (``LINE``) its chunk of the work line; ``CLAIM``: a unit's tiles go to its
-    programs as they claim them (``claims``: zeroed int32s, one per unit every `CLAIM_SPACING`).
+    programs as they claim them (``claims``: zeroed int32s, one per unit every `CLAIM_SPACING`;
+    ``STEAL``: one per split, each split keeping its run but for what others steal from its back).
     ``num_warps=4``: the consumer (the default partition) and a one-warp loader. Shared memory:
     the query tile and ``NUM_STAGES`` slots of K and V, each as ``HEAD_D / 64`` tiles of
     ``[BLOCK_N, 64]`` (the descriptors' layout), and with ``CLAIM`` a tile index per slot."""
@@ -866,12 +1030,12 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
                       seq_lens, o_part, lse_part, out, lse, counters, claims, stride_qb, stride_qh, stride_pb,
                       stride_ph, stride_ps, stride_lpb, stride_lph, stride_ob, stride_oh, stride_lb, stride_lh,
                       stride_cb, batch, group, kv_heads, num_splits, block_size, max_blocks, qk_scale, timeline,
-                      HEAD_D, BLOCK_N, NUM_STAGES, BOX, LINE, CLAIM, SPLIT, MERGE_H, MERGE_S, PIPELINE, MERGE,
-                      TIMELINE)),
+                      HEAD_D, BLOCK_N, NUM_STAGES, BOX, LINE, CLAIM, STEAL, SPLIT, MERGE_H, MERGE_S, PIPELINE,
+                      MERGE, TIMELINE)),
          (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tile_ids, block_tables,
                     seq_lens, claims, stride_tb, stride_cb, batch, kv_heads, num_splits, block_size, block_rows,
                     head_rows, head_cols, num_blocks, max_blocks, timeline, HEAD_D, BLOCK_N, BOX, NUM_STAGES, LINE,
-                    CLAIM, CLAIM_FIRST, TIMELINE))],
+                    CLAIM, STEAL, CLAIM_FIRST, TIMELINE))],
         [1],
         [LOADER_REGS],
     )
@@ -922,7 +1086,7 @@ KV_LAYOUTS = ("NHD", "HND")
 MERGE_CODES = {"last": 1, "poll": 2, "launch": 0, "launch_pdl": 0}
 MERGES = tuple(MERGE_CODES)
 #: How the programs share the work (`flash_decode_attention_gluon`'s ``schedule``).
-SCHEDULES = ("units", "line", "claim")
+SCHEDULES = ("units", "line", "claim", "steal")
 
 
 def as_token_major(cache: torch.Tensor, kv_layout: str) -> torch.Tensor:
@@ -943,6 +1107,13 @@ def claim_counters(batch: int, q_heads: int, device) -> torch.Tensor:
     apart per (sequence, KV head) (``[batch, CLAIM_SPACING · q_heads]``, enough for any number of KV
     heads); the merges leave them zero again."""
     return cached_counters(batch, CLAIM_SPACING * q_heads, device, "claims")
+
+
+def steal_words(batch: int, kv_heads: int, num_splits: int, device) -> torch.Tensor:
+    """The runs' words of ``schedule="steal"``, reused across calls: int32, zero, `CLAIM_SPACING`
+    apart per (sequence, KV head, split) (``[batch, CLAIM_SPACING · kv_heads · num_splits]``); the
+    merges leave them zero again."""
+    return cached_counters(batch, CLAIM_SPACING * kv_heads * num_splits, device, "steals")
 
 
 def new_timeline(programs: int, device) -> torch.Tensor:
@@ -1016,7 +1187,7 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                                  max_seq_len: int | None = None, programs: int | None = None,
                                  block_n: int = BLOCK_N, num_stages: int = NUM_STAGES,
                                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                                 kv_layout: str = "NHD", pipeline: bool = False, loader_regs: int = 40,
+                                 kv_layout: str = "NHD", pipeline: bool = False, loader_regs: int | None = None,
                                  merge: str = "last", claim_first: int = CLAIM_FIRST,
                                  timeline: torch.Tensor | None = None,
                                  compile_only: bool = False):
@@ -1040,14 +1211,18 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
       faster takes more (each still leaves one partial; which program sums which keys, and so
       the last bits of the result, changes from call to call); ``merge="last"`` only;
       ``claim_first``: tiles each program takes as its own before it claims (the first ones
-      need no atomic's round trip before their copies);
+      need no atomic's round trip before their copies). ``"steal"``: the units' splits, each
+      with its fixed run of tiles, but a program whose run is done takes tiles from the back of
+      the run of its unit with the most left, one claim each (work stealing; `_load_stolen`), so
+      that the unit's slowest program has less to do at the end; ``merge="last"`` only, at
+      most `STEAL_MAX_SPLITS` splits; ``claim_first`` tiles of each run are its owner's alone;
     - ``programs``: persistent programs (default one per SM);
     - ``pipeline``: overlap tile j's scores with tile j-1's P·V in the consumer
       (`_keys_pipelined`, FlashAttention-3's intra-warpgroup overlap) instead of taking each
       tile's two matmuls in turn (`_keys_in_turn`);
     - ``block_n``: keys per tile (64 or 128); ``num_stages``: ring slots; ``loader_regs``:
       registers per thread of the loader warp (``setmaxnreg``; the consumer keeps what the
-      program was compiled with);
+      program was compiled with; default `LOADER_REGS`' for the schedule, else 40);
     - ``merge`` (where splits are merged): ``"last"`` (default), by the last of a unit's
       programs to finish, in the same launch (`_merge_if_last`); ``"launch"``, by a second
       launch (Chapter 7's stage 2, `reduce_splits`) after every program stored its partial;
@@ -1084,8 +1259,9 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         raise ValueError("the line's units have a varying number of pieces: only merge='last' merges them")
     if int(claim_first) != claim_first or claim_first < 0:
         raise ValueError(f"claim_first must be an integer >= 0, got {claim_first}")
-    if schedule == "claim" and merge != "last":
-        raise ValueError("schedule='claim' resets its claim counters in the last program's merge: merge='last' only")
+    if schedule in ("claim", "steal") and merge != "last":
+        raise ValueError(f"schedule={schedule!r} resets its claim counters in the last program's merge: "
+                         "merge='last' only")
     if batch * q_heads == 0 and not compile_only:
         return out, lse
     if timeline is not None and (timeline.dtype != torch.int64 or not timeline.is_contiguous()
@@ -1121,8 +1297,17 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         o_part, lse_part, counters = cached_workspace(batch, q_heads, slots, head_dim, q.device)
     else:  # unused placeholders: the units write the output itself
         o_part, lse_part, counters = out[:, :, None], lse[:, :, None], seq_lens[:, None]
-    claim = split and schedule == "claim"  # (one split: its program claims every tile, so it takes them in turn)
-    claims = claim_counters(batch, q_heads, q.device) if claim else counters
+    # (one split: its program claims every tile, so it takes them in turn; nothing to steal)
+    claim, steal = split and schedule in ("claim", "steal"), split and schedule == "steal"
+    loader_regs = loader_regs or LOADER_REGS.get(schedule if split else "units", 40)
+    if steal:
+        if num_splits > STEAL_MAX_SPLITS:
+            raise ValueError(f"schedule='steal' takes at most {STEAL_MAX_SPLITS} splits, got {num_splits}")
+        if -(-capacity // block_n) >= 2**15:
+            raise ValueError("schedule='steal' counts a run's tiles in 15 bits: the table is too long")
+        claims = steal_words(batch, kv_heads, num_splits, q.device)
+    else:
+        claims = claim_counters(batch, q_heads, q.device) if claim else counters
     merge_h = triton.next_power_of_2(q_heads // kv_heads)
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
     view, block_rows, head_rows, head_cols = _pool_view(num_blocks, block_size, kv_heads, head_dim, kv_layout)
@@ -1133,7 +1318,7 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
             block_size, block_rows, head_rows, head_cols, num_blocks, block_tables.shape[1], qk_scale,
             seq_lens if timeline is None else timeline)  # (an unused placeholder without one)
     meta = dict(HEAD_D=head_dim, BLOCK_N=block_n, BOX=box, NUM_STAGES=num_stages, LINE=schedule == "line",
-                CLAIM=claim, CLAIM_FIRST=int(claim_first), SPLIT=split, MERGE_H=merge_h, LOADER_REGS=loader_regs,
+                CLAIM=claim, STEAL=steal, CLAIM_FIRST=int(claim_first), SPLIT=split, MERGE_H=merge_h, LOADER_REGS=loader_regs,
                 PIPELINE=bool(pipeline), num_warps=4,
                 MERGE=MERGE_CODES[merge], LAUNCH_DEPENDENTS=split and merge == "launch_pdl",
                 TIMELINE=timeline is not None,

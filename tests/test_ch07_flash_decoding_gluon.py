@@ -12,16 +12,17 @@
   the pipelined consumer (scores of tile j beside P·V of tile j-1). Out and lse against
   `minillm.reference.ch07_flash_decoding` with the bf16 tolerance; the arrival counters back
   at zero after every call, and a second call equal to the first; the polling merge (its slots
-  marked empty again after every call) and the claimed tiles (every ``claim_first``, the claim
-  counters back at zero; a second call within the tolerance, since the tiles may go to other
-  programs), both also replayed in a CUDA graph.
+  marked empty again after every call), the claimed and the stolen tiles (every
+  ``claim_first``, the claim words back at zero; a second call within the tolerance, since the
+  tiles may go to other programs; runs that two programs must have emptied before their owners
+  came), all three also replayed in a CUDA graph.
 - CPU: `plan_splits` on hand-computed cases; the argument checks; the balanced work line
   (`minillm.reference.ch07_flash_decoding.work_line_pieces`) covers every key once and cuts no
   unit into more pieces than `balanced_slots`; the scope checks; and (with a Triton whose
   Gluon API the module knows) the kernel compiled for sm_90 with a stand-in driver: one TMA
   copy per block and 64 columns, asynchronous wgmma, register reallocation, the merge's
-  atomics only where a unit can have several pieces (and the claims' with ``schedule="claim"``),
-  no spills, shared memory within an SM's.
+  atomics only where a unit can have several pieces (and the claims' with ``schedule="claim"``
+  and ``"steal"``), no spills, shared memory within an SM's.
 """
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ from minillm.kernels.ch04_flash_attention_gluon import GLUON_VERSIONS
 from minillm.kernels.ch07_flash_decoding import cached_empty_workspace, cached_workspace
 from minillm.kernels.ch07_flash_decoding_gluon import (
     BLOCK_N, EMPTY_SLOT_BITS, KV_LAYOUTS, TIMELINE_EVENTS, as_token_major, balanced_slots, claim_counters,
-    flash_decode_attention_gluon, gluon_decode_applies, new_timeline, plan_splits, to_head_major,
+    flash_decode_attention_gluon, gluon_decode_applies, new_timeline, plan_splits, steal_words, to_head_major,
 )
 from minillm.paged import PAD
 from minillm.reference import attention
@@ -172,7 +173,10 @@ def test_refuses_inputs_out_of_scope(change, match):
                                        (dict(schedule="claim", merge="launch"), "merge='last' only"),
                                        (dict(schedule="claim", merge="poll"), "merge='last' only"),
                                        (dict(schedule="claim", claim_first=-1), "claim_first"),
-                                       (dict(schedule="claim", claim_first=1.5), "claim_first")])
+                                       (dict(schedule="claim", claim_first=1.5), "claim_first"),
+                                       (dict(schedule="steal", merge="launch"), "merge='last' only"),
+                                       (dict(schedule="steal", merge="poll"), "merge='last' only"),
+                                       (dict(schedule="steal", num_splits=129), "at most 128 splits")])
 def test_refuses_bad_schedules(kw, match):
     q = torch.zeros(2, 8, 64, dtype=DTYPE)
     pool = torch.zeros(4, 16, 2, 64, dtype=DTYPE)
@@ -243,15 +247,17 @@ for merge in ("launch", "launch_pdl", "poll"):  # the splits merged by a second 
         "atomics": "atom.global" in ptx, "trigger": "griddepcontrol.launch_dependents" in ptx,
         "volatile": "ld.volatile.global" in ptx,
         "local": "ld.local" in ptx or "st.local" in ptx, "stack": stack_bytes(compiled.asm["cubin"])}
-for head_dim, splits in itertools.product((64, 128), (1, 4)):  # a unit's tiles claimed as its programs go
+# a unit's tiles claimed as its programs go, or stolen from the back of its runs
+for schedule, head_dim, splits in itertools.product(("claim", "steal"), (64, 128), (1, 4)):
     q = torch.zeros(2, 8, head_dim, dtype=torch.bfloat16)
     pool = torch.zeros((64, 16, 2, head_dim), dtype=torch.bfloat16)
     compiled = flash_decode_attention_gluon(q, pool, pool, torch.zeros(2, 8, dtype=torch.int32),
-                                            torch.zeros(2, dtype=torch.int32), num_splits=splits, schedule="claim",
+                                            torch.zeros(2, dtype=torch.int32), num_splits=splits, schedule=schedule,
                                             compile_only=True)
     ptx = compiled.asm["ptx"]
-    facts[f"claim {head_dim} {splits}"] = {
+    facts[f"{schedule} {head_dim} {splits}"] = {
         "atomics": ptx.count("atom.global"), "tma": ptx.count("cp.async.bulk.tensor"),
+        "volatile": ptx.count("ld.volatile.global"),
         "local": "ld.local" in ptx or "st.local" in ptx, "stack": stack_bytes(compiled.asm["cubin"]),
         "shared": compiled.metadata.shared}
     if splits > 1:
@@ -342,6 +348,24 @@ def test_claimed_tiles_compile(sm90_compiled, head_dim, splits):
         assert facts["atomics"] == 0
     # K and V copies of the claimed loop (one per block and 64 columns each) and of the unused fixed one
     assert facts["tma"] >= 2 * (BLOCK_N // 16) * (head_dim // 64)
+    assert not facts["local"] and facts["stack"] == 0 and facts["shared"] <= 227 * 1024
+
+
+@sm90_compile_mark(GLUON_VERSIONS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_stolen_tiles_compile(sm90_compiled, head_dim, splits):
+    """With ``schedule="steal"`` and several splits: the units' atomics and the loader's (its own
+    run's claims, the thefts), the thieves' volatile look at every run's word, two loops of
+    copies (the own run's and the thefts'), nothing spilled with the loader's registers
+    (`LOADER_REGS`); with one split the units' kernel, no atomic and no look."""
+    facts = sm90_compiled[f"steal {head_dim} {splits}"]
+    if splits > 1:
+        assert facts["atomics"] > sm90_compiled[f"units {head_dim} {splits}"]["atomics"] > 0
+        assert facts["volatile"] > 0
+        assert facts["tma"] >= 2 * 2 * (BLOCK_N // 16) * (head_dim // 64)
+    else:
+        assert facts["atomics"] == facts["volatile"] == 0
     assert not facts["local"] and facts["stack"] == 0 and facts["shared"] <= 227 * 1024
 
 
@@ -501,51 +525,84 @@ def test_polling_merge_against_reference(q_heads, kv_heads, head_dim, block_size
 CLAIM_CASES = [c for c in CASES if c[5] != "line"] + [(32, 8, 128, 16, [32768], 16, None)]
 
 
+def claim_words_left(schedule, batch, q_heads, kv_heads, num_splits, device) -> int:
+    """Nonzero words among the claim counters (``"claim"``) or the runs' words (``"steal"``)."""
+    if schedule == "claim":
+        return int(claim_counters(batch, q_heads, device).count_nonzero())
+    return int(steal_words(batch, kv_heads, num_splits, device).count_nonzero())
+
+
 @hopper_only
+@pytest.mark.parametrize("schedule", ["claim", "steal"])
 @pytest.mark.parametrize("claim_first", [0, 2, 5])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,seq_lens,num_splits,programs",
                          [pytest.param(*c, id=_case_id(c)) for c in CLAIM_CASES])
 def test_claimed_tiles_against_reference(q_heads, kv_heads, head_dim, block_size, seq_lens, num_splits, programs,
-                                         claim_first, gen, seed):
-    """A unit's programs take its tiles from the unit's counter as they go (``schedule="claim"``,
-    also where programs hold several units and come late to some, which then leave empty
-    partials): the reference's output; the arrival and the claim counters back at zero after the
-    call; a second call within the same tolerance (the tiles may go to other programs, and
-    their sums round in another order)."""
+                                         claim_first, schedule, gen, seed):
+    """A unit's programs take its tiles from the unit's counter as they go (``schedule="claim"``),
+    or each its own run and then from the back of the others' (``"steal"``), also where programs
+    hold several units and come late to some, which then leave empty partials: the reference's
+    output; the arrival and the claim words back at zero after the call; a second call within
+    the same tolerance (the tiles may go to other programs, and their sums round in another
+    order)."""
     device = torch.device("cuda")
     pool = PagedPool(seq_lens, block_size, kv_heads, head_dim, DTYPE, device, gen)
     q = random_tensor((len(seq_lens), q_heads, head_dim), DTYPE, device, gen)
     want_out, want_lse = reference(q, pool)
     call = lambda: flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, pool.lens(device),  # noqa: E731
-                                                num_splits=num_splits, programs=programs, schedule="claim",
+                                                num_splits=num_splits, programs=programs, schedule=schedule,
                                                 claim_first=claim_first)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = num_splits or plan_splits(len(seq_lens), kv_heads, pool.tables.shape[1] * block_size, programs or sms)
     for attempt in ("first", "second"):
         out, lse = call()
         assert_close(out, want_out, DTYPE, f"out ({attempt} call)", seed)
         assert_close(lse, want_lse, DTYPE, f"lse ({attempt} call)", seed)
-        assert not claim_counters(len(seq_lens), q_heads, device).any(), "claim counters not reset"
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        splits = num_splits or plan_splits(len(seq_lens), kv_heads, pool.tables.shape[1] * block_size,
-                                           programs or sms)
+        assert claim_words_left(schedule, len(seq_lens), q_heads, kv_heads, splits, device) == 0, "claims not reset"
         if splits > 1:
             assert not counters_of(len(seq_lens), q_heads, splits, head_dim, device).any(), "counters not reset"
 
 
 @hopper_only
-@pytest.mark.parametrize("variant", ["poll", "claim"])
+@pytest.mark.parametrize("schedule", ["units", "steal"])
+def test_late_runs_are_stolen(schedule, gen, seed):
+    """Two programs, 4 splits per unit: program 0 takes splits 0 and 2 of each unit, program 1
+    splits 1 and 3, each only after the one before. With stealing (and ``claim_first=0``) the two
+    programs empty runs 2 and 3 from the back before their owners get there, so those splits'
+    partials hold no keys (lse -inf in the workspace), and the output is still the reference's;
+    with fixed runs (the control) every split's partial has its own keys."""
+    device = torch.device("cuda")
+    seq_lens = [3000, 2500]
+    pool = PagedPool(seq_lens, 16, 2, 128, DTYPE, device, gen)
+    q = random_tensor((2, 8, 128), DTYPE, device, gen)
+    out, lse = flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, pool.lens(device), num_splits=4,
+                                            programs=2, schedule=schedule, claim_first=0)
+    want_out, want_lse = reference(q, pool)
+    assert_close(out, want_out, DTYPE, "out", seed)
+    assert_close(lse, want_lse, DTYPE, "lse", seed)
+    late = cached_workspace(2, 8, 4, 128, device)[1][:, :, 2:]
+    if schedule == "steal":
+        assert torch.isneginf(late).all(), "a late program's run was not stolen"
+        assert claim_words_left("steal", 2, 8, 2, 4, device) == 0
+    else:
+        assert torch.isfinite(late).all()
+
+
+@hopper_only
+@pytest.mark.parametrize("variant", ["poll", "claim", "steal"])
 def test_replayed_in_a_cuda_graph(variant, gen, seed):
     """Captured in a CUDA graph (as the engine runs its decode steps) and replayed with new
     queries and new lengths, replay after replay: the polling merge gives the same bits as
     eager calls with the counter, each replay finding the slots empty as the last one left them;
-    the claimed tiles give the reference's output, each replay finding the claim counters at
-    zero as the last merge left them. (The lengths only shrink: the pool's unused slots hold
+    the claimed (and the stolen) tiles give the reference's output, each replay finding the claim
+    counters (the runs' words) at zero as the last merge left them. (The lengths only shrink: the pool's unused slots hold
     NaNs.)"""
     device = torch.device("cuda")
     seq_lens = [3000, 17, 2048]
     pool = PagedPool(seq_lens, 16, 8, 128, DTYPE, device, gen)
     q = random_tensor((3, 32, 128), DTYPE, device, gen)
     lens = pool.lens(device)
-    kw = dict(merge="poll") if variant == "poll" else dict(schedule="claim")
+    kw = dict(merge="poll") if variant == "poll" else dict(schedule=variant)
     call = lambda: flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, lens, num_splits=4,  # noqa: E731
                                                 **kw)
     call()  # the workspace and the counters are made outside the capture
@@ -569,7 +626,7 @@ def test_replayed_in_a_cuda_graph(variant, gen, seed):
     if variant == "poll":
         assert slots_not_empty(3, 32, 4, 128, device) == 0
     else:
-        assert not claim_counters(3, 32, device).any()
+        assert claim_words_left(variant, 3, 32, 8, 4, device) == 0
 
 
 @hopper_only
