@@ -6,7 +6,7 @@ async, splits, fused, hopper, hopper2, gluon, gluon_balance, gluon_layout,
 gluon_placement, gluon_fixed_cost, gluon_fixed_breakdown, gluon_grid, gluon_pipeline,
 gluon_contiguous, gluon_occupancy, gluon_merge, gluon_short_calls, gluon_ncu_target,
 gluon_timeline, gluon_timeline_repeats, gluon_timeline_merges, gluon_claim, gluon_timeline_claims,
-gluon_steal, gluon_timeline_steals, gluon_turns; default all but the sm_90 parts). Prints
+gluon_steal, gluon_timeline_steals, gluon_pdl, gluon_turns; default all but the sm_90 parts). Prints
 compact tables; times are per call replaying a CUDA graph of 16 calls
 (`bench.common.graph_time_ms`) unless marked eager."""
 from __future__ import annotations
@@ -749,6 +749,58 @@ def gluon_fixed_cost():
               f"(max residual {np.max(np.abs(np.polyval([slope, t0], x) - ts)):.2f} us)", flush=True)
 
 
+def gluon_pdl():
+    """Programmatic dependent launches in a chain of decode calls, at Chapter 7's decode points
+    (but the largest, whose two 64 GB layouts do not fit together): CUDA-graph times per call
+    (32 calls, each on its own copy of the cache, enough copies to pass 128 MB) of the Gluon
+    kernel launched plainly and as a programmatic dependent launch (``pdl=True``), each also
+    with the merge in a second launch (``merge="launch"``; with ``pdl`` both launches), the
+    Triton kernel the same two ways, and SDPA cuDNN on contiguous copies; ratio = cuDNN /
+    variant. In the chain every call follows another decode call; a model's would follow its
+    q/k/v projection."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from bench.ch07_flash_decoding import BATCHES, CONTEXTS, KV_HEADS
+    from bench.common import contiguous_cache
+    from minillm.kernels.ch07_flash_decoding_gluon import flash_decode_attention_gluon, plan_splits
+
+    print("\n== gluon_pdl: graph us per call (copies past 128 MB); ratio = SDPA cuDNN / variant ==")
+    sms = fd.num_sms(DEV)
+    grid = sorted(((b, hkv, ctx) for hkv in KV_HEADS for b in BATCHES for ctx in CONTEXTS
+                   if b * ctx * hkv * D * 2 * 2 <= 20e9), key=lambda p: (p[0] * p[1] * p[2], p))
+    for b, hkv, ctx in grid:
+        cache_bytes = b * ctx * hkv * D * 2 * 2
+        n_copies = max(1, min(32, -(-(128 << 20) // cache_bytes)))
+        copies = [inputs(b, hkv, ctx) for _ in range(n_copies)]
+        outs = [decode_outputs(c[0], None, None) for c in copies]
+        plan, wave = plan_splits(b, hkv, ctx, sms), fd.num_splits_heuristic(b, hkv, ctx, sms, 128)
+        variants = {}
+        for name, kw in (("gluon", {}), ("gluon pdl", {"pdl": True}), ("gluon launch", {"merge": "launch"}),
+                         ("gluon launch pdl", {"merge": "launch", "pdl": True})):
+            variants[name] = [lambda c=c, o=o, kw=kw: flash_decode_attention_gluon(*c, num_splits=plan, out=o[0],
+                                                                                   lse=o[1], **kw)
+                              for c, o in zip(copies, outs)]
+        for name, kw in (("triton", {}), ("triton pdl", {"pdl": True})):
+            variants[name] = [lambda c=c, o=o, kw=kw: fd.flash_decode_attention(*c, num_splits=wave, out=o[0],
+                                                                                lse=o[1], **kw)
+                              for c, o in zip(copies, outs)]
+        row = {name: graph_time_ms(fns, 32, timer) * 1e3 for name, fns in variants.items()}
+        del copies, outs, variants
+        torch.cuda.empty_cache()
+        contiguous = [contiguous_cache(3 + i, b, hkv, ctx, D, DT, DEV) for i in range(n_copies)]
+        q4 = torch.randn(b, HQ, 1, D, device=DEV, dtype=DT)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            cudnn = graph_time_ms([lambda kv=kv: F.scaled_dot_product_attention(q4, kv[0], kv[1], enable_gqa=True)
+                                   for kv in contiguous], 32, timer) * 1e3
+        del contiguous
+        torch.cuda.empty_cache()
+        print(f"  B={b:2} Hkv={hkv:2} L={ctx:6} graph S plan {plan}: cudnn {cudnn:.2f} | "
+              + " | ".join(f"{n} {us:.2f} ({cudnn / us:.3f})" for n, us in row.items())
+              + f"  gluon at {frac(b, hkv, ctx, row['gluon'] * 1e-3):.2f}, gluon pdl at "
+              f"{frac(b, hkv, ctx, row['gluon pdl'] * 1e-3):.2f} of copy", flush=True)
+
+
 def gluon_fixed_breakdown():
     """Where a short decode call's fixed cost goes (``gluon_fixed_cost`` fits it at about 9 us
     for the Gluon kernel, 1 us above cuDNN's): CUDA-graph times per call at batch 1, 8 KV heads,
@@ -1099,6 +1151,6 @@ if __name__ == "__main__":
          "gluon_timeline": gluon_timeline, "gluon_timeline_repeats": gluon_timeline_repeats,
          "gluon_timeline_merges": gluon_timeline_merges, "gluon_claim": gluon_claim,
          "gluon_timeline_claims": gluon_timeline_claims, "gluon_steal": gluon_steal,
-         "gluon_timeline_steals": gluon_timeline_steals,
+         "gluon_timeline_steals": gluon_timeline_steals, "gluon_pdl": gluon_pdl,
          "gluon_turns": gluon_turns}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)

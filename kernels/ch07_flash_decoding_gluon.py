@@ -993,16 +993,19 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
                    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, NUM_STAGES: gl.constexpr,
                    LINE: gl.constexpr, CLAIM: gl.constexpr, STEAL: gl.constexpr, CLAIM_FIRST: gl.constexpr,
                    SPLIT: gl.constexpr, MERGE_H: gl.constexpr, MERGE_S: gl.constexpr, LOADER_REGS: gl.constexpr,
-                   PIPELINE: gl.constexpr,
-                   MERGE: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr, TIMELINE: gl.constexpr):
+                   PIPELINE: gl.constexpr, MERGE: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr, PDL: gl.constexpr,
+                   TIMELINE: gl.constexpr):
     """A 1-d grid of at most one program per SM, each walking its work: units ``pid``, ``pid +
     P``, ..., or (``LINE``) its chunk of the work line; ``CLAIM``: a unit's tiles go to its
     programs as they claim them (``claims``: zeroed int32s, one per unit every `CLAIM_SPACING`;
     ``STEAL``: one per split, each split keeping its run but for what others steal from its back).
     ``num_warps=4``: the consumer (the default partition) and a one-warp loader. Shared memory:
     the query tile and ``NUM_STAGES`` slots of K and V, each as ``HEAD_D / 64`` tiles of
-    ``[BLOCK_N, 64]`` (the descriptors' layout), and with ``CLAIM`` a tile index per slot."""
-    if LAUNCH_DEPENDENTS:  # the merge launch (a programmatic dependent launch) may be scheduled now
+    ``[BLOCK_N, 64]`` (the descriptors' layout), and with ``CLAIM`` a tile index per slot.
+    ``PDL``: launched as a programmatic dependent launch, the program sets up its shared memory
+    and barriers, then waits for the kernel before it (``griddepcontrol.wait``) before it reads
+    anything in global memory."""
+    if LAUNCH_DEPENDENTS or PDL:  # the next launch (a programmatic dependent one) may be scheduled now
         tl.extra.cuda.gdc_launch_dependents()
     D_CHUNKS: gl.constexpr = HEAD_D // 64
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
@@ -1023,6 +1026,8 @@ def _decode_kernel(k_desc, v_desc, q_ptr, block_tables, seq_lens, o_part, lse_pa
     else:
         tile_ids = k_ready  # (unused)
     fence_async_shared()
+    if PDL:  # the queries, the lengths, the tables and the pool may be the last kernel's output
+        tl.extra.cuda.gdc_wait()
 
     # (The argument tuples are written in place: see Chapter 4's Gluon kernel.)
     gl.warp_specialize(
@@ -1189,7 +1194,7 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                                  kv_layout: str = "NHD", pipeline: bool = False, loader_regs: int | None = None,
                                  merge: str = "last", claim_first: int = CLAIM_FIRST,
-                                 timeline: torch.Tensor | None = None,
+                                 timeline: torch.Tensor | None = None, pdl: bool = False,
                                  compile_only: bool = False):
     """`flash_decode_attention`'s contract (``q: [batch, q_heads, head_dim]``, pools
     ``[num_blocks, block_size, kv_heads, head_dim]``, ``block_tables: [batch, max_blocks]``
@@ -1237,6 +1242,11 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
       kernel, compiled with the stamps, fills with each program's clocks at `TIMELINE_EVENTS`
       (``[:, 0]``: the global timer in ns, ``[:, 1]``: the SM's cycles; a program with no work
       leaves zeros after its start; the last piece's stamps win). For measuring, not serving;
+    - ``pdl``: launch as a programmatic dependent launch (Hopper; Chapter 10's chains of
+      kernels): the launch is scheduled while the kernel before it in the stream runs, and the
+      programs wait for it to finish (``griddepcontrol.wait``) after setting up their shared
+      memory, before their first read of global memory; the next launch may be scheduled as soon
+      as every program has started. With ``merge="launch"`` the merge launch is one too;
     - ``compile_only``: compile for the current device without launching; returns the kernel."""
     reason = (_layout_reason if compile_only else _reason)(q, k_cache, v_cache, kv_layout)
     if reason:
@@ -1320,7 +1330,8 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     meta = dict(HEAD_D=head_dim, BLOCK_N=block_n, BOX=box, NUM_STAGES=num_stages, LINE=schedule == "line",
                 CLAIM=claim, STEAL=steal, CLAIM_FIRST=int(claim_first), SPLIT=split, MERGE_H=merge_h, LOADER_REGS=loader_regs,
                 PIPELINE=bool(pipeline), num_warps=4,
-                MERGE=MERGE_CODES[merge], LAUNCH_DEPENDENTS=split and merge == "launch_pdl",
+                MERGE=MERGE_CODES[merge], LAUNCH_DEPENDENTS=split and merge == "launch_pdl", PDL=bool(pdl),
+                **({"launch_pdl": True} if pdl else {}),  # (the kernel's switch and the launch's go together)
                 TIMELINE=timeline is not None,
                 MERGE_S=max(1, min(MERGE_SPLITS, MERGE_ROWS // merge_h, triton.next_power_of_2(slots))))
     if compile_only:
@@ -1329,5 +1340,5 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         raise ValueError("q and out must have a unit stride along head_dim")
     launch(_decode_kernel, (grid,), *args, **meta)
     if split and MERGE_CODES[merge] == 0:
-        reduce_splits(o_part, lse_part, out, lse, pdl=merge == "launch_pdl")
+        reduce_splits(o_part, lse_part, out, lse, pdl=pdl or merge == "launch_pdl")
     return out, lse

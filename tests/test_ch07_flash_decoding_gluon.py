@@ -265,6 +265,16 @@ for schedule, head_dim, splits in itertools.product(("claim", "steal"), (64, 128
                                                 torch.zeros(2, dtype=torch.int32), num_splits=splits,
                                                 compile_only=True)
         facts[f"units {head_dim} {splits}"] = {"atomics": compiled.asm["ptx"].count("atom.global")}
+for pdl, merge in ((False, "last"), (True, "last"), (True, "launch")):  # a programmatic dependent launch
+    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
+    pool = torch.zeros((64, 16, 2, 128), dtype=torch.bfloat16)
+    compiled = flash_decode_attention_gluon(q, pool, pool, torch.zeros(2, 8, dtype=torch.int32),
+                                            torch.zeros(2, dtype=torch.int32), num_splits=4, merge=merge, pdl=pdl,
+                                            compile_only=True)
+    ptx = compiled.asm["ptx"]
+    facts[f"pdl {pdl} {merge}"] = {"wait": ptx.count("griddepcontrol.wait"),
+                             "trigger": ptx.count("griddepcontrol.launch_dependents"),
+                             "local": "ld.local" in ptx or "st.local" in ptx, "stack": stack_bytes(compiled.asm["cubin"])}
 for timeline in (False, True):  # the clocks read only where a timeline is asked for
     q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
     pool = torch.zeros((64, 16, 2, 128), dtype=torch.bfloat16)
@@ -367,6 +377,16 @@ def test_stolen_tiles_compile(sm90_compiled, head_dim, splits):
     else:
         assert facts["atomics"] == facts["volatile"] == 0
     assert not facts["local"] and facts["stack"] == 0 and facts["shared"] <= 227 * 1024
+
+
+@sm90_compile_mark(GLUON_VERSIONS)
+@pytest.mark.parametrize("pdl, merge", [(False, "last"), (True, "last"), (True, "launch")])
+def test_programmatic_dependent_launch_compiles(sm90_compiled, pdl, merge):
+    """With ``pdl`` the kernel waits once for the kernel before it and lets the next launch be
+    scheduled once (``griddepcontrol``); without it, it does neither."""
+    facts = sm90_compiled[f"pdl {pdl} {merge}"]
+    assert facts["wait"] == facts["trigger"] == int(pdl)
+    assert not facts["local"] and facts["stack"] == 0
 
 
 @sm90_compile_mark(GLUON_VERSIONS)
@@ -627,6 +647,40 @@ def test_replayed_in_a_cuda_graph(variant, gen, seed):
         assert slots_not_empty(3, 32, 4, 128, device) == 0
     else:
         assert claim_words_left(variant, 3, 32, 8, 4, device) == 0
+
+
+@hopper_only
+@pytest.mark.parametrize("merge", ["last", "launch"])
+def test_programmatic_dependent_launch_waits_for_the_last_call(merge, gen, seed):
+    """Three calls in a CUDA graph, each taking the last one's output as its queries, launched as
+    programmatic dependent launches: the same bits as the same chain launched plainly, so no
+    program read its queries before the call before it had written them (its merge included)."""
+    device = torch.device("cuda")
+    seq_lens = [3000, 17, 2048]
+    pool = PagedPool(seq_lens, 16, 8, 128, DTYPE, device, gen)
+    lens = pool.lens(device)
+    q0 = random_tensor((3, 32, 128), DTYPE, device, gen)
+
+    def chain(pdl, outs):
+        q = q0
+        for out, lse in outs:
+            flash_decode_attention_gluon(q, pool.k, pool.v, pool.tables, lens, num_splits=4, merge=merge, pdl=pdl,
+                                         out=out, lse=lse)
+            q = out
+
+    plain = [(torch.empty_like(q0), torch.empty(3, 32, device=device)) for _ in range(3)]
+    chain(False, plain)
+    linked = [(torch.empty_like(q0), torch.empty(3, 32, device=device)) for _ in range(3)]
+    chain(True, linked)  # compiled and its workspace made outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(True, linked)
+    for out, lse in linked:
+        out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for (want, want_lse), (out, lse) in zip(plain, linked):
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
 @hopper_only
