@@ -1227,7 +1227,7 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
       tile's two matmuls in turn (`_keys_in_turn`);
     - ``block_n``: keys per tile (64 or 128); ``num_stages``: ring slots; ``loader_regs``:
       registers per thread of the loader warp (``setmaxnreg``; the consumer keeps what the
-      program was compiled with; default `LOADER_REGS`' for the schedule, else 40);
+      program was compiled with; default: the schedule's entry of `LOADER_REGS`, else 40);
     - ``merge`` (where splits are merged): ``"last"`` (default), by the last of a unit's
       programs to finish, in the same launch (`_merge_if_last`); ``"launch"``, by a second
       launch (Chapter 7's stage 2, `reduce_splits`) after every program stored its partial;
@@ -1328,7 +1328,8 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
             block_size, block_rows, head_rows, head_cols, num_blocks, block_tables.shape[1], qk_scale,
             seq_lens if timeline is None else timeline)  # (an unused placeholder without one)
     meta = dict(HEAD_D=head_dim, BLOCK_N=block_n, BOX=box, NUM_STAGES=num_stages, LINE=schedule == "line",
-                CLAIM=claim, STEAL=steal, CLAIM_FIRST=int(claim_first), SPLIT=split, MERGE_H=merge_h, LOADER_REGS=loader_regs,
+                CLAIM=claim, STEAL=steal, CLAIM_FIRST=int(claim_first), SPLIT=split, MERGE_H=merge_h,
+                LOADER_REGS=loader_regs,
                 PIPELINE=bool(pipeline), num_warps=4,
                 MERGE=MERGE_CODES[merge], LAUNCH_DEPENDENTS=split and merge == "launch_pdl", PDL=bool(pdl),
                 **({"launch_pdl": True} if pdl else {}),  # (the kernel's switch and the launch's go together)

@@ -273,8 +273,9 @@ for pdl, merge in ((False, "last"), (True, "last"), (True, "launch")):  # a prog
                                             compile_only=True)
     ptx = compiled.asm["ptx"]
     facts[f"pdl {pdl} {merge}"] = {"wait": ptx.count("griddepcontrol.wait"),
-                             "trigger": ptx.count("griddepcontrol.launch_dependents"),
-                             "local": "ld.local" in ptx or "st.local" in ptx, "stack": stack_bytes(compiled.asm["cubin"])}
+                                   "trigger": ptx.count("griddepcontrol.launch_dependents"),
+                                   "local": "ld.local" in ptx or "st.local" in ptx,
+                                   "stack": stack_bytes(compiled.asm["cubin"])}
 for timeline in (False, True):  # the clocks read only where a timeline is asked for
     q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
     pool = torch.zeros((64, 16, 2, 128), dtype=torch.bfloat16)
@@ -615,8 +616,8 @@ def test_replayed_in_a_cuda_graph(variant, gen, seed):
     queries and new lengths, replay after replay: the polling merge gives the same bits as
     eager calls with the counter, each replay finding the slots empty as the last one left them;
     the claimed (and the stolen) tiles give the reference's output, each replay finding the claim
-    counters (the runs' words) at zero as the last merge left them. (The lengths only shrink: the pool's unused slots hold
-    NaNs.)"""
+    counters (the runs' words) at zero as the last merge left them. (The lengths only shrink: the
+    pool's unused slots hold NaNs.)"""
     device = torch.device("cuda")
     seq_lens = [3000, 17, 2048]
     pool = PagedPool(seq_lens, 16, 8, 128, DTYPE, device, gen)
