@@ -521,6 +521,12 @@ def gluon_occupancy():
         "st3": glu(), "st2": glu(num_stages=2), "2/SM st2": glu(programs=2 * sms, num_stages=2)}, "st3")
 
 
+#: The decode points where the plan splits (batch 1 everywhere, batch 8 with 8 KV heads): where
+#: the merges and the ways of sharing a unit's tiles are compared.
+SPLIT_POINTS = [(1, 8, 4096), (1, 32, 4096), (8, 8, 4096), (1, 8, 32768), (1, 32, 32768), (1, 8, 131072),
+                (8, 8, 32768), (1, 32, 131072), (8, 8, 131072)]
+
+
 def gluon_merge():
     """Where the splits are merged: by the last program of each unit in the decode launch (the
     counter), by the program of each unit's last split once the other partials are in place
@@ -529,9 +535,7 @@ def gluon_merge():
     once and not kept: the loader fetching a piece's first table entries before its length
     arrived, from where the split would start in a full table; 1.000-1.013x the default,
     ``bench/results/raw/nvidia-h200.ch07_tune_gluon_merge_speculate.log``.)"""
-    points = [(1, 8, 4096), (1, 32, 4096), (8, 8, 4096), (1, 8, 32768), (1, 32, 32768), (1, 8, 131072),
-              (8, 8, 32768), (1, 32, 131072), (8, 8, 131072)]
-    _gluon_variants("gluon_merge", points, lambda glu, *_: {
+    _gluon_variants("gluon_merge", SPLIT_POINTS, lambda glu, *_: {
         "last": glu(merge="last"), "poll": glu(merge="poll"), "launch": glu(merge="launch"),
         "launch pdl": glu(merge="launch_pdl")}, "last")
 
@@ -546,8 +550,6 @@ def gluon_claim():
     it tells the code's cost from the cost of the order the claims hand tiles out in."""
     from minillm.kernels.ch07_flash_decoding_gluon import BLOCK_N, plan_splits
 
-    points = [(1, 8, 4096), (1, 32, 4096), (8, 8, 4096), (1, 8, 32768), (1, 32, 32768), (1, 8, 131072),
-              (8, 8, 32768), (1, 32, 131072), (8, 8, 131072)]
     sms = fd.num_sms(DEV)
 
     def variants(glu, b, hkv, ctx):
@@ -555,7 +557,7 @@ def gluon_claim():
         return {"units": glu(), "claim": glu(schedule="claim"), "claim first 0": glu(schedule="claim", claim_first=0),
                 "claim first 4": glu(schedule="claim", claim_first=4),
                 "claim own run": glu(schedule="claim", claim_first=run)}
-    _gluon_variants("gluon_claim", points, variants, "units")
+    _gluon_variants("gluon_claim", SPLIT_POINTS, variants, "units")
 
 
 def gluon_steal():
@@ -563,9 +565,7 @@ def gluon_steal():
     (``schedule="steal"``: a program whose run is done takes tiles from the back of its unit's
     run with the most left), with the default 2 tiles of each run kept for its owner, none, and
     8; beside them the claims (``schedule="claim"``), at the points where the plan splits."""
-    points = [(1, 8, 4096), (1, 32, 4096), (8, 8, 4096), (1, 8, 32768), (1, 32, 32768), (1, 8, 131072),
-              (8, 8, 32768), (1, 32, 131072), (8, 8, 131072)]
-    _gluon_variants("gluon_steal", points, lambda glu, *_: {
+    _gluon_variants("gluon_steal", SPLIT_POINTS, lambda glu, *_: {
         "units": glu(), "steal": glu(schedule="steal"), "steal first 0": glu(schedule="steal", claim_first=0),
         "steal first 8": glu(schedule="steal", claim_first=8), "claim": glu(schedule="claim")}, "units")
 
