@@ -74,7 +74,16 @@ three-consumer kernel against its two-consumer counterpart and of the ``_s4``/``
 against the kernel without that suffix; ``rel_err`` against cuDNN. Budget
 ``MINILLM_CH04_GLUON_CONSUMERS_BUDGET_S`` (default 240).
 
-``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax,tiles,consumers``) picks the
+The dispatch part (``params["part"] = "dispatch"``, kernel ``fastest``; every forward point):
+what a caller of `minillm.kernels.ch04_flash_attention_hopper.fastest_attention` gets, the
+Gluon kernels with `fastest_forward`'s settings for the call (named in each row's note).
+``TFLOPs`` and ``time_ms`` of the forward (`attention_forward`, no ``pass``) against SDPA
+cuDNN's and against bf16 ``ws`` (the module's defaults); of the backward through autograd
+(``pass`` "bwd", one saved forward) and of a whole training step's attention, forward and
+backward (``pass`` "fwd_bwd"), against SDPA cuDNN's through autograd; ``rel_err`` of out and
+of the gradients against cuDNN's. Budget ``MINILLM_CH04_GLUON_DISPATCH_BUDGET_S`` (default 240).
+
+``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax,tiles,consumers,dispatch``) picks the
 parts to run; a re-run of some parts keeps the others' earlier rows in the results file.
 """
 from __future__ import annotations
@@ -88,20 +97,24 @@ import torch
 from minillm.costs import nominal_attention_flops
 from minillm.kernels.ch04_flash_attention_gluon import (
     GLUON_VERSIONS, flash_attention_gluon, flash_attention_gluon_backward, flash_attention_gluon_fp8,
-    default_schedule, default_tiles, gluon_applies, prepare_gluon_fp8,
+    default_schedule, default_tiles, fastest_forward, gluon_applies, prepare_gluon_fp8,
 )
-from minillm.kernels.ch04_flash_attention_hopper import flash_attention_hopper, flash_attention_hopper_backward
+from minillm.kernels.ch04_flash_attention_hopper import (
+    attention_forward, fastest_attention, flash_attention_hopper, flash_attention_hopper_backward,
+)
 
 from bench.ch04_hopper import (
     HEAD_DIMS, HIDDEN, REP_MS, SEQ_LENS, TOKENS, WARMUP_MS, autograd_backward, each_point, grads_and_ms, grads_err,
     sdpa_attention, timed_output,
 )
-from bench.common import Results, attempt, cuda_device, dtype_name, rel_err, sweep_start
+from bench.common import (
+    Results, attempt, cpu_time_ms, cuda_device, dtype_name, interleaved_times, rel_err, sweep_start,
+)
 
 BENCHMARK = "ch04_gluon"
 DEFAULT_VARIANT = "ws"
 PEERS = ("sdpa_cudnn", "sdpa_flash", "triton_hopper")
-PARTS = ("forward", "backward", "softmax", "tiles", "consumers")
+PARTS = ("forward", "backward", "softmax", "tiles", "consumers", "dispatch")
 #: The backward's kernels, each setting spelled out (the module's default is ``bwd_tma`` at head
 #: dim 128 and ``bwd_tma_prefetch`` at 64, `default_prefetch_stats`); the ablations are against
 #: ``bwd_tma``.
@@ -211,6 +224,11 @@ def consumers_budget_s() -> float:
     return float(os.environ.get("MINILLM_CH04_GLUON_CONSUMERS_BUDGET_S", "240"))
 
 
+def dispatch_budget_s() -> float:
+    """The dispatch part's budget: ``MINILLM_CH04_GLUON_DISPATCH_BUDGET_S`` (default 240)."""
+    return float(os.environ.get("MINILLM_CH04_GLUON_DISPATCH_BUDGET_S", "240"))
+
+
 def selected_parts() -> tuple[str, ...]:
     """The parts ``MINILLM_CH04_GLUON_PARTS`` names (default: all), in `PARTS` order."""
     names = {p.strip() for p in os.environ.get("MINILLM_CH04_GLUON_PARTS", ",".join(PARTS)).split(",")}
@@ -223,7 +241,7 @@ def selected_parts() -> tuple[str, ...]:
 def row_part(row: dict) -> str:
     """The part that wrote a row of this benchmark."""
     params = row.get("params") or {}
-    if params.get("part") in ("softmax", "tiles", "consumers"):
+    if params.get("part") in ("softmax", "tiles", "consumers", "dispatch"):
         return params["part"]
     return "backward" if params.get("pass") == "bwd" else "forward"
 
@@ -250,6 +268,8 @@ def run(results: Results, device) -> None:
         tiles_sweep(results, device)
     if "consumers" in parts:
         consumers_sweep(results, device)
+    if "dispatch" in parts:
+        dispatch_sweep(results, device)
 
 
 def sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, tokens: int = TOKENS,
@@ -553,3 +573,85 @@ def _consumers_point(results: Results, device, gen, n: int, head_dim: int, causa
                 results.add(BENCHMARK, params, "TFLOPs", tflops(ms[name]), peer, tflops(ms[peer]), note=note)
     print(f"  [{BENCHMARK} consumers] D={head_dim} N={n}: "
           + ", ".join(f"{name} {tflops(t):.0f}" for name, t in ms.items()) + " TFLOP/s", flush=True)
+
+
+# ----------------------------------------------------------------------------------------
+# The dispatch: what `fastest_attention` gives a caller
+# ----------------------------------------------------------------------------------------
+def dispatch_sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, tokens: int = TOKENS,
+                   hidden: int = HIDDEN, timer: Callable | None = None) -> None:
+    """The dispatch rows (see the module's docstring) at every forward point, until
+    `dispatch_budget_s`. Each point's calls take turns within each of `timing_rounds` rounds
+    (`interleaved_times`): the forward's two kernels of the same settings, timed one after the
+    other, came out up to 6 % apart on an H200, from the drift between one call of ``do_bench``
+    and the next alone."""
+    timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, dispatch_budget_s(), timer, WARMUP_MS, REP_MS)
+    each_point(f"{BENCHMARK} dispatch", head_dims, seq_lens, out_of_time,
+               lambda head_dim, causal, n: _dispatch_point(results, device, gen, n, head_dim, causal, timer, tokens,
+                                                           hidden))
+
+
+def forward_and_backward(attn: Callable, q, k, v, dout) -> Callable:
+    """A callable that runs ``attn(q, k, v)`` and its backward for ``dout``: a training step's
+    attention."""
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    return lambda: torch.autograd.grad(attn(qg, kg, vg), (qg, kg, vg), dout)
+
+
+#: Calls per host-time measurement: few enough that the launch queue never fills (a full
+#: queue would make the host wait for the GPU, and the host time read as the GPU's).
+HOST_CALLS = 20
+
+
+def host_ms(fn: Callable) -> float:
+    """Milliseconds of host time per call of ``fn`` (Python, the launches), median over
+    `HOST_CALLS` calls that are not waited for; then the GPU catches up."""
+    ms = cpu_time_ms(fn, warmup=2, min_reps=HOST_CALLS, min_time_s=0.0, max_reps=HOST_CALLS)
+    torch.cuda.synchronize()
+    return ms
+
+
+def _dispatch_point(results: Results, device, gen, n: int, head_dim: int, causal: bool, timer, tokens: int,
+                    hidden: int) -> None:
+    batch, heads = max(1, tokens // n), hidden // head_dim
+    q, k, v, dout = (torch.randn((batch, heads, n, head_dim), device=device, dtype=torch.bfloat16, generator=gen)
+                     for _ in range(4))
+    fwd_flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal)
+    bwd_flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal, backward=True)
+    flops = {"fwd": fwd_flops, "bwd": bwd_flops, "fwd_bwd": fwd_flops + bwd_flops}
+    cudnn = sdpa_attention("sdpa_cudnn", causal)
+    ours = lambda q, k, v: fastest_attention(q, k, v, causal=causal)  # noqa: E731
+    with torch.no_grad():
+        cudnn_out = cudnn(q, k, v)
+        out, _ = attention_forward(q, k, v, causal)
+    grads = {"sdpa_cudnn": autograd_backward(cudnn, q, k, v, dout), "fastest": autograd_backward(ours, q, k, v, dout)}
+    calls = {("fwd", "sdpa_cudnn"): lambda: cudnn(q, k, v),
+             ("fwd", "ws"): lambda: flash_attention_gluon(q, k, v, causal=causal),
+             ("fwd", "fastest"): lambda: attention_forward(q, k, v, causal)}
+    for name, attn in (("sdpa_cudnn", cudnn), ("fastest", ours)):
+        calls["bwd", name] = grads[name]
+        calls["fwd_bwd", name] = forward_and_backward(attn, q, k, v, dout)
+    ms = interleaved_times(calls, timer, timing_rounds())
+    host = {key: host_ms(fn) for key, fn in calls.items() if key[1] != "ws"}
+    errs = {"fwd": rel_err(out, cudnn_out)}
+    errs["bwd"] = errs["fwd_bwd"] = grads_err(grads["fastest"](), grads["sdpa_cudnn"]())
+    settings = fastest_forward(head_dim, causal, n)
+    note = f"fastest_forward: {settings}; schedule {default_schedule(causal, n)}"
+    base = {"batch": batch, "heads": heads, "seq_len": n, "head_dim": head_dim, "causal": causal,
+            "dtype": dtype_name(q.dtype), "kernel": "fastest", "part": "dispatch"}
+    for step, peers in (("fwd", ("sdpa_cudnn", "ws")), ("bwd", ("sdpa_cudnn",)), ("fwd_bwd", ("sdpa_cudnn",))):
+        params = base if step == "fwd" else {**base, "pass": step}
+        tflops = lambda t, step=step: flops[step] / (t * 1e-3) / 1e12  # noqa: E731
+        results.add(BENCHMARK, params, "rel_err", errs[step], "sdpa_cudnn",
+                    note="‖ours − cuDNN‖ / ‖cuDNN‖" + (" (max over dQ, dK, dV)" if step != "fwd" else ""))
+        results.add(BENCHMARK, params, "host_ms", host[step, "fastest"], "sdpa_cudnn", host[step, "sdpa_cudnn"],
+                    note=f"host time per call, {HOST_CALLS} calls not waited for")
+        for peer in peers:
+            results.add(BENCHMARK, params, "time_ms", ms[step, "fastest"], peer, ms[step, peer], note=note)
+            results.add(BENCHMARK, params, "TFLOPs", tflops(ms[step, "fastest"]), peer, tflops(ms[step, peer]),
+                        note=note)
+    print(f"  [{BENCHMARK} dispatch] D={head_dim} causal={causal} N={n} {settings}: "
+          + ", ".join(f"{step} {ms[step, 'sdpa_cudnn'] / ms[step, 'fastest']:.3f}" for step in flops)
+          + f" of cuDNN (fwd {ms['fwd', 'ws'] / ms['fwd', 'fastest']:.3f} of ws); host ms ours/cuDNN "
+          + ", ".join(f"{step} {host[step, 'fastest']:.3f}/{host[step, 'sdpa_cudnn']:.3f}" for step in flops),
+          flush=True)

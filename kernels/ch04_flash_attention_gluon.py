@@ -69,6 +69,7 @@ between 3.6 and 3.9 are bound once in `minillm.kernels.base`, and the TMA reduct
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -822,9 +823,12 @@ def gluon_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether `flash_attention_gluon` takes these inputs: a CUDA device of compute
     capability 9.x, bf16, head_dim 64 or 128, equal lengths that are multiples of 128, GQA
     heads, and a Triton whose Gluon API this module knows."""
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
-            and tuple(int(x) for x in triton.__version__.split(".")[:2]) in GLUON_VERSIONS
+    return (q.is_cuda and _KNOWN_GLUON and torch.cuda.get_device_capability(q.device)[0] == 9
             and _reason(q, k, v) is None)
+
+
+#: Whether this Triton's Gluon API is one the module knows.
+_KNOWN_GLUON = tuple(int(x) for x in triton.__version__.split(".")[:2]) in GLUON_VERSIONS
 
 
 def _reason(q, k, v) -> str | None:
@@ -849,9 +853,16 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv, t
 
 def _descriptor(t2d: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
     """A TMA descriptor over the 2-D ``t2d`` in ``[rows, cols]`` blocks (cols: whole rows)."""
-    block = [rows, cols or t2d.shape[1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t2d.dtype])
-    return TensorDescriptor.from_tensor(t2d, block, layout)
+    block = (rows, cols or t2d.shape[1])
+    return TensorDescriptor.from_tensor(t2d, list(block), _shared_layout(block, t2d.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple[int, int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a ``block`` tile (Gluon's default for it), made once per tile
+    shape: computing it took about half of a descriptor's 16 µs of host time on an H200's host,
+    and a call makes four or five descriptors."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
 
 
 def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -1002,6 +1013,31 @@ def default_schedule(causal: bool, seq_len: int) -> dict:
     if causal:
         return dict(persistent=True, paired=True, dynamic=True, head_group=CAUSAL_HEAD_GROUP)
     return dict(persistent=seq_len <= PERSISTENT_MAX_SEQ, paired=False, dynamic=False, head_group=1)
+
+
+#: From this many keys on, the bf16 forward at head dim 64 without a mask takes three consumers.
+THREE_CONSUMERS_MIN_SEQ = 2048
+#: From this many keys on, the bf16 forward at head dim 128 under a causal mask takes ping-pong.
+CAUSAL_PINGPONG_MIN_SEQ = 4096
+
+
+def fastest_forward(head_dim: int, causal: bool, seq_len: int) -> dict:
+    """The keyword arguments of `flash_attention_gluon` (``variant``, ``consumers``) that ran
+    fastest at this kind of call on an H200; the schedule stays `default_schedule`'s. What the
+    chapter's runs measured (``bench/results/raw/nvidia-h200.bench_ch04_gluon_*.log``):
+
+    - head dim 64 without a mask, from `THREE_CONSUMERS_MIN_SEQ` keys on: ping-pong with three
+      consumer warpgroups, 1.05-1.11x of ping-pong with two and 1.04-1.11x of cuDNN (``ws``
+      with two: 0.98x); at 1k keys a head has 5 1/3 tiles of 192 rows and the third
+      consumer gains nothing, so two, with ping-pong (1-4 % over ``ws`` in eight runs);
+    - head dim 128 under a causal mask, from `CAUSAL_PINGPONG_MIN_SEQ` keys on: ping-pong,
+      1.00-1.07x of ``ws`` in each of five runs (shorter rows: level, either way);
+    - everything else: ``ws`` (ping-pong mostly within 3 % of it, either way)."""
+    if head_dim == 64 and not causal:
+        return dict(variant="ws_pingpong", consumers=3 if seq_len >= THREE_CONSUMERS_MIN_SEQ else 2)
+    if head_dim == 128 and causal and seq_len >= CAUSAL_PINGPONG_MIN_SEQ:
+        return dict(variant="ws_pingpong", consumers=2)
+    return dict(variant="ws", consumers=2)
 
 
 def _grid(n_units: int, persistent: bool | int, dynamic: bool, device) -> tuple[tuple[int], torch.Tensor | None]:

@@ -63,7 +63,11 @@ The backward (`flash_attention_hopper_backward`, the last section of this module
 the same ideas to FA2's dK/dV and dQ kernels, with its own switches (`HopperBwdConfig`);
 `attention_backward` takes it on sm_90 where the Gluon backward
 (`minillm.kernels.ch04_flash_attention_gluon`) does not apply, and FA2's backward off sm_90.
-There is no autograd wrapper: the training path (`flash_attention`) stays FA2's.
+
+The last section is the chapter's one entry point: `fastest_attention`, differentiable, runs
+each call on the fastest kernel that covers it (`forward_kernel`): the Gluon kernels on sm_90
+where their scope allows, with the settings that measured fastest for the call
+(`fastest_forward`), these Triton Hopper kernels elsewhere on sm_90, FA2's off it.
 """
 from __future__ import annotations
 
@@ -488,6 +492,10 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int):
     return TensorDescriptor.from_tensor(t, [1, 1, rows, cols])
 
 
+#: The largest head dim the Hopper kernels take (FA2's go to 256).
+HOPPER_MAX_HEAD_DIM = 128
+
+
 def _check(q, k, v) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"q, k, v must be [batch, heads, seq, head_dim] (k, v alike); got {tuple(q.shape)}, "
@@ -498,8 +506,8 @@ def _check(q, k, v) -> None:
         raise ValueError(f"q_heads={q.shape[1]} must be a multiple of kv_heads={k.shape[1]}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q, k, v must share one dtype among fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not 1 <= q.shape[-1] <= 128:
-        raise ValueError(f"head_dim={q.shape[-1]}: 1..128 supported by the Hopper kernel")
+    if not 1 <= q.shape[-1] <= HOPPER_MAX_HEAD_DIM:
+        raise ValueError(f"head_dim={q.shape[-1]}: 1..{HOPPER_MAX_HEAD_DIM} supported by the Hopper kernel")
 
 
 def _launch(q, k, v, out, lse, scales, causal: bool, scale: float, config: HopperConfig, fp8: bool,
@@ -1216,13 +1224,99 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, scale: flo
     """The backward for `flash_attention_hopper`'s outputs on any device: the Gluon kernel
     (`flash_attention_gluon_backward`, the fastest on Hopper) where its scope covers the call
     (`gluon_applies`: sm_90, bf16, equal lengths in multiples of 128, head dim 64 or 128), the
-    Hopper kernels where `hopper_backward_applies` (sm_90, or the interpreter), FA2's elsewhere."""
+    Hopper kernels where `hopper_backward_applies` (sm_90, or the interpreter) up to head dim
+    `HOPPER_MAX_HEAD_DIM`, FA2's elsewhere."""
     from minillm.kernels.ch04_flash_attention_gluon import flash_attention_gluon_backward, gluon_applies
 
     if gluon_applies(q, k, v):
         return flash_attention_gluon_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
-    if hopper_backward_applies(q.device):
+    if _hopper_covers(q):
         return flash_attention_hopper_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
     from minillm.kernels.ch04_flash_attention import flash_attention_backward
 
     return flash_attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+
+
+def _hopper_covers(q: torch.Tensor) -> bool:
+    """Whether the Hopper kernels take a call with this ``q``: where they apply
+    (`hopper_backward_applies`) and its head dim is at most `HOPPER_MAX_HEAD_DIM`."""
+    return hopper_backward_applies(q.device) and q.shape[-1] <= HOPPER_MAX_HEAD_DIM
+
+
+# ----------------------------------------------------------------------------------------
+# One entry point: each call on the fastest kernel that covers it
+# ----------------------------------------------------------------------------------------
+#: `forward_kernel`'s answers, fastest first where more than one covers a call.
+FORWARD_KERNELS = ("gluon", "hopper", "fa2")
+
+
+def forward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The forward `attention_forward` runs for these inputs (one of `FORWARD_KERNELS`):
+    ``"gluon"`` where `gluon_applies` (sm_90, bf16, queries and keys of one length, a multiple
+    of 128, head dim 64 or 128); ``"hopper"`` (`flash_attention_hopper`) elsewhere on sm_90, or
+    in the interpreter, up to head dim `HOPPER_MAX_HEAD_DIM` (on an H100 1-6 % ahead of FA2, on
+    an H200 level); ``"fa2"`` (`minillm.kernels.ch04_flash_attention.flash_attention`) for
+    everything else. The backward follows the same order (`attention_backward`)."""
+    from minillm.kernels.ch04_flash_attention_gluon import gluon_applies
+
+    if gluon_applies(q, k, v):
+        return "gluon"
+    return "hopper" if _hopper_covers(q) else "fa2"
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                      scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of ``softmax(scale · q kᵀ + mask) v`` from `forward_kernel`'s choice; the
+    Gluon kernel with `minillm.kernels.ch04_flash_attention_gluon.fastest_forward`'s settings
+    for this head dim, mask and length.
+
+    ``q: [batch, q_heads, q_len, head_dim]``, ``k, v: [batch, kv_heads, kv_len, head_dim]``
+    (GQA: ``q_heads % kv_heads == 0``), fp16/bf16 (fp32 off the Gluon kernels); ``causal``:
+    bottom-right aligned; ``scale`` defaults to ``1/sqrt(head_dim)``. Returns ``out`` shaped
+    and typed like q and ``lse: [batch, q_heads, q_len]`` fp32, natural log. Not
+    differentiable: `fastest_attention` is."""
+    kernel = forward_kernel(q, k, v)
+    if kernel == "gluon":
+        from minillm.kernels.ch04_flash_attention_gluon import fastest_forward, flash_attention_gluon
+
+        return flash_attention_gluon(q, k, v, causal=causal, scale=scale,
+                                     **fastest_forward(q.shape[-1], causal, q.shape[2]))
+    if kernel == "hopper":
+        return flash_attention_hopper(q, k, v, causal=causal, scale=scale, return_lse=True)
+    from minillm.kernels.ch04_flash_attention import flash_attention
+
+    return flash_attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+
+
+class FastestAttentionFunction(torch.autograd.Function):
+    """`attention_forward` and `attention_backward` as one differentiable op: the forward saves
+    q, k, v, the output and the logsumexp, the backward recomputes P from them (FA2's
+    scheme) on the fastest backward that covers the call. The lse is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        out, lse = attention_forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale = causal, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def fastest_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                      scale: float | None = None, return_lse: bool = False):
+    """Attention on the fastest kernels this chapter has for the call, differentiable in q, k
+    and v: inputs as `attention_forward`; returns ``out`` (and with ``return_lse`` the
+    logsumexp, not differentiable). On an H200 the Gluon kernels run at about cuDNN's speed
+    where they apply (``bench/ch04_gluon.py``, its dispatch part); elsewhere as the kernel
+    `forward_kernel` names."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out, lse = FastestAttentionFunction.apply(q, k, v, causal, scale)
+    else:
+        out, lse = attention_forward(q, k, v, causal, scale)
+    return (out, lse) if return_lse else out

@@ -7,9 +7,12 @@ against the float64 references.
   error FP8 allows of exact attention of its quantized inputs
   (`minillm.testing.assert_within_fp8_bound`). The backward's dQ, dK and dV against the
   float64 NumPy backward (`fa2_backward`), with dQ added by TMA reductions and by atomics,
-  and `attention_backward` choosing it where it applies.
-- CPU: the wrapper refuses what the kernels do not cover (with the reason), and `gluon_applies`
-  says no off a Hopper GPU. Gluon kernels do not run under Triton's interpreter; instead,
+  and `attention_backward` choosing it where it applies; `fastest_attention` running the
+  forward with `fastest_forward`'s settings and the Gluon backward, its out and gradients
+  against the references.
+- CPU: the wrapper refuses what the kernels do not cover (with the reason), `gluon_applies`
+  says no off a Hopper GPU, and `fastest_forward` asks only for what the kernel takes.
+  Gluon kernels do not run under Triton's interpreter; instead,
   with a Triton whose Gluon API the module knows, every kernel is compiled for sm_90 on the CPU
   (a stand-in driver that names the target) and its PTX is checked for what the chapter claims:
   asynchronous wgmma, register reallocation (``setmaxnreg``) in the warp-specialized kernels
@@ -21,8 +24,8 @@ import torch
 import triton
 
 from minillm.kernels.ch04_flash_attention_gluon import (
-    GLUON_VERSIONS, VARIANTS, bwd_shared_bytes, default_tiles, flash_attention_gluon, flash_attention_gluon_backward,
-    P_KEY_ORDER, flash_attention_gluon_fp8, gluon_applies, prepare_gluon_fp8,
+    GLUON_VERSIONS, VARIANTS, bwd_shared_bytes, default_tiles, fastest_forward, flash_attention_gluon,
+    flash_attention_gluon_backward, P_KEY_ORDER, flash_attention_gluon_fp8, gluon_applies, prepare_gluon_fp8,
 )
 from minillm.reference import attention
 from minillm.reference.ch04_flash_attention import fa2_backward
@@ -56,6 +59,21 @@ def test_refuses_inputs_out_of_scope(shape_q, shape_kv, dtype, match):
     with pytest.raises(ValueError, match=match):
         flash_attention_gluon(q, k, k)
     assert not gluon_applies(q, k, k)
+
+
+def test_fastest_forward_asks_only_for_what_the_kernel_takes():
+    """Three consumers only without a mask (the causal schedules pair 128-row tiles), a
+    warp-specialized variant, and the settings the chapter measured at the points it names."""
+    for head_dim in (64, 128):
+        for causal in (False, True):
+            for seq in (128, 1024, 2048, 4096, 16384):
+                settings = fastest_forward(head_dim, causal, seq)
+                assert settings["variant"] in VARIANTS[1:]
+                assert settings["consumers"] == 2 or not causal
+    assert fastest_forward(64, False, 2048) == dict(variant="ws_pingpong", consumers=3)
+    assert fastest_forward(64, False, 1024) == dict(variant="ws_pingpong", consumers=2)
+    assert fastest_forward(128, True, 4096) == dict(variant="ws_pingpong", consumers=2)
+    assert fastest_forward(128, True, 2048) == fastest_forward(128, False, 16384) == dict(variant="ws", consumers=2)
 
 
 def test_refuses_unknown_variant_and_tile():
@@ -675,3 +693,36 @@ def test_attention_backward_takes_the_gluon_kernel_on_hopper(gen, seed, monkeypa
     out16, lse16 = flash_attention_hopper(*half[:3], causal=True, return_lse=True)
     attention_backward(half[3], *half[:3], out16, lse16, causal=True)
     assert calls == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="Gluon's wgmma/TMA kernels need an sm_90 GPU")
+@pytest.mark.parametrize("head_dim, causal, seq", [(64, False, 2048), (64, False, 1024), (128, True, 4096),
+                                                   (128, False, 1152), (64, True, 640)])
+def test_fastest_attention_runs_the_gluon_kernels_on_hopper(head_dim, causal, seq, gen, seed, monkeypatch):
+    """In the Gluon scope `fastest_attention` runs the forward once with `fastest_forward`'s
+    settings (three consumers, ping-pong or neither) and the Gluon backward once, and its out,
+    lse and gradients through autograd match the float64 references."""
+    import minillm.kernels.ch04_flash_attention_gluon as glu
+    from minillm.kernels.ch04_flash_attention_hopper import fastest_attention, forward_kernel
+
+    forwards, backwards = [], []
+    real_fwd, real_bwd = glu.flash_attention_gluon, glu.flash_attention_gluon_backward
+    monkeypatch.setattr(glu, "flash_attention_gluon",
+                        lambda *a, **kw: forwards.append({k: kw[k] for k in ("variant", "consumers")})
+                        or real_fwd(*a, **kw))
+    monkeypatch.setattr(glu, "flash_attention_gluon_backward",
+                        lambda *a, **kw: backwards.append(1) or real_bwd(*a, **kw))
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 1, seq, head_dim, "cuda", gen))
+    dout = random_tensor(q.shape, torch.bfloat16, q.device, gen)
+    assert forward_kernel(q, k, v) == "gluon"
+    out, lse = fastest_attention(q, k, v, causal=causal, return_lse=True)
+    out.backward(dout)
+    assert forwards == [fastest_forward(head_dim, causal, seq)] and backwards == [1]
+    qn, kn, vn = (to_numpy(t.detach()) for t in (q, k, v))
+    ref_out, ref_lse = attention(qn, kn, vn, causal=causal)
+    assert_close(out.detach(), ref_out, torch.bfloat16, "out", seed)
+    assert_close(lse, ref_lse, torch.bfloat16, "lse", seed)
+    want = fa2_backward(qn, kn, vn, ref_out, ref_lse, to_numpy(dout), causal=causal)
+    for name, t, w in zip(("dq", "dk", "dv"), (q, k, v), want):
+        assert_grad_close(t.grad, w, torch.bfloat16, name, seed)

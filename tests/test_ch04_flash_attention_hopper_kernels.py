@@ -17,6 +17,9 @@ references.
 - The backward (`flash_attention_hopper_backward`) against the float64 NumPy backward
   `minillm.reference.ch04_flash_attention.fa2_backward`: MHA, GQA, odd lengths, q_len !=
   kv_len both ways, causal and not, dQ by atomics and by the separate pass, every switch.
+- `fastest_attention`, the differentiable entry point: out, lse and the gradients through
+  autograd against the same references, and the kernel `forward_kernel` names for the device
+  (the Hopper kernels in the interpreter and on sm_90, FA2's past head dim 128 and elsewhere).
 
 CPU: small shapes under the interpreter (fp32 exact dots, and fp16). GPU (`make gpu`): bf16
 and fp16, larger shapes, the GPU tile configs.
@@ -33,8 +36,9 @@ from minillm.kernels.base import interpreting
 from minillm.kernels.ch04_flash_attention_hopper import (
     ABLATIONS, BWD_ABLATIONS, BWD_DEFAULT_CONFIGS, BWD_INTERPRET_CONFIG, DEFAULT_CONFIGS, E4M3_MAX,
     E4M3_UNIT_ROUNDOFF, INTERPRET_CONFIG, HopperBwdConfig, HopperConfig, ablated, attention_backward, bwd_ablated,
-    bwd_default_config, default_config, flash_attention_fp8, flash_attention_hopper, flash_attention_hopper_backward,
-    hopper_backward_applies, prepare_fp8, quantize_blocks, random_rotation,
+    bwd_default_config, default_config, fastest_attention, flash_attention_fp8, flash_attention_hopper,
+    flash_attention_hopper_backward, forward_kernel, hopper_backward_applies, prepare_fp8, quantize_blocks,
+    random_rotation,
 )
 from minillm.reference import attention
 from minillm.reference import ch04_fp8 as ref8
@@ -489,3 +493,37 @@ def test_backward_inputs_and_dispatch(device, gen, seed):
     else:
         assert bwd_default_config(128, True) == BWD_DEFAULT_CONFIGS[(128, True)]
         assert bwd_default_config(40, False) == BWD_DEFAULT_CONFIGS[(64, False)]
+
+
+# ----------------------------------------------------------------------------------------
+# The entry point: fastest_attention
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("batch, q_heads, kv_heads, q_len, kv_len, head_dim, causal", [
+    (1, 4, 2, 45, 61, 32, True),      # GQA, q < kv (bottom-right causal)
+    (2, 2, 1, 37, 37, 16, False),     # MQA, odd length
+    (1, 2, 1, 70, 33, 24, True),      # q > kv: the first rows see no key
+    (1, 2, 2, 33, 33, 160, True),     # past the Hopper kernels' head dims: FA2's
+])
+def test_fastest_attention_forward_and_gradients(batch, q_heads, kv_heads, q_len, kv_len, head_dim, causal, dtype,
+                                                 device, gen, seed):
+    """Through autograd, out, lse and dQ, dK, dV match the float64 references, the call without
+    gradients gives the same out, and the kernel is the one `forward_kernel` names here."""
+    skip_fp32_on_gpu(dtype, device)
+    q, k, v = (t.requires_grad_() for t in make_qkv(batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype,
+                                                     device, gen))
+    dout = random_tensor(q.shape, dtype, device, gen)
+    out, lse = fastest_attention(q, k, v, causal=causal, scale=0.3, return_lse=True)
+    assert out.requires_grad and not lse.requires_grad
+    out.backward(dout)
+    qn, kn, vn = (to_numpy(t.detach()) for t in (q, k, v))
+    ref_out, ref_lse = attention(qn, kn, vn, causal=causal, scale=0.3)
+    assert_close(out.detach(), ref_out, dtype, "out", seed)
+    assert_close(lse, ref_lse, dtype, "lse", seed)
+    want = fa2_backward(qn, kn, vn, ref_out, ref_lse, to_numpy(dout), causal=causal, scale=0.3)
+    for name, t, w in zip(("dq", "dk", "dv"), (q, k, v), want):
+        assert_grad_close(t.grad, w, dtype, name, seed)
+    with torch.no_grad():
+        assert torch.equal(fastest_attention(q, k, v, causal=causal, scale=0.3), out.detach())
+    on_hopper = torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    hopper = (on_hopper or interpreting()) and head_dim <= 128
+    assert forward_kernel(q, k, v) == ("hopper" if hopper else "fa2")  # none of these is in the Gluon scope
