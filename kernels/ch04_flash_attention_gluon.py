@@ -70,7 +70,6 @@ between 3.6 and 3.9 are bound once in `minillm.kernels.base`, and the TMA reduct
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -81,7 +80,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin as gl_builtin
 
 from minillm.kernels.base import (
-    LOG2E, TensorDescriptor, fence_async_shared, mbarrier, num_sms, tma, warpgroup_mma, warpgroup_mma_wait,
+    LOG2E, TensorDescriptor, fence_async_shared, mbarrier, num_sms, scale_and_window, tma,
+    warpgroup_mma, warpgroup_mma_wait,
     gluon_tma_load as _tma_load, gluon_tma_store as _tma_store, gluon_warps_barrier as _warps_barrier,
     gluon_put_index as _write_tile, gluon_get_index as _read_tile,
 )
@@ -1081,7 +1081,7 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
         # (the causal schedules pair up 128-row tiles)
         raise ValueError("three consumers need a warp-specialized variant and no causal mask")
     consumer_regs = CONSUMER_REGS[consumers] if consumer_regs is None else consumer_regs
-    qk_scale = (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E
+    qk_scale = scale_and_window(d, scale, None)[0] * LOG2E  # (> 0: the row max commutes with it)
     out = torch.empty(out_shape or q.shape, device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((b, h, s), device=q.device, dtype=torch.float32)
     k_desc = _descriptor(k.view(-1, d), block_n)
@@ -1492,7 +1492,7 @@ def flash_attention_gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout.to(torch.bfloat16)))
     lse = lse.float().contiguous()
     b, h, s, d = q.shape
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    scale, _ = scale_and_window(d, scale, None)
     delta = torch.empty((b, h, s), device=q.device, dtype=torch.float32)
     dq_acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     dk, dv = torch.empty_like(k), torch.empty_like(v)

@@ -76,6 +76,20 @@ def test_fastest_forward_asks_only_for_what_the_kernel_takes():
     assert fastest_forward(128, True, 2048) == fastest_forward(128, False, 16384) == dict(variant="ws", consumers=2)
 
 
+def test_refuses_a_scale_that_is_not_positive():
+    """The kernels take the row max of the scores before scaling them, which is right only for
+    a positive scale: the forward (bf16 and FP8) and the backward refuse any other."""
+    q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 256)
+    for scale in (0.0, -0.125):
+        with pytest.raises(ValueError, match="scale must be > 0"):
+            flash_attention_gluon(q, q, q, scale=scale)
+        with pytest.raises(ValueError, match="scale must be > 0"):
+            flash_attention_gluon_fp8(q, q, q, scale=scale)
+        with pytest.raises(ValueError, match="scale must be > 0"):
+            flash_attention_gluon_backward(q, q, q, q, q, lse, scale=scale)
+
+
 def test_refuses_unknown_variant_and_tile():
     q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="persistent"):

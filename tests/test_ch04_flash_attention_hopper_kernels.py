@@ -527,3 +527,12 @@ def test_fastest_attention_forward_and_gradients(batch, q_heads, kv_heads, q_len
     on_hopper = torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
     hopper = (on_hopper or interpreting()) and head_dim <= 128
     assert forward_kernel(q, k, v) == ("hopper" if hopper else "fa2")  # none of these is in the Gluon scope
+
+
+def test_fastest_attention_refuses_a_scale_that_is_not_positive(device, gen):
+    """Whichever kernel takes the call, a scale of 0 or below is refused, not computed wrongly."""
+    q, k, v = make_qkv(1, 2, 1, 16, 16, 16, torch.float32 if torch.device(device).type == "cpu" else torch.float16,
+                       device, gen)
+    for scale in (0.0, -0.5):
+        with pytest.raises(ValueError, match="scale must be > 0"):
+            fastest_attention(q, k, v, scale=scale)
