@@ -80,8 +80,10 @@ Gluon kernels with `fastest_forward`'s settings for the call (named in each row'
 ``TFLOPs`` and ``time_ms`` of the forward (`attention_forward`, no ``pass``) against SDPA
 cuDNN's and against bf16 ``ws`` (the module's defaults); of the backward through autograd
 (``pass`` "bwd", one saved forward) and of a whole training step's attention, forward and
-backward (``pass`` "fwd_bwd"), against SDPA cuDNN's through autograd; ``rel_err`` of out and
-of the gradients against cuDNN's. Budget ``MINILLM_CH04_GLUON_DISPATCH_BUDGET_S`` (default 240).
+backward (``pass`` "fwd_bwd"), against SDPA cuDNN's through autograd, the calls taking turns;
+``host_ms``, the host's time per call of each of the three against cuDNN's (`host_ms`);
+``rel_err`` of out and of the gradients against cuDNN's. Budget
+``MINILLM_CH04_GLUON_DISPATCH_BUDGET_S`` (default 240).
 
 ``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax,tiles,consumers,dispatch``) picks the
 parts to run; a re-run of some parts keeps the others' earlier rows in the results file.
@@ -582,9 +584,9 @@ def dispatch_sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SEQ_L
                    hidden: int = HIDDEN, timer: Callable | None = None) -> None:
     """The dispatch rows (see the module's docstring) at every forward point, until
     `dispatch_budget_s`. Each point's calls take turns within each of `timing_rounds` rounds
-    (`interleaved_times`): the forward's two kernels of the same settings, timed one after the
-    other, came out up to 6 % apart on an H200, from the drift between one call of ``do_bench``
-    and the next alone."""
+    (`interleaved_times`). Timed one after the other instead, on an H200, the forward's second
+    name came out 1-6 % slower than the first at every point where both run the same kernel
+    (``bench/results/raw/nvidia-h200.bench_ch04_gluon_dispatch_back_to_back.log``)."""
     timer, gen, out_of_time = sweep_start(results, BENCHMARK, device, dispatch_budget_s(), timer, WARMUP_MS, REP_MS)
     each_point(f"{BENCHMARK} dispatch", head_dims, seq_lens, out_of_time,
                lambda head_dim, causal, n: _dispatch_point(results, device, gen, n, head_dim, causal, timer, tokens,
