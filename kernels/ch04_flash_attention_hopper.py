@@ -1246,12 +1246,8 @@ def _hopper_covers(q: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------------------
 # One entry point: each call on the fastest kernel that covers it
 # ----------------------------------------------------------------------------------------
-#: `forward_kernel`'s answers, fastest first where more than one covers a call.
-FORWARD_KERNELS = ("gluon", "hopper", "fa2")
-
-
 def forward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """The forward `attention_forward` runs for these inputs (one of `FORWARD_KERNELS`):
+    """The forward `attention_forward` runs for these inputs, the fastest that covers them:
     ``"gluon"`` where `gluon_applies` (sm_90, bf16, queries and keys of one length, a multiple
     of 128, head dim 64 or 128); ``"hopper"`` (`flash_attention_hopper`) elsewhere on sm_90, or
     in the interpreter, up to head dim `HOPPER_MAX_HEAD_DIM` (on an H100 1-6 % ahead of FA2, on
