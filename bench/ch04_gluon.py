@@ -82,7 +82,10 @@ cuDNN's and against bf16 ``ws`` (the module's defaults); of the backward through
 (``pass`` "bwd", one saved forward) and of a whole training step's attention, forward and
 backward (``pass`` "fwd_bwd"), against SDPA cuDNN's through autograd, the calls taking turns;
 ``host_ms``, the host's time per call of each of the three against cuDNN's (`host_ms`);
-``rel_err`` of out and of the gradients against cuDNN's. Budget
+at N ≤ `GRAPH_MAX_SEQ`, where the host's time per step is close to the GPU's,
+``graph_time_ms`` of the training step with `GRAPH_STEPS` steps captured in one CUDA graph
+(the GPU's time alone, `graphed_step_ms`); ``rel_err`` of out and of the gradients against
+cuDNN's. Budget
 ``MINILLM_CH04_GLUON_DISPATCH_BUDGET_S`` (default 240).
 
 ``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax,tiles,consumers,dispatch``) picks the
@@ -97,6 +100,7 @@ from typing import Callable
 import torch
 
 from minillm.costs import nominal_attention_flops
+from minillm.kernels.base import capture_calls
 from minillm.kernels.ch04_flash_attention_gluon import (
     GLUON_VERSIONS, flash_attention_gluon, flash_attention_gluon_backward, flash_attention_gluon_fp8,
     default_schedule, default_tiles, fastest_forward, gluon_applies, prepare_gluon_fp8,
@@ -613,6 +617,22 @@ def host_ms(fn: Callable) -> float:
     return ms
 
 
+#: The longest sequence whose training step is also timed inside a CUDA graph, and the steps
+#: captured per graph (each keeps its own gradients in the graph's memory pool).
+GRAPH_MAX_SEQ = 2048
+GRAPH_STEPS = 10
+
+
+def graphed_step_ms(steps: dict[str, Callable], timer: Callable) -> dict[str, float]:
+    """``{name: ms}`` per call of each of ``steps`` with `GRAPH_STEPS` calls captured in one
+    CUDA graph, the graphs' replays taking turns (`interleaved_times`): what the step costs
+    once the host's Python and launches are out of the way, as in a training loop that
+    captures its step."""
+    graphs = {name: capture_calls([fn], GRAPH_STEPS) for name, fn in steps.items()}
+    ms = interleaved_times({name: graph.replay for name, graph in graphs.items()}, timer, timing_rounds())
+    return {name: t / GRAPH_STEPS for name, t in ms.items()}
+
+
 def _dispatch_point(results: Results, device, gen, n: int, head_dim: int, causal: bool, timer, tokens: int,
                     hidden: int) -> None:
     batch, heads = max(1, tokens // n), hidden // head_dim
@@ -635,6 +655,8 @@ def _dispatch_point(results: Results, device, gen, n: int, head_dim: int, causal
         calls["fwd_bwd", name] = forward_and_backward(attn, q, k, v, dout)
     ms = interleaved_times(calls, timer, timing_rounds())
     host = {key: host_ms(fn) for key, fn in calls.items() if key[1] != "ws"}
+    graphed = graphed_step_ms({name: calls["fwd_bwd", name] for name in ("sdpa_cudnn", "fastest")}, timer) \
+        if n <= GRAPH_MAX_SEQ else None
     errs = {"fwd": rel_err(out, cudnn_out)}
     errs["bwd"] = errs["fwd_bwd"] = grads_err(grads["fastest"](), grads["sdpa_cudnn"]())
     settings = fastest_forward(head_dim, causal, n)
@@ -648,6 +670,9 @@ def _dispatch_point(results: Results, device, gen, n: int, head_dim: int, causal
                     note="‖ours − cuDNN‖ / ‖cuDNN‖" + (" (max over dQ, dK, dV)" if step != "fwd" else ""))
         results.add(BENCHMARK, params, "host_ms", host[step, "fastest"], "sdpa_cudnn", host[step, "sdpa_cudnn"],
                     note=f"host time per call, {HOST_CALLS} calls not waited for")
+        if step == "fwd_bwd" and graphed:
+            results.add(BENCHMARK, params, "graph_time_ms", graphed["fastest"], "sdpa_cudnn", graphed["sdpa_cudnn"],
+                        note=f"{GRAPH_STEPS} steps captured in one CUDA graph; {note}")
         for peer in peers:
             results.add(BENCHMARK, params, "time_ms", ms[step, "fastest"], peer, ms[step, peer], note=note)
             results.add(BENCHMARK, params, "TFLOPs", tflops(ms[step, "fastest"]), peer, tflops(ms[step, peer]),
@@ -655,5 +680,6 @@ def _dispatch_point(results: Results, device, gen, n: int, head_dim: int, causal
     print(f"  [{BENCHMARK} dispatch] D={head_dim} causal={causal} N={n} {settings}: "
           + ", ".join(f"{step} {ms[step, 'sdpa_cudnn'] / ms[step, 'fastest']:.3f}" for step in flops)
           + f" of cuDNN (fwd {ms['fwd', 'ws'] / ms['fwd', 'fastest']:.3f} of ws); host ms ours/cuDNN "
-          + ", ".join(f"{step} {host[step, 'fastest']:.3f}/{host[step, 'sdpa_cudnn']:.3f}" for step in flops),
+          + ", ".join(f"{step} {host[step, 'fastest']:.3f}/{host[step, 'sdpa_cudnn']:.3f}" for step in flops)
+          + (f"; step in a graph {graphed['sdpa_cudnn'] / graphed['fastest']:.3f} of cuDNN" if graphed else ""),
           flush=True)

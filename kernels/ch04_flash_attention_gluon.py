@@ -80,7 +80,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin as gl_builtin
 
 from minillm.kernels.base import (
-    LOG2E, TensorDescriptor, fence_async_shared, mbarrier, num_sms, scale_and_window, tma,
+    LOG2E, TensorDescriptor, fence_async_shared, launch, mbarrier, num_sms, scale_and_window, tma,
     warpgroup_mma, warpgroup_mma_wait,
     gluon_tma_load as _tma_load, gluon_tma_store as _tma_store, gluon_warps_barrier as _warps_barrier,
     gluon_put_index as _write_tile, gluon_get_index as _read_tile,
@@ -1108,7 +1108,7 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
     meta.update(CAUSAL=bool(causal), HEAD_D=d, BLOCK_N=block_n, NUM_STAGES=num_stages)
     if compile_only:
         return kernel.warmup(*descriptors, *args, grid=grid, **meta)
-    kernel[grid](*descriptors, *args, **meta)
+    launch(kernel, grid, *descriptors, *args, **meta)  # (Triton's binding once per signature)
     return out, lse
 
 
@@ -1513,7 +1513,7 @@ def flash_attention_gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
     if compile_only:
         return _bwd_kernel.warmup(*descriptors, *args, grid=grid, **meta)
     launch_bwd_preprocess(out, dout, delta, dq_acc, True, d)
-    _bwd_kernel[grid](*descriptors, *args, **meta)
+    launch(_bwd_kernel, grid, *descriptors, *args, **meta)
     dq = torch.empty_like(q)
     scale_convert(dq_acc, dq, scale)
     return dq, dk, dv

@@ -77,8 +77,8 @@ from dataclasses import dataclass, replace
 import torch
 from minillm.kernels.base import (  # shared by every chapter's attention kernels
     tl, triton,
-    LN2_C, LOG2E, LOG2E_C, block_d, dot_precision, head_dim_offsets, interpreting, num_sms, online_softmax_update,
-    scale_and_window,
+    LN2_C, LOG2E, LOG2E_C, block_d, dot_precision, head_dim_offsets, interpreting, launch, num_sms,
+    online_softmax_update, scale_and_window,
 )
 from minillm.kernels.ch04_flash_attention import kv_segments, visible_mask
 
@@ -542,7 +542,8 @@ def _launch(q, k, v, out, lse, scales, causal: bool, scale: float, config: Hoppe
     grid = (min(n_tiles, num_sms(q.device) * config.programs_per_sm) if config.persistent else n_tiles,)
     dynamic = config.persistent and config.scheduler == "dynamic"
     tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
-    _hopper_fwd_kernel[grid](
+    launch(
+        _hopper_fwd_kernel, grid,
         q, k, v, out, lse, q_scale, k_scale, v_scale, desc_q, desc_k, desc_v, desc_o, tile_counter,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -1136,17 +1137,16 @@ def launch_bwd_preprocess(out, dout, delta, dq_acc, zero_dq: bool, head_dim: int
     block = 64
     acc = dq_acc if dq_acc is not None else delta  # unused without zero_dq
     acc_strides = _strides3(dq_acc) if dq_acc is not None else (0, 0, 0)
-    _hopper_bwd_preprocess_kernel[(triton.cdiv(q_len, block), batch * q_heads)](
-        out, dout, delta, acc, *_strides3(out), *_strides3(dout), *_strides3(delta), *acc_strides, q_heads, q_len,
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), ZERO_DQ=zero_dq, BLOCK_M=block, num_warps=4,
-    )
+    launch(_hopper_bwd_preprocess_kernel, (triton.cdiv(q_len, block), batch * q_heads),
+           out, dout, delta, acc, *_strides3(out), *_strides3(dout), *_strides3(delta), *acc_strides, q_heads, q_len,
+           HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), ZERO_DQ=zero_dq, BLOCK_M=block, num_warps=4)
 
 
 def scale_convert(x: torch.Tensor, y: torch.Tensor, scale: float) -> None:
     """``y = scale · x`` in y's dtype, for contiguous tensors of the same size (the fp32 dQ
     buffer into ``dq``)."""
     n = x.numel()
-    _scale_convert_kernel[(triton.cdiv(n, 4096),)](x, y, n, scale, BLOCK=4096, num_warps=8)
+    launch(_scale_convert_kernel, (triton.cdiv(n, 4096),), x, y, n, scale, BLOCK=4096, num_warps=8)
 
 
 def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale: float, config: HopperBwdConfig) -> None:
@@ -1166,7 +1166,8 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale: float,
     dq_target = dq_acc if atomic else dq
     n_n_blocks = triton.cdiv(kv_len, config.block_n)
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=bool(causal), DOT_PRECISION=dot_precision(q.dtype), TMA=tma)
-    _hopper_dkdv_kernel[(n_n_blocks * batch * kv_heads,)](
+    launch(
+        _hopper_dkdv_kernel, (n_n_blocks * batch * kv_heads,),
         q, k, v, dout, lse, delta, dk, dv, dq_target, desc_q, desc_k, desc_v, desc_do, desc_dq,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(lse), *_strides3(delta),
         *_strides3(dk), *_strides3(dv), *_strides3(dq_target),
@@ -1182,7 +1183,8 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale: float,
         desc_q, desc_do = _descriptor(q, config.dq_block_m, bd), _descriptor(dout, config.dq_block_m, bd)
         desc_k, desc_v = _descriptor(k, config.dq_block_n, bd), _descriptor(v, config.dq_block_n, bd)
     n_m_blocks = triton.cdiv(q_len, config.dq_block_m)
-    _hopper_dq_kernel[(n_m_blocks * batch * q_heads,)](
+    launch(
+        _hopper_dq_kernel, (n_m_blocks * batch * q_heads,),
         q, k, v, dout, lse, delta, dq, desc_q, desc_k, desc_v, desc_do,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(lse), *_strides3(delta),
         *_strides3(dq), q_heads, q_heads // kv_heads, q_len, kv_len, n_m_blocks, scale, scale * LOG2E, **meta,
@@ -1310,7 +1312,9 @@ def fastest_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     and v: inputs as `attention_forward`; returns ``out`` (and with ``return_lse`` the
     logsumexp, not differentiable). On an H200 the Gluon kernels run at about cuDNN's speed
     where they apply (``bench/ch04_gluon.py``, its dispatch part); elsewhere as the kernel
-    `forward_kernel` names."""
+    `forward_kernel` names. Its kernels launch through `minillm.kernels.base.launch` (the
+    compiled binary reused, Triton's per-call binding skipped): on the H200 that keeps the
+    host ahead of the GPU in a training step from 1k keys on."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = FastestAttentionFunction.apply(q, k, v, causal, scale)
     else:

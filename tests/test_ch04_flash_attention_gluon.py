@@ -9,7 +9,8 @@ against the float64 references.
   float64 NumPy backward (`fa2_backward`), with dQ added by TMA reductions and by atomics,
   and `attention_backward` choosing it where it applies; `fastest_attention` running the
   forward with `fastest_forward`'s settings and the Gluon backward, its out and gradients
-  against the references.
+  against the references, and a second training step launching every kernel from
+  `minillm.kernels.base.launch`'s cache.
 - CPU: the wrapper refuses what the kernels do not cover (with the reason), `gluon_applies`
   says no off a Hopper GPU, and `fastest_forward` asks only for what the kernel takes.
   Gluon kernels do not run under Triton's interpreter; instead,
@@ -733,6 +734,12 @@ def test_fastest_attention_runs_the_gluon_kernels_on_hopper(head_dim, causal, se
     out, lse = fastest_attention(q, k, v, causal=causal, return_lse=True)
     out.backward(dout)
     assert forwards == [fastest_forward(head_dim, causal, seq)] and backwards == [1]
+    _check_step(q, k, v, dout, out, lse, causal, seed)
+
+
+def _check_step(q, k, v, dout, out, lse, causal, seed):
+    """A training step's out, lse and the gradients autograd left in q, k, v against the
+    float64 references."""
     qn, kn, vn = (to_numpy(t.detach()) for t in (q, k, v))
     ref_out, ref_lse = attention(qn, kn, vn, causal=causal)
     assert_close(out.detach(), ref_out, torch.bfloat16, "out", seed)
@@ -740,3 +747,35 @@ def test_fastest_attention_runs_the_gluon_kernels_on_hopper(head_dim, causal, se
     want = fa2_backward(qn, kn, vn, ref_out, ref_lse, to_numpy(dout), causal=causal)
     for name, t, w in zip(("dq", "dk", "dv"), (q, k, v), want):
         assert_grad_close(t.grad, w, torch.bfloat16, name, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="Gluon's wgmma/TMA kernels need an sm_90 GPU")
+@pytest.mark.parametrize("seq, kernel, launched", [
+    (640, "gluon", {"_warp_specialized_kernel", "_bwd_kernel", "_hopper_bwd_preprocess_kernel",
+                    "_scale_convert_kernel"}),
+    (200, "hopper", {"_hopper_fwd_kernel", "_hopper_bwd_preprocess_kernel", "_hopper_dkdv_kernel"}),
+])
+def test_fastest_attention_launches_cached_binaries(seq, kernel, launched, gen, seed):
+    """A training step of `fastest_attention` launches its kernels through
+    `minillm.kernels.base.launch`: the first step caches a binary for each kernel it launches,
+    a second step on new tensors of the same shapes finds every one (the cache does not grow),
+    and the launches from the cache compute the right out and gradients."""
+    from minillm.kernels.base import clear_launch_cache, launch_cache
+    from minillm.kernels.ch04_flash_attention_hopper import fastest_attention, forward_kernel
+
+    def step():
+        q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 2, seq, 128, "cuda", gen))
+        dout = random_tensor(q.shape, torch.bfloat16, q.device, gen)
+        assert forward_kernel(q, k, v) == kernel
+        out, lse = fastest_attention(q, k, v, causal=True, return_lse=True)
+        out.backward(dout)
+        return q, k, v, dout, out, lse
+
+    clear_launch_cache()
+    step()
+    cached = launch_cache()
+    assert launched <= {key[0].fn.__name__ for key in cached}
+    second = step()
+    assert launch_cache().keys() == cached.keys()
+    _check_step(*second, True, seed)
