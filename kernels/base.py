@@ -36,7 +36,8 @@ import triton.language as tl  # noqa: E402
 __all__ = ["triton", "tl", "interpreting", "launch", "LOG2E", "LN2", "LOG2E_C", "LN2_C", "CPU_NUM_SMS", "block_d",
            "dot_precision", "scale_and_window", "num_sms", "head_dim_offsets", "online_softmax_update",
            "capture_calls", "graph_ms_per_call", "l2_copies", "recording", "Recording", "record_call",
-           "is_recording", "unrecorded", "TensorAddress", "cached_descriptor", "DESCRIPTOR_CACHE_SIZE",
+           "is_recording", "unrecorded", "TensorAddress", "cached_descriptor", "clear_descriptor_cache",
+           "DESCRIPTOR_CACHE_SIZE", "expanded_arguments", "DIRECT_LAUNCH_VERSIONS",
            "TensorDescriptor", "fence_async_shared", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait",
            "gluon_tma_load", "gluon_tma_store", "gluon_warps_barrier", "gluon_put_index", "gluon_get_index"]
 
@@ -217,12 +218,17 @@ def online_softmax_update(m_i, l_i, s, qk_scale, MASKED: tl.constexpr):
 # `launch` does that look-up once per distinct call. Its key holds every non-tensor argument
 # *by value* and every tensor's dtype and alignment, which is finer than Triton's
 # specialization: a hit is always the binary Triton itself would pick. A hit calls the
-# compiled kernel's C launcher directly (about 7 µs on the same host). A miss, the
-# interpreter, a launch hook (a profiler such as proton sets one) and autotuned kernels take
-# Triton's normal path.
+# compiled kernel's launcher directly. With Triton 3.6 it skips the launcher's Python wrapper
+# as well (`_direct_plan`), which walks every argument to expand the tensor descriptors: a hit
+# of Chapter 7's Gluon decode launch (40 arguments, two descriptors) took 36 µs of an H200
+# host's time through the wrapper and 29 µs without it (`bench/host_time.py`,
+# ``bench/results/raw/nvidia-h200.host_time_direct_launch.log``). A miss, the interpreter, a
+# launch hook (a profiler such as proton sets one) and autotuned kernels take Triton's normal
+# path.
 # ----------------------------------------------------------------------------------------
-#: ``key -> (binary, constexpr values)``; emptied when it reaches `CACHE_SIZE` (the key holds
-#: integer arguments by value, so an engine whose block tables widen adds one entry per width).
+#: ``key -> (binary, constexpr values, direct plan or None)``; emptied when it reaches
+#: `CACHE_SIZE` (the key holds integer arguments by value, so an engine whose block tables
+#: widen adds one entry per width).
 _BINARIES: dict[tuple, tuple] = {}
 CACHE_SIZE = 4096
 #: ``(kernel, argument types) -> (tensors getter, others getter)``: which arguments are tensors.
@@ -230,8 +236,9 @@ _LAYOUTS: dict[tuple, tuple] = {}
 
 
 def launch_cache() -> dict[tuple, tuple]:
-    """A snapshot (a new dict) of `launch`'s cache: ``key -> (binary, constexpr values)``, one
-    entry per specialization launched through the fast path (empty under the interpreter)."""
+    """A snapshot (a new dict) of `launch`'s cache: ``key -> (binary, constexpr values, direct
+    plan)``, one entry per specialization launched through the fast path (empty under the
+    interpreter); the plan is `_direct_plan`'s (None: hits go through ``binary.run``)."""
     return dict(_BINARIES)
 
 
@@ -272,11 +279,13 @@ def launch(kernel, grid: tuple, *args, **meta):
     if layout is None:
         layout = _LAYOUTS[(kernel, types)] = _layout(types)
     tensors, others, descriptors = layout
-    # Tensors count by dtype and 16-byte alignment, tensor descriptors by dtype and box
-    # (their address, shape and strides are encoded at every launch), everything else by
-    # value: `others` holds the integers (and floats, None, bools) Triton specializes on.
-    key = (kernel, device, types, others(args), *meta.items(),
-           *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors(args)],
+    # Tensors count by dtype and address modulo 16 (Triton specializes on 16-byte alignment),
+    # tensor descriptors by dtype and box (their address, shape and strides are encoded at
+    # every launch), everything else by value: `others` holds the integers (and floats, None,
+    # bools) Triton specializes on. (`map` over C functions: no Python loop per tensor.)
+    ts = tensors(args)
+    key = (kernel, device, types, others(args), tuple(meta), tuple(meta.values()), tuple(map(_DTYPE_OF, ts)),
+           tuple(map(_MISALIGNMENT, map(_ADDRESS_OF, ts))),
            *[(d.base.dtype, tuple(d.block_shape)) for d in descriptors(args)])
     hit = _BINARIES.get(key)
     if hit is None:
@@ -289,16 +298,72 @@ def launch(kernel, grid: tuple, *args, **meta):
             return binary
         if len(_BINARIES) >= CACHE_SIZE:
             _BINARIES.clear()
-        _BINARIES[key] = (binary, constexprs)
+        _BINARIES[key] = (binary, constexprs, _direct_plan(binary))
         if _RECORDING is not None:
             _record_binary(binary, _launcher_args(binary, grid, device, args, constexprs), descriptors(args))
         return binary
-    binary, constexprs = hit
+    binary, constexprs, direct = hit
+    if direct is not None and _RECORDING is None:
+        c_launch, cooperative, pdl, expansions = direct
+        stream = _driver.active.get_current_stream(device)
+        c_launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, binary.function,
+                 cooperative, pdl, None, None, binary.packed_metadata, None, None, None,
+                 *expanded_arguments(args, expansions), *constexprs)
+        return binary
     launcher_args = _launcher_args(binary, grid, device, args, constexprs)
     if _RECORDING is not None:
         _record_binary(binary, launcher_args, descriptors(args))
     binary.run(*launcher_args)
     return binary
+
+
+_DTYPE_OF = operator.attrgetter("dtype")
+_ADDRESS_OF = torch.Tensor.data_ptr
+_MISALIGNMENT = (15).__and__
+#: Triton versions whose launcher `_direct_plan` knows (its Python wrapper and the arguments
+#: the C function takes before the kernel's own).
+DIRECT_LAUNCH_VERSIONS = ((3, 6),)
+
+
+def _direct_plan(binary) -> tuple | None:
+    """How `launch` calls ``binary``'s C launcher itself: ``(C function, cooperative, pdl,
+    expansions)``, ``expansions`` the ``(position, metadata)`` pairs of the tensor-descriptor
+    arguments that Triton's wrapper would expand (`expanded_arguments`). None where the
+    wrapper does more than that (scratch memory to allocate), is not Triton 3.6's, or is not
+    shaped as expected: the launch then goes through ``binary.run``."""
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) not in DIRECT_LAUNCH_VERSIONS:
+        return None
+    run = binary.run
+    if (type(run).__name__ != "CudaLauncher" or getattr(run, "global_scratch_size", 1)
+            or getattr(run, "profile_scratch_size", 1) or not hasattr(run, "launch_pdl")):
+        return None
+    c_launch, expansions = run.launch, ()
+    if not isinstance(c_launch, type(len)):  # the descriptors' wrapper around the C function
+        code, cells = getattr(c_launch, "__code__", None), getattr(c_launch, "__closure__", None) or ()
+        names = dict(zip(code.co_freevars, (c.cell_contents for c in cells))) if code else {}
+        c_launch, indices, metas = names.get("launcher"), names.get("tensordesc_indices"), names.get("tensordesc_meta")
+        if not isinstance(c_launch, type(len)) or indices is None or metas is None or len(metas) != len(indices):
+            return None
+        expansions = tuple(zip(sorted(indices), metas))
+    return c_launch, run.launch_cooperative_grid, run.launch_pdl, expansions
+
+
+def expanded_arguments(args: tuple, expansions: tuple, expand=None) -> tuple | list:
+    """``args`` with the tensor descriptor at each position of ``expansions`` (``(position,
+    metadata)`` pairs, positions ascending) replaced by ``expand(descriptor, metadata)``'s
+    values (by default Triton's ``make_tensordesc_arg``: the encoded CUtensorMap, then the
+    shape and strides), as Triton's launcher wrapper passes them to the C function."""
+    if not expansions:
+        return args
+    if expand is None:
+        from triton.backends.nvidia.driver import make_tensordesc_arg as expand
+    out, start = [], 0
+    for position, metadata in expansions:
+        out += args[start:position]
+        out += expand(args[position], metadata)
+        start = position + 1
+    out += args[start:]
+    return out
 
 
 def _launcher_args(binary, grid: tuple, device, args: tuple, constexprs: tuple) -> tuple:
@@ -353,6 +418,11 @@ def cached_descriptor(key: tuple, make):
             _DESCRIPTORS.clear()
         desc = _DESCRIPTORS[key] = make()
     return desc
+
+
+def clear_descriptor_cache() -> None:
+    """Empty `cached_descriptor`'s store (the next call of each key builds its descriptor)."""
+    _DESCRIPTORS.clear()
 
 
 def _layout(types: tuple) -> tuple:

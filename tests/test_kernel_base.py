@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from minillm.kernels.base import (
-    CPU_NUM_SMS, LN2, LOG2E, block_d, clear_launch_cache, dot_precision, head_dim_offsets, launch, launch_cache,
-    num_sms, online_softmax_update, record_call, recording, scale_and_window,
+    CPU_NUM_SMS, DIRECT_LAUNCH_VERSIONS, LN2, LOG2E, block_d, clear_launch_cache, dot_precision, expanded_arguments,
+    head_dim_offsets, launch, launch_cache, num_sms, online_softmax_update, record_call, recording, scale_and_window,
 )
 
 
@@ -64,7 +64,7 @@ def test_cache_hits_reuse_one_binary_per_specialization():
     y = torch.randn(64, device="cuda")
     _axpy(x[:64], y, 2.0)
     assert len(launch_cache()) == 1
-    (binary, constexprs), = launch_cache().values()
+    (binary, constexprs, _), = launch_cache().values()
     assert constexprs == (64, False)  # BLOCK from the call, SQUARE from its default
     _axpy(x[:64], y, 2.0)
     assert len(launch_cache()) == 1  # a hit
@@ -93,6 +93,59 @@ def test_cached_launch_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, _reference(x, y, 3.0))
+
+
+def test_expanded_arguments_put_each_descriptor_s_values_in_its_place():
+    args = ("x", "desc_a", 3, "desc_b", 0.5)
+    expand = lambda desc, meta: [f"{desc}:{meta}", 8, 1]  # noqa: E731  (map, shape, stride)
+    assert expanded_arguments(args, ((1, "m1"), (3, "m2")), expand) == [
+        "x", "desc_a:m1", 8, 1, 3, "desc_b:m2", 8, 1, 0.5]
+    assert expanded_arguments(args, ((0, None),), expand) == ["x:None", 8, 1, "desc_a", 3, "desc_b", 0.5]
+    assert expanded_arguments(args, ()) is args
+
+
+@triton.jit
+def _copy_rows_kernel(src_desc, Out, ROWS: tl.constexpr, COLS: tl.constexpr):
+    row0 = tl.program_id(0) * ROWS
+    tile = src_desc.load([row0, 0])
+    rows = row0 + tl.arange(0, ROWS)[:, None]
+    tl.store(Out + rows * COLS + tl.arange(0, COLS)[None, :], tile)
+
+
+def _known_launcher() -> bool:
+    return tuple(int(v) for v in triton.__version__.split(".")[:2]) in DIRECT_LAUNCH_VERSIONS
+
+
+@pytest.mark.gpu
+def test_hits_call_the_c_launcher_directly_where_the_wrapper_is_known():
+    clear_launch_cache()
+    x, y = torch.randn(64, device="cuda"), torch.randn(64, device="cuda")
+    _axpy(x, y, 2.0)
+    (_, _, plan), = launch_cache().values()
+    assert (plan is not None) == _known_launcher()
+    if plan is not None:
+        assert plan[3] == ()  # no descriptors: nothing to expand
+    for _ in range(2):  # the hits take the plan
+        torch.testing.assert_close(_axpy(x, y, 2.0), _reference(x, y, 2.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="host tensor descriptors need TMA (sm_90 or newer)")
+def test_a_descriptor_kernel_s_hits_expand_the_descriptor_per_call():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    clear_launch_cache()
+    rows, cols = 16, 32
+    for n in (64, 64, 128, 64):  # a miss, a hit, a new shape (same key: the box), the first again
+        src = torch.randn(n, cols, device="cuda")
+        out = torch.empty_like(src)
+        launch(_copy_rows_kernel, (n // rows,), TensorDescriptor.from_tensor(src, [rows, cols]), out,
+               ROWS=rows, COLS=cols)
+        torch.testing.assert_close(out, src)  # the descriptor's address and shape are this call's
+    (_, _, plan), = launch_cache().values()
+    if _known_launcher():
+        assert plan is not None and [position for position, _ in plan[3]] == [0]
 
 
 # ----------------------------------------------------------------------------------------
