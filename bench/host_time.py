@@ -11,12 +11,13 @@ process and on the same tensors:
 - ``direct``: the defaults: a hit calls the C launcher itself (`launch`'s direct plan, Triton
   3.6) and the descriptors are kept.
 
-it prints the host's milliseconds per call (the fastest of `ROUNDS` medians of `HOST_CALLS` calls
-that are not waited for, `bench.ch04_gluon.host_ms`, the modes taking turns) of the forward, the backward and the
-step of `fastest_attention` at 1k keys (batch 16, hidden 2048, as the dispatch part of
-``bench/ch04_gluon.py``), of the Gluon and Triton decode calls at batch 1, 8 KV heads and 4k
-keys (and of that Gluon call's `launch` alone), and of SDPA's cuDNN backend on the same shapes (in the training step pinned at every
-call, as the dispatch part does; in the decode call once, around the timed calls).
+it prints the host's milliseconds per call (the fastest of `ROUNDS` medians of `HOST_CALLS`
+calls that are not waited for, `bench.ch04_gluon.host_ms`, the modes taking turns) of the
+forward, the backward and the step of `fastest_attention` at 1k keys (batch 16, hidden 2048, as
+the dispatch part of ``bench/ch04_gluon.py``), of the Gluon and Triton decode calls at batch 1,
+8 KV heads and 4k keys (and of that Gluon call's `launch` alone), and of SDPA's cuDNN backend on
+the same shapes (in the training step pinned at every call, as the dispatch part does; in the
+decode call once, around the timed calls).
 """
 from __future__ import annotations
 
@@ -120,7 +121,8 @@ def decode_calls(device, batch: int = 1, kv_heads: int = 8, context: int = 4096)
     gluon = lambda: flash_decode_attention_gluon(q, k, v, tables, lens, num_splits=plan, out=out, lse=lse)  # noqa: E731
     launched = _launch_of(gluon)
     return {("gluon decode", "call"): gluon,
-            ("gluon decode", "launch alone"): lambda: base.launch(launched[0], launched[1], *launched[2], **launched[3]),
+            ("gluon decode", "launch alone"): lambda: base.launch(launched[0], launched[1], *launched[2],
+                                                                  **launched[3]),
             ("triton decode", "call"): lambda: flash_decode_attention(q, k, v, tables, lens, num_splits=wave,
                                                                       out=out, lse=lse),
             ("cuDNN decode", "call"): cudnn}
@@ -156,7 +158,7 @@ def main() -> None:
     for label, calls in points:
         best = host_ms_by_mode(calls)
         for mode in MODES:
-            cells = [f"{who} {what} {best[mode, (who, what)]:.3f}" for who, what in calls if (mode, (who, what)) in best]
+            cells = [f"{key[0]} {key[1]} {best[mode, key]:.3f}" for key in calls if (mode, key) in best]
             print(f"{label:24} {mode:28} " + ", ".join(cells), flush=True)
 
 
