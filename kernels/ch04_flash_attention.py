@@ -65,7 +65,7 @@ from dataclasses import dataclass
 import torch
 from minillm.kernels.base import (  # shared by every chapter's attention kernels
     tl, triton,
-    LN2_C, LOG2E, LOG2E_C, block_d, dot_precision, head_dim_offsets, interpreting, online_softmax_update,
+    LN2_C, LOG2E, LOG2E_C, block_d, dot_precision, head_dim_offsets, interpreting, launch, online_softmax_update,
     scale_and_window,
 )
 
@@ -564,7 +564,7 @@ def launch_forward(q, k, v, packing: Packing, causal: bool, scale: float, window
         _fwd_kernel_tuned[grid](*args, **meta)
     else:
         grid = (triton.cdiv(packing.q_len, config.kwargs["BLOCK_M"]), packing.n_seqs * q_heads)
-        _fwd_kernel[grid](*args, **meta, **config.all_kwargs())
+        launch(_fwd_kernel, grid, *args, **meta, **config.all_kwargs())
     return out, lse
 
 
@@ -1104,10 +1104,9 @@ def launch_backward(dout, q, k, v, out, lse, packing: Packing, causal: bool, sca
 
     delta = torch.empty(packing.lse_shape(q), device=q.device, dtype=torch.float32)
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), VARLEN=packing.varlen)
-    _bwd_preprocess_kernel[(triton.cdiv(packing.q_len, PREPROCESS_BLOCK_M), n * q_heads)](
-        out, dout, delta, packing.cu_seqlens_q, *packing.strides(out), *packing.strides(dout),
-        *packing.lse_strides(delta), q_heads, packing.q_len, **meta, BLOCK_M=PREPROCESS_BLOCK_M, num_warps=4,
-    )
+    launch(_bwd_preprocess_kernel, (triton.cdiv(packing.q_len, PREPROCESS_BLOCK_M), n * q_heads),
+           out, dout, delta, packing.cu_seqlens_q, *packing.strides(out), *packing.strides(dout),
+           *packing.lse_strides(delta), q_heads, packing.q_len, **meta, BLOCK_M=PREPROCESS_BLOCK_M, num_warps=4)
 
     meta.update(CAUSAL=bool(causal), USE_WINDOW=window is not None, DOT_PRECISION=dot_precision(q.dtype))
     tma = use_tma(packing, q, k, v, dout, dq) if tma is None else tma
@@ -1128,7 +1127,7 @@ def launch_backward(dout, q, k, v, out, lse, packing: Packing, causal: bool, sca
         _bwd_dkdv_kernel_tuned[grid](*dkdv_args, **meta)
     else:
         grid = (triton.cdiv(packing.kv_len, dkdv_config.kwargs["BLOCK_N"]), n * kv_heads)
-        _bwd_dkdv_kernel[grid](*dkdv_args, **meta, **dkdv_config.all_kwargs())
+        launch(_bwd_dkdv_kernel, grid, *dkdv_args, **meta, **dkdv_config.all_kwargs())
 
     meta["TMA"] = tma
 
@@ -1139,7 +1138,7 @@ def launch_backward(dout, q, k, v, out, lse, packing: Packing, causal: bool, sca
         _bwd_dq_kernel_tuned[grid](*dq_args, **meta)
     else:
         grid = (triton.cdiv(packing.q_len, dq_config.kwargs["BLOCK_M"]), n * q_heads)
-        _bwd_dq_kernel[grid](*dq_args, **meta, **dq_config.all_kwargs())
+        launch(_bwd_dq_kernel, grid, *dq_args, **meta, **dq_config.all_kwargs())
     return dq, dk, dv
 
 
