@@ -37,7 +37,7 @@ __all__ = ["triton", "tl", "interpreting", "launch", "LOG2E", "LN2", "LOG2E_C", 
            "dot_precision", "scale_and_window", "num_sms", "head_dim_offsets", "online_softmax_update",
            "capture_calls", "graph_ms_per_call", "l2_copies", "recording", "Recording", "record_call",
            "is_recording", "unrecorded", "TensorAddress", "cached_descriptor", "clear_descriptor_cache",
-           "DESCRIPTOR_CACHE_SIZE", "expanded_arguments", "DIRECT_LAUNCH_VERSIONS",
+           "DESCRIPTOR_CACHE_SIZE", "expanded_arguments", "direct_plan", "DIRECT_LAUNCH_VERSIONS",
            "TensorDescriptor", "fence_async_shared", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait",
            "gluon_tma_load", "gluon_tma_store", "gluon_warps_barrier", "gluon_put_index", "gluon_get_index"]
 
@@ -219,7 +219,7 @@ def online_softmax_update(m_i, l_i, s, qk_scale, MASKED: tl.constexpr):
 # *by value* and every tensor's dtype and alignment, which is finer than Triton's
 # specialization: a hit is always the binary Triton itself would pick. A hit calls the
 # compiled kernel's launcher directly. With Triton 3.6 it skips the launcher's Python wrapper
-# as well (`_direct_plan`), which walks every argument to expand the tensor descriptors: a hit
+# as well (`direct_plan`), which walks every argument to expand the tensor descriptors: a hit
 # of Chapter 7's Gluon decode launch (40 arguments, two descriptors) took 36 µs of an H200
 # host's time through the wrapper and 29 µs without it (`bench/host_time.py`,
 # ``bench/results/raw/nvidia-h200.host_time_direct_launch.log``). A miss, the interpreter, a
@@ -238,7 +238,7 @@ _LAYOUTS: dict[tuple, tuple] = {}
 def launch_cache() -> dict[tuple, tuple]:
     """A snapshot (a new dict) of `launch`'s cache: ``key -> (binary, constexpr values, direct
     plan)``, one entry per specialization launched through the fast path (empty under the
-    interpreter); the plan is `_direct_plan`'s (None: hits go through ``binary.run``)."""
+    interpreter); the plan is `direct_plan`'s (None: hits go through ``binary.run``)."""
     return dict(_BINARIES)
 
 
@@ -298,7 +298,7 @@ def launch(kernel, grid: tuple, *args, **meta):
             return binary
         if len(_BINARIES) >= CACHE_SIZE:
             _BINARIES.clear()
-        _BINARIES[key] = (binary, constexprs, _direct_plan(binary))
+        _BINARIES[key] = (binary, constexprs, direct_plan(binary))
         if _RECORDING is not None:
             _record_binary(binary, _launcher_args(binary, grid, device, args, constexprs), descriptors(args))
         return binary
@@ -320,12 +320,12 @@ def launch(kernel, grid: tuple, *args, **meta):
 _DTYPE_OF = operator.attrgetter("dtype")
 _ADDRESS_OF = torch.Tensor.data_ptr
 _MISALIGNMENT = (15).__and__
-#: Triton versions whose launcher `_direct_plan` knows (its Python wrapper and the arguments
+#: Triton versions whose launcher `direct_plan` knows (its Python wrapper and the arguments
 #: the C function takes before the kernel's own).
 DIRECT_LAUNCH_VERSIONS = ((3, 6),)
 
 
-def _direct_plan(binary) -> tuple | None:
+def direct_plan(binary) -> tuple | None:
     """How `launch` calls ``binary``'s C launcher itself: ``(C function, cooperative, pdl,
     expansions)``, ``expansions`` the ``(position, metadata)`` pairs of the tensor-descriptor
     arguments that Triton's wrapper would expand (`expanded_arguments`). None where the

@@ -15,9 +15,11 @@ import triton
 import triton.language as tl
 
 from minillm.kernels.base import (
-    CPU_NUM_SMS, DIRECT_LAUNCH_VERSIONS, LN2, LOG2E, block_d, clear_launch_cache, dot_precision, expanded_arguments,
-    head_dim_offsets, launch, launch_cache, num_sms, online_softmax_update, record_call, recording, scale_and_window,
+    CPU_NUM_SMS, DIRECT_LAUNCH_VERSIONS, LN2, LOG2E, block_d, clear_launch_cache, direct_plan, dot_precision,
+    expanded_arguments, head_dim_offsets, launch, launch_cache, num_sms, online_softmax_update, record_call, recording,
+    scale_and_window,
 )
+import minillm.kernels.base as kernel_base
 
 
 @triton.jit
@@ -102,6 +104,41 @@ def test_expanded_arguments_put_each_descriptor_s_values_in_its_place():
         "x", "desc_a:m1", 8, 1, 3, "desc_b:m2", 8, 1, 0.5]
     assert expanded_arguments(args, ((0, None),), expand) == ["x:None", 8, 1, "desc_a", 3, "desc_b", 0.5]
     assert expanded_arguments(args, ()) is args
+
+
+class CudaLauncher:
+    """A stand-in for Triton 3.6's launcher object (the class name `direct_plan` checks)."""
+
+    def __init__(self, launch, scratch: int = 0):
+        self.launch, self.global_scratch_size, self.profile_scratch_size = launch, scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+
+
+class _Binary:
+    def __init__(self, run):
+        self.run = run
+
+
+def _descriptor_wrapper(launcher, tensordesc_indices, tensordesc_meta):
+    """Shaped as Triton 3.6's wrapper around the C function (`wrap_handle_tensordesc`'s ``inner``)."""
+    def inner(*args):
+        return launcher, tensordesc_indices, tensordesc_meta
+    return inner
+
+
+def test_direct_plan_reads_the_known_launcher_and_refuses_the_rest(monkeypatch):
+    version = tuple(int(v) for v in triton.__version__.split(".")[:2])
+    monkeypatch.setattr(kernel_base, "DIRECT_LAUNCH_VERSIONS", (version,))
+    c_function = len  # any builtin stands for the compiled C launch function
+    assert direct_plan(_Binary(CudaLauncher(c_function))) == (c_function, False, True, ())
+    wrapped = _descriptor_wrapper(c_function, {4, 1}, [{"box": 1}, {"box": 4}])
+    assert direct_plan(_Binary(CudaLauncher(wrapped))) == (
+        c_function, False, True, ((1, {"box": 1}), (4, {"box": 4})))  # positions ascending, metadata in order
+    assert direct_plan(_Binary(CudaLauncher(c_function, scratch=128))) is None  # scratch to allocate
+    assert direct_plan(_Binary(CudaLauncher(lambda *args: None))) is None  # a wrapper of another shape
+    assert direct_plan(_Binary(CudaLauncher(_descriptor_wrapper(c_function, {1}, [])))) is None
+    monkeypatch.setattr(kernel_base, "DIRECT_LAUNCH_VERSIONS", ())
+    assert direct_plan(_Binary(CudaLauncher(c_function))) is None  # a Triton whose launcher is not known
 
 
 @triton.jit
