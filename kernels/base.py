@@ -21,6 +21,7 @@ import operator
 import os
 import sys
 import warnings
+from types import BuiltinFunctionType
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -33,11 +34,14 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402  (after the switch above)
 import triton.language as tl  # noqa: E402
 
+#: Triton's (major, minor): the version checks of the modules whose code depends on it.
+TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
+
 __all__ = ["triton", "tl", "interpreting", "launch", "LOG2E", "LN2", "LOG2E_C", "LN2_C", "CPU_NUM_SMS", "block_d",
            "dot_precision", "scale_and_window", "num_sms", "head_dim_offsets", "online_softmax_update",
            "capture_calls", "graph_ms_per_call", "l2_copies", "recording", "Recording", "record_call",
            "is_recording", "unrecorded", "TensorAddress", "cached_descriptor", "clear_descriptor_cache",
-           "DESCRIPTOR_CACHE_SIZE", "expanded_arguments", "direct_plan", "DIRECT_LAUNCH_VERSIONS",
+           "DESCRIPTOR_CACHE_SIZE", "expanded_arguments", "direct_plan", "DIRECT_LAUNCH_VERSIONS", "TRITON_VERSION",
            "TensorDescriptor", "fence_async_shared", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait",
            "gluon_tma_load", "gluon_tma_store", "gluon_warps_barrier", "gluon_put_index", "gluon_get_index"]
 
@@ -331,18 +335,19 @@ def direct_plan(binary) -> tuple | None:
     arguments that Triton's wrapper would expand (`expanded_arguments`). None where the
     wrapper does more than that (scratch memory to allocate), is not Triton 3.6's, or is not
     shaped as expected: the launch then goes through ``binary.run``."""
-    if tuple(int(x) for x in triton.__version__.split(".")[:2]) not in DIRECT_LAUNCH_VERSIONS:
+    if TRITON_VERSION not in DIRECT_LAUNCH_VERSIONS:
         return None
     run = binary.run
     if (type(run).__name__ != "CudaLauncher" or getattr(run, "global_scratch_size", 1)
             or getattr(run, "profile_scratch_size", 1) or not hasattr(run, "launch_pdl")):
         return None
     c_launch, expansions = run.launch, ()
-    if not isinstance(c_launch, type(len)):  # the descriptors' wrapper around the C function
+    if not isinstance(c_launch, BuiltinFunctionType):  # the descriptors' wrapper around the C function
         code, cells = getattr(c_launch, "__code__", None), getattr(c_launch, "__closure__", None) or ()
         names = dict(zip(code.co_freevars, (c.cell_contents for c in cells))) if code else {}
         c_launch, indices, metas = names.get("launcher"), names.get("tensordesc_indices"), names.get("tensordesc_meta")
-        if not isinstance(c_launch, type(len)) or indices is None or metas is None or len(metas) != len(indices):
+        if (not isinstance(c_launch, BuiltinFunctionType) or indices is None or metas is None
+                or len(metas) != len(indices)):
             return None
         expansions = tuple(zip(sorted(indices), metas))
     return c_launch, run.launch_cooperative_grid, run.launch_pdl, expansions

@@ -72,7 +72,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -80,8 +79,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin as gl_builtin
 
 from minillm.kernels.base import (
-    LOG2E, TensorAddress, TensorDescriptor, cached_descriptor, fence_async_shared, launch, mbarrier, num_sms,
-    scale_and_window, tma, warpgroup_mma, warpgroup_mma_wait,
+    LOG2E, TRITON_VERSION, TensorAddress, TensorDescriptor, cached_descriptor, fence_async_shared, launch, mbarrier,
+    num_sms, scale_and_window, tma, warpgroup_mma, warpgroup_mma_wait,
     gluon_tma_load as _tma_load, gluon_tma_store as _tma_store, gluon_warps_barrier as _warps_barrier,
     gluon_put_index as _write_tile, gluon_get_index as _read_tile,
 )
@@ -828,7 +827,7 @@ def gluon_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 #: Whether this Triton's Gluon API is one the module knows.
-_KNOWN_GLUON = tuple(int(x) for x in triton.__version__.split(".")[:2]) in GLUON_VERSIONS
+_KNOWN_GLUON = TRITON_VERSION in GLUON_VERSIONS
 
 
 def _reason(q, k, v) -> str | None:

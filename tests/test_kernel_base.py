@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 
 from minillm.kernels.base import (
-    CPU_NUM_SMS, DIRECT_LAUNCH_VERSIONS, LN2, LOG2E, block_d, clear_launch_cache, direct_plan, dot_precision,
-    expanded_arguments, head_dim_offsets, launch, launch_cache, num_sms, online_softmax_update, record_call, recording,
-    scale_and_window,
+    CPU_NUM_SMS, DIRECT_LAUNCH_VERSIONS, LN2, LOG2E, TRITON_VERSION, block_d, clear_launch_cache, direct_plan,
+    dot_precision, expanded_arguments, head_dim_offsets, launch, launch_cache, num_sms, online_softmax_update,
+    record_call, recording, scale_and_window,
 )
 import minillm.kernels.base as kernel_base
 
@@ -127,8 +127,7 @@ def _descriptor_wrapper(launcher, tensordesc_indices, tensordesc_meta):
 
 
 def test_direct_plan_reads_the_known_launcher_and_refuses_the_rest(monkeypatch):
-    version = tuple(int(v) for v in triton.__version__.split(".")[:2])
-    monkeypatch.setattr(kernel_base, "DIRECT_LAUNCH_VERSIONS", (version,))
+    monkeypatch.setattr(kernel_base, "DIRECT_LAUNCH_VERSIONS", (TRITON_VERSION,))
     c_function = len  # any builtin stands for the compiled C launch function
     assert direct_plan(_Binary(CudaLauncher(c_function))) == (c_function, False, True, ())
     wrapped = _descriptor_wrapper(c_function, {4, 1}, [{"box": 1}, {"box": 4}])
@@ -150,7 +149,7 @@ def _copy_rows_kernel(src_desc, Out, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 def _known_launcher() -> bool:
-    return tuple(int(v) for v in triton.__version__.split(".")[:2]) in DIRECT_LAUNCH_VERSIONS
+    return TRITON_VERSION in DIRECT_LAUNCH_VERSIONS
 
 
 @pytest.mark.gpu
