@@ -61,6 +61,11 @@ by a polynomial on the FMA units (``*_fma8``) and a lazy running max (``*_lazy``
 ``time_ms`` of each against the same kernel without them (ratio > 1: the change pays), FP8
 ones also against bf16 ``ws``. Budget ``MINILLM_CH04_GLUON_SOFTMAX_BUDGET_S`` (default 240).
 
+The row-sum part (``params["part"] = "row_sum"``; the softmax part's points): the softmax's row
+sums as a third matmul, P times a tile of ones, started with each P·V (``row_sum_mma=True``,
+``*_row_sum`` in `ROW_SUM_KERNELS`), against the same kernel summing on the CUDA cores; FP8 ones
+also against bf16 ``ws``. Budget ``MINILLM_CH04_GLUON_ROW_SUM_BUDGET_S`` (default 200).
+
 The tiles part (``params["part"] = "tiles"``; N 2k-16k, both head dims, causal and not): FP8
 with 256-key tiles of K and Vᵀ against the 128-key default (`TILE_KERNELS`: ws and ping-pong, P
 in registers or through shared memory), each also against bf16 ``ws``. Budget
@@ -88,7 +93,7 @@ at N ≤ `GRAPH_MAX_SEQ`, where the host's time per step is close to the GPU's,
 cuDNN's. Budget
 ``MINILLM_CH04_GLUON_DISPATCH_BUDGET_S`` (default 240).
 
-``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax,tiles,consumers,dispatch``) picks the
+``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax,row_sum,tiles,consumers,dispatch``) picks the
 parts to run; a re-run of some parts keeps the others' earlier rows in the results file.
 """
 from __future__ import annotations
@@ -120,7 +125,7 @@ from bench.common import (
 BENCHMARK = "ch04_gluon"
 DEFAULT_VARIANT = "ws"
 PEERS = ("sdpa_cudnn", "sdpa_flash", "triton_hopper")
-PARTS = ("forward", "backward", "softmax", "tiles", "consumers", "dispatch")
+PARTS = ("forward", "backward", "softmax", "row_sum", "tiles", "consumers", "dispatch")
 #: The backward's kernels, each setting spelled out (the module's default is ``bwd_tma`` at head
 #: dim 128 and ``bwd_tma_prefetch`` at 64, `default_prefetch_stats`); the ablations are against
 #: ``bwd_tma``.
@@ -151,6 +156,19 @@ SOFTMAX_KERNELS = {
     "fp8_ws_pingpong": ("fp8", "ws_pingpong", {}), "fp8_ws_pingpong_fma8": ("fp8", "ws_pingpong", dict(fma_exp2=8)),
     "fp8_ws_pingpong_lazy": ("fp8", "ws_pingpong", dict(lazy_rescale=True)),
     "fp8_ws_pingpong_lazy_fma8": ("fp8", "ws_pingpong", dict(lazy_rescale=True, fma_exp2=8)),
+}
+#: The row-sum part's kernels (same form): each warp-specialized variant with the row sums of
+#: P as a matmul ``P · 1`` (``row_sum_mma=True``) and without; in FP8 also with one in eight of
+#: the exponentials on the FMA units (``*_fma8``).
+ROW_SUM_KERNELS = {
+    "ws": ("bf16", "ws", {}), "ws_row_sum": ("bf16", "ws", dict(row_sum_mma=True)),
+    "ws_pingpong": ("bf16", "ws_pingpong", {}),
+    "ws_pingpong_row_sum": ("bf16", "ws_pingpong", dict(row_sum_mma=True)),
+    "fp8_ws": ("fp8", "ws", {}), "fp8_ws_row_sum": ("fp8", "ws", dict(row_sum_mma=True)),
+    "fp8_ws_pingpong": ("fp8", "ws_pingpong", {}),
+    "fp8_ws_pingpong_row_sum": ("fp8", "ws_pingpong", dict(row_sum_mma=True)),
+    "fp8_ws_row_sum_fma8": ("fp8", "ws", dict(row_sum_mma=True, fma_exp2=8)),
+    "fp8_ws_pingpong_row_sum_fma8": ("fp8", "ws_pingpong", dict(row_sum_mma=True, fma_exp2=8)),
 }
 #: The tiles part's FP8 kernels: name -> (variant, keys per tile, P in "registers" or "smem").
 #: The 128-key ones are the forward part's ``fp8_ws`` and ``fp8_ws_pingpong``.
@@ -225,6 +243,11 @@ def softmax_budget_s() -> float:
     return float(os.environ.get("MINILLM_CH04_GLUON_SOFTMAX_BUDGET_S", "240"))
 
 
+def row_sum_budget_s() -> float:
+    """The row-sum part's budget: ``MINILLM_CH04_GLUON_ROW_SUM_BUDGET_S`` (default 200)."""
+    return float(os.environ.get("MINILLM_CH04_GLUON_ROW_SUM_BUDGET_S", "200"))
+
+
 def consumers_budget_s() -> float:
     """The consumers part's budget: ``MINILLM_CH04_GLUON_CONSUMERS_BUDGET_S`` (default 240)."""
     return float(os.environ.get("MINILLM_CH04_GLUON_CONSUMERS_BUDGET_S", "240"))
@@ -247,7 +270,7 @@ def selected_parts() -> tuple[str, ...]:
 def row_part(row: dict) -> str:
     """The part that wrote a row of this benchmark."""
     params = row.get("params") or {}
-    if params.get("part") in ("softmax", "tiles", "consumers", "dispatch"):
+    if params.get("part") in ("softmax", "row_sum", "tiles", "consumers", "dispatch"):
         return params["part"]
     return "backward" if params.get("pass") == "bwd" else "forward"
 
@@ -270,6 +293,8 @@ def run(results: Results, device) -> None:
         backward_sweep(results, device)
     if "softmax" in parts:
         softmax_sweep(results, device)
+    if "row_sum" in parts:
+        row_sum_sweep(results, device)
     if "tiles" in parts:
         tiles_sweep(results, device)
     if "consumers" in parts:
@@ -448,11 +473,19 @@ def softmax_sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SOFTMA
                timer)
 
 
+def row_sum_sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SOFTMAX_SEQ_LENS, tokens: int = TOKENS,
+                  hidden: int = HIDDEN, timer: Callable | None = None) -> None:
+    """The row-sum rows (`ROW_SUM_KERNELS`) at the softmax part's points, until `row_sum_budget_s`."""
+    point = lambda *args: _softmax_point(*args, kernels=ROW_SUM_KERNELS, part="row_sum")  # noqa: E731
+    part_sweep(results, device, "row_sum", row_sum_budget_s(), point, head_dims, seq_lens, tokens, hidden, timer)
+
+
 def _softmax_point(results: Results, device, gen, n: int, head_dim: int, causal: bool, timer, tokens: int,
-                   hidden: int) -> None:
-    """Every kernel of `SOFTMAX_KERNELS` at one point: ``TFLOPs`` and ``time_ms`` against the
-    same variant and dtype without the change (``ws``, ``ws_pingpong``, ``fp8_ws``,
-    ``fp8_ws_pingpong``: ratio > 1, the change pays), FP8 kernels also against bf16 ``ws``."""
+                   hidden: int, kernels: dict = SOFTMAX_KERNELS, part: str = "softmax") -> None:
+    """Every kernel of ``kernels`` (`SOFTMAX_KERNELS`) at one point: ``TFLOPs`` and ``time_ms``
+    against the same variant and dtype without the change (``ws``, ``ws_pingpong``, ``fp8_ws``,
+    ``fp8_ws_pingpong``: ratio > 1, the change pays), FP8 kernels also against bf16 ``ws``;
+    rows of ``part``."""
     batch, heads = max(1, tokens // n), hidden // head_dim
     q, k, v = (torch.randn((batch, heads, n, head_dim), device=device, dtype=torch.bfloat16, generator=gen)
                for _ in range(3))
@@ -460,16 +493,16 @@ def _softmax_point(results: Results, device, gen, n: int, head_dim: int, causal:
     tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
     prepared = prepare_gluon_fp8(q, k, v)
     ms = {}
-    for name, (dtype, variant, kw) in SOFTMAX_KERNELS.items():
+    for name, (dtype, variant, kw) in kernels.items():
         if dtype == "fp8":
             fn = lambda: flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant,  # noqa: E731
                                                    prepared=prepared, **kw)
         else:
             fn = lambda: flash_attention_gluon(q, k, v, causal=causal, variant=variant, **kw)  # noqa: E731
         ms[name], _ = timed_output(fn, timer)
-    for name, (dtype, variant, kw) in SOFTMAX_KERNELS.items():
+    for name, (dtype, variant, kw) in kernels.items():
         params = {"batch": batch, "heads": heads, "seq_len": n, "head_dim": head_dim, "causal": causal,
-                  "dtype": dtype, "kernel": name, "part": "softmax"}
+                  "dtype": dtype, "kernel": name, "part": part}
         plain = ("fp8_" if dtype == "fp8" else "") + variant
         peers = ([plain] if kw else []) + (["ws"] if dtype == "fp8" else [])
         for peer in peers or [None]:
@@ -477,7 +510,7 @@ def _softmax_point(results: Results, device, gen, n: int, head_dim: int, causal:
             results.add(BENCHMARK, params, "time_ms", ms[name], peer, p_ms, note=str(kw or "as the defaults"))
             results.add(BENCHMARK, params, "TFLOPs", tflops(ms[name]), peer, tflops(p_ms) if p_ms else None,
                         note=str(kw or "as the defaults"))
-    print(f"  [{BENCHMARK} softmax] D={head_dim} causal={causal} N={n}: "
+    print(f"  [{BENCHMARK} {part}] D={head_dim} causal={causal} N={n}: "
           + ", ".join(f"{name} {tflops(t):.0f}" for name, t in ms.items()) + " TFLOP/s", flush=True)
 
 

@@ -3,7 +3,8 @@
 Replace each ``raise NotImplementedError(...)`` with your implementation: Exercises 4.1–4.4 in
 NumPy, 4.5–4.7 as Triton kernels (write the body of the ``@triton.jit`` function, then
 delete the ``raise`` at the top of its launcher), 4.8 a schedule in NumPy and a kernel, 4.9 a
-relabelling of keys in NumPy, 4.10 an exponential without the exponential unit in Triton. Tests
+relabelling of keys in NumPy, 4.10 an exponential without the exponential unit in Triton, 4.11
+the row sums of the softmax as a matmul in Triton. Tests
 compare your functions with the float64 references in `minillm.reference.ch04_flash_attention`
 and `minillm.reference.ch01_naive_attention` on fresh random inputs, including scores in the hundreds,
 blocks that do not divide the sequence, more queries than keys (whose first rows see no key
@@ -386,3 +387,45 @@ def exp2_on_fma(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     out = torch.empty_like(flat) if out is None else out
     exp2_fma_kernel[(triton.cdiv(flat.numel(), 128),)](flat, out, flat.numel(), *EXP2_POLY_COEFFS, BLOCK=128)
     return out[:flat.numel()].view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 4.11 (Section 11, Hopper): the row sums as a matmul.
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def row_sums_kernel(S, V, O, LSE, n_q, n_k, stride_s, stride_v, stride_o,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Exercise 4.11 — ``softmax₂(S) V`` for rows ``BLOCK_M·pid …`` of the scores ``S: [n_q,
+    n_k]`` (fp32, already scaled to base 2: the weights are ``2^(s - m)``), ``V: [n_k, D]``
+    (fp32), with the online softmax over blocks of ``BLOCK_N`` keys as the FP8 kernel runs it:
+
+    1. ``m_new``: the running row max (keys past ``n_k`` count as ``-inf``; every row has at
+       least one key); ``alpha = 2^(m - m_new)``; ``p = 2^(s - m_new)``;
+    2. P rounded to e4m3, as the FP8 kernel rounds it for P·V: ``p8 = p.to(tl.float8e4nv)
+       .to(tl.float32)``;
+    3. ``acc = acc · alpha + p8 @ V_block`` and the row sums **as a second matmul**:
+       ``l_acc = l_acc · alpha + p8 @ ones``, ``ones`` a ``[BLOCK_N, 16]`` block of 1.0 (16:
+       the narrowest ``tl.dot``), ``l_acc: [BLOCK_M, 16]``, every column the running sum. Both
+       dots with ``input_precision="ieee"`` (exact fp32 products; the rounded P is exact in
+       fp32);
+    4. at the end ``l`` = one column of ``l_acc`` (``tl.max`` along it picks it exactly),
+       ``O = acc / l`` (``stride_o`` between rows) and ``LSE = m + log2(l)`` (base 2) for the
+       rows below ``n_q``; nothing else is written.
+    """
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pass  # your code: the key loop (steps 1-3) and the stores (step 4)
+
+
+def row_sums_attention(s: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None,
+                       lse: torch.Tensor | None = None, block_m: int = 32, block_n: int = 32):
+    """Exercise 4.11 (launcher, complete) — ``s: [n_q, n_k]``, ``v: [n_k, D]`` fp32 (``D`` a power
+    of two, at least 16) -> ``(out [n_q, D], lse [n_q])`` from `row_sums_kernel`, into ``out``
+    and ``lse`` if given."""
+    raise NotImplementedError("Exercise 4.11 (row_sums_kernel): not started. Read its docstring; hints: python -m minillm.grade 4 --hint 4.11")
+    n_q, n_k = s.shape
+    d = v.shape[1]
+    out = torch.empty((n_q, d), device=s.device, dtype=torch.float32) if out is None else out
+    lse = torch.empty((n_q,), device=s.device, dtype=torch.float32) if lse is None else lse
+    row_sums_kernel[(triton.cdiv(n_q, block_m),)](s, v, out, lse, n_q, n_k, s.stride(0), v.stride(0), out.stride(0),
+                                                   BLOCK_M=block_m, BLOCK_N=block_n, D=d)
+    return out, lse

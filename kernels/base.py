@@ -43,7 +43,8 @@ __all__ = ["triton", "tl", "interpreting", "launch", "LOG2E", "LN2", "LOG2E_C", 
            "is_recording", "unrecorded", "TensorAddress", "cached_descriptor", "clear_descriptor_cache",
            "DESCRIPTOR_CACHE_SIZE", "expanded_arguments", "direct_plan", "DIRECT_LAUNCH_VERSIONS", "TRITON_VERSION",
            "TensorDescriptor", "fence_async_shared", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait",
-           "gluon_tma_load", "gluon_tma_store", "gluon_warps_barrier", "gluon_put_index", "gluon_get_index"]
+           "gluon_tma_load", "gluon_tma_store", "gluon_warps_barrier", "gluon_put_index", "gluon_get_index",
+           "gluon_reinterpret"]
 
 
 def interpreting() -> bool:
@@ -668,6 +669,7 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
     from triton.experimental import gluon as _gluon  # noqa: E402
     from triton.experimental.gluon import language as _gl  # noqa: E402
+    from triton.experimental.gluon.language._core import builtin as _gl_builtin  # noqa: E402
 except ImportError:
     fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = _gl = _gluon = None
 
@@ -690,5 +692,14 @@ if _gluon is not None:
         ``NUM_WARPS`` warps."""
         layout: _gl.constexpr = _gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
         return _gl.max(slot.load(layout), axis=0)
+
+    # A shared-memory buffer seen as another dtype: ``reinterpret`` in Triton 3.9, ``_reinterpret`` in 3.6.
+    _REINTERPRET = "reinterpret" if hasattr(_gl.shared_memory_descriptor, "reinterpret") else "_reinterpret"
+
+    @_gl_builtin
+    def gluon_reinterpret(smem, dtype, shape, layout, _semantic=None):
+        """``smem`` (a shared-memory descriptor) as a buffer of ``dtype``, ``shape``, ``layout``
+        (the same bytes)."""
+        return getattr(smem, _REINTERPRET)(dtype, shape, layout, _semantic=_semantic)
 else:
-    gluon_put_index = gluon_get_index = None
+    gluon_put_index = gluon_get_index = gluon_reinterpret = None

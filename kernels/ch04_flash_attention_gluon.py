@@ -40,7 +40,9 @@ V per head, as in `flash_attention_fp8` of the Triton module. V's ring holds til
 because an 8-bit ``wgmma`` reads its second operand along the reduction axis (the keys), with
 the keys of each 16 in the order in which the 8-bit first operand reads P from the registers
 that hold the scores (`P_KEY_ORDER`), so that P stays in registers (or, as the ablation, P
-goes through shared memory); the softmax's row max and sum are trees (`_fold_halves`).
+goes through shared memory); the softmax's row max is a tree (`_fold_halves`), and its row
+sums come from the tensor cores (``row_sum_mma``, `_start_row_sum`: P times a tile of ones,
+a third matmul per block, where the CUDA cores would add; `default_row_sum`).
 Two of FlashAttention-4's changes to the softmax are switches of both kernels, off by default
 (measured slower on an H200): a share of the exponentials computed by a polynomial on the FMA
 units (``fma_exp2``, `_exp2_shared`) and a lazy running max (``lazy_rescale``, `_rescaled`).
@@ -82,7 +84,7 @@ from minillm.kernels.base import (
     LOG2E, TRITON_VERSION, TensorAddress, TensorDescriptor, cached_descriptor, fence_async_shared, launch, mbarrier,
     num_sms, scale_and_window, tma, warpgroup_mma, warpgroup_mma_wait,
     gluon_tma_load as _tma_load, gluon_tma_store as _tma_store, gluon_warps_barrier as _warps_barrier,
-    gluon_put_index as _write_tile, gluon_get_index as _read_tile,
+    gluon_put_index as _write_tile, gluon_get_index as _read_tile, gluon_reinterpret as _reinterpret,
 )
 from minillm.reference.ch04_fp8 import EXP2_POLY_COEFFS, EXP2_POLY_MIN, ROUND_MAGIC
 
@@ -192,7 +194,8 @@ def _exp2_shared(x, FMA_SHARE: gl.constexpr):
 @gluon.jit
 def _online_softmax(s, m_i, l_i, qk_scale, row0, col0, mask_this, CAUSAL: gl.constexpr,
                     ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
-                    TREE: gl.constexpr = False, FMA_EXP2: gl.constexpr = 0, SLACK: gl.constexpr = 0.0):
+                    TREE: gl.constexpr = False, FMA_EXP2: gl.constexpr = 0, SLACK: gl.constexpr = 0.0,
+                    SUM: gl.constexpr = True):
     """One step of Chapter 3's online softmax in base 2 on a ``[ROWS, BLOCK_N]`` fp32 tile of
     raw scores ``s`` (in ``s_layout``, the wgmma accumulator's). ``m_i, l_i: [ROWS]``: running
     max (of ``s·qk_scale``) and sum; ``row0``/``col0``: sequence positions of the tile's first
@@ -202,7 +205,8 @@ def _online_softmax(s, m_i, l_i, qk_scale, row0, col0, mask_this, CAUSAL: gl.con
     ``FMA_EXP2``: one column in this many of P's exponentials on the FMA units (`_exp2_shared`).
     ``SLACK`` (> 0): a row's running max moves only when the tile's exceeds it by more than
     ``SLACK`` (base-2 units): P then reaches at most ``2^SLACK``, and rows whose max stays keep
-    ``alpha = 1`` (FlashAttention-4's lazy rescaling; see `_rescaled`).
+    ``alpha = 1`` (FlashAttention-4's lazy rescaling; see `_rescaled`). ``SUM`` False: the row
+    sum is left to the tensor cores (`_start_row_sum`) and ``l_new`` is ``l_i`` unchanged.
     Returns ``(p, alpha, m_new, l_new)`` as `minillm.kernels.base.online_softmax_update`."""
     if CAUSAL:
         if mask_this:
@@ -219,7 +223,9 @@ def _online_softmax(s, m_i, l_i, qk_scale, row0, col0, mask_this, CAUSAL: gl.con
         m_new = gl.where(m_new > m_i + SLACK, m_new, m_i)
     p = _exp2_shared(s * qk_scale - m_new[:, None], FMA_EXP2)
     alpha = gl.exp2(m_i - m_new)
-    if TREE:
+    if not SUM:
+        l_new = l_i
+    elif TREE:
         l_new = l_i * alpha + gl.convert_layout(gl.sum(_fold_halves(p, False), axis=1), l_i.type.layout)
     else:
         l_new = l_i * alpha + gl.sum(p, axis=1)
@@ -300,6 +306,27 @@ def _wait_pv(acc_tok, p_op, FP8: gl.constexpr):
 
 
 @gluon.jit
+def _start_row_sum(p_mma, ones_smem, l_acc, alpha, FP8: gl.constexpr):
+    """Start ``l_acc · alpha + P · 1`` as a matmul (``ROW_SUM`` of `_attend_rows`): the row sums
+    of P from the tensor cores, as a second product with the ``[BLOCK_N, 8]`` ones of
+    ``ones_smem`` (stored ``[8, BLOCK_N]``, as K's tiles are), where the softmax would add
+    each thread's 64 values of P and shuffle the partial sums across its quad. ``l_acc:
+    [ROWS, 8]`` fp32 holds each row's sum in all 8 columns; ``p_mma``: P as `_p_for_mma`
+    returned it, from registers (the same elements in the same threads: wgmma's first
+    operand does not depend on the width of the product) or, in FP8 == 1, shared memory.
+    What it sums is P as rounded for P·V, so the division at the end uses the weights the
+    output was built from."""
+    sum_layout: gl.constexpr = l_acc.type.layout
+    l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, sum_layout))[:, None]
+    if FP8 == 1:
+        a = p_mma
+    else:
+        a = gl.convert_layout(p_mma, gl.DotOperandLayout(operand_index=0, parent=sum_layout,
+                                                         k_width=4 if FP8 else 2))
+    return warpgroup_mma(a, ones_smem.permute((1, 0)), l_acc, is_async=True)
+
+
+@gluon.jit
 def _wait_turn(turn, CONSUMER: gl.constexpr, t):
     """Ping-pong: wait for this consumer's ``t``-th turn at the tensor cores. The turns go round
     the consumers in a ring (each passes on by arriving on the next one's barrier), and
@@ -317,7 +344,8 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
                  CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                  HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
                  FP8: gl.constexpr = False, TREE: gl.constexpr = False, FMA_EXP2: gl.constexpr = 0,
-                 SLACK: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2):
+                 SLACK: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2, ones_smem=None,
+                 ROW_SUM: gl.constexpr = False):
     """The key loop of one set of query rows: returns ``(acc [ROWS, HEAD_D] fp32, not yet
     divided by l; m_i, l_i [ROWS])`` for ``softmax(Q Kᵀ · scale) V`` over ``n_blocks`` blocks.
 
@@ -337,6 +365,8 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
       ``FP8 == 2`` in registers, Vᵀ's keys stored in `P_KEY_ORDER` (`_p_for_mma`).
     - ``TREE``, ``FMA_EXP2``, ``SLACK``: the softmax's row max and sum as trees, a share of
       its exponentials on the FMA units, a lazy running max (`_online_softmax`, `_rescaled`).
+    - ``ROW_SUM``: the row sums of P as a third matmul, ``P · 1`` with the ones of ``ones_smem``,
+      started with each P·V (`_start_row_sum`), instead of on the CUDA cores.
 
     Iteration j:  start S_j = Q K_jᵀ;  acc *= alpha_{j-1};  start acc += P_{j-1} V_{j-1};
     wait for S_j only (P V keeps running);  softmax(S_j) on the CUDA cores;  wait for P V.
@@ -356,6 +386,12 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    sum_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                         instr_shape=[16, 8, MMA_K])
+    l_acc = gl.zeros([ROWS, 8], gl.float32, sum_layout)
+    # Matmul groups retire in order: with S_j started first, leaving the ones after it (P V,
+    # and the row sum) outstanding retires S_j only.
+    AFTER_S: gl.constexpr = 2 if ROW_SUM else 1
 
     # Block 0: its scores and softmax, with nothing to overlap yet.
     first = it0 % NUM_STAGES
@@ -366,7 +402,7 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
         mbarrier.arrive(k_empty.index(first))
     tile_scale = qk_scale * gl.load(k_scales) if FP8 else qk_scale
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, tile_scale, row0, 0, n_full <= 0, CAUSAL, ROWS, BLOCK_N,
-                                         s_layout, TREE, FMA_EXP2, SLACK)
+                                         s_layout, TREE, FMA_EXP2, SLACK, not ROW_SUM)
     p_op = _p_operand(p, p_smem, p_layout, FP8)
 
     for j in range(1, n_blocks):
@@ -380,18 +416,21 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
         s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = _rescaled(acc, alpha, o_rows, SLACK)
         mbarrier.wait(v_ready.index(prev), prev_phase)
-        acc_tok = warpgroup_mma(_p_for_mma(p_op, p_layout, FP8), _v_operand(v_smem.index(prev), FP8), acc,
-                                is_async=True)
+        p_mma = _p_for_mma(p_op, p_layout, FP8)
+        acc_tok = warpgroup_mma(p_mma, _v_operand(v_smem.index(prev), FP8), acc, is_async=True)
+        if ROW_SUM:
+            l_tok = _start_row_sum(p_mma, ones_smem, l_acc, alpha, FP8)
         if PINGPONG:
             mbarrier.arrive(turn.index((CONSUMER + 1) % CONSUMERS))
-        # Matmul groups retire in order: leaving 1 outstanding retires S_j and keeps P V running.
-        s = warpgroup_mma_wait(1, deps=[s_tok])
+        s = warpgroup_mma_wait(AFTER_S, deps=[s_tok])
         if WS:
             mbarrier.arrive(k_empty.index(slot))
         tile_scale = qk_scale * gl.load(k_scales + j) if FP8 else qk_scale
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, tile_scale, row0, j * BLOCK_N, j >= n_full, CAUSAL,
-                                             ROWS, BLOCK_N, s_layout, TREE, FMA_EXP2, SLACK)
+                                             ROWS, BLOCK_N, s_layout, TREE, FMA_EXP2, SLACK, not ROW_SUM)
         acc, p_op = _wait_pv(acc_tok, p_op, FP8)
+        if ROW_SUM:
+            l_acc = warpgroup_mma_wait(0, deps=[l_tok])
         if WS:
             mbarrier.arrive(v_empty.index(prev))
         else:  # both warpgroups are done with slot `prev`: refill it with block j - 1 + NUM_STAGES
@@ -408,11 +447,16 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
     last = (it0 + n_blocks - 1) % NUM_STAGES
     acc = _rescaled(acc, alpha, o_rows, SLACK)
     mbarrier.wait(v_ready.index(last), ((it0 + n_blocks - 1) // NUM_STAGES) & 1)
-    acc_tok = warpgroup_mma(_p_for_mma(p_op, p_layout, FP8), _v_operand(v_smem.index(last), FP8), acc,
-                            is_async=True)
+    p_mma = _p_for_mma(p_op, p_layout, FP8)
+    acc_tok = warpgroup_mma(p_mma, _v_operand(v_smem.index(last), FP8), acc, is_async=True)
+    if ROW_SUM:
+        l_tok = _start_row_sum(p_mma, ones_smem, l_acc, alpha, FP8)
     acc, p_op = _wait_pv(acc_tok, p_op, FP8)
     if WS:
         mbarrier.arrive(v_empty.index(last))
+    if ROW_SUM:  # every column holds the sum: the max takes one exactly
+        l_acc = warpgroup_mma_wait(0, deps=[l_tok])
+        l_i = gl.convert_layout(gl.max(l_acc, axis=1), m_i.type.layout)
     return acc, m_i, l_i
 
 
@@ -542,7 +586,8 @@ def _consume_tile(my_q, my_o, k_smem, v_smem, p_smem, k_ready, v_ready, k_empty,
                   o_desc, lse_ptr, q_scales, k_scales, v_scales, kv_bh, n_blocks, my_row0, o_row, seq_len, qk_scale,
                   it0, turn0, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                   CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  FP8: gl.constexpr, TREE: gl.constexpr, FMA_EXP2: gl.constexpr, SLACK: gl.constexpr):
+                  FP8: gl.constexpr, TREE: gl.constexpr, FMA_EXP2: gl.constexpr, SLACK: gl.constexpr,
+                  ones_smem, ROW_SUM: gl.constexpr):
     """One consumer's 64 rows of a tile: the key loop (`_attend_rows`) and the store
     (`_store_rows`) of rows ``my_row0`` (in the head) / ``o_row`` (in the 2-D views)."""
     if FP8:
@@ -555,7 +600,7 @@ def _consume_tile(my_q, my_o, k_smem, v_smem, p_smem, k_ready, v_ready, k_empty,
                                  k_desc, v_desc, kv_bh * seq_len, n_blocks, (my_row0 + 1) // BLOCK_N, my_row0,
                                  rows_scale, k_scales + kv_bh * (seq_len // BLOCK_N), p_smem, it0, turn0,
                                  CONSUMER, True, PINGPONG, CAUSAL, 64, BLOCK_N, HEAD_D, NUM_STAGES, 4, FP8, TREE,
-                                 FMA_EXP2, SLACK, CONSUMERS)
+                                 FMA_EXP2, SLACK, CONSUMERS, ones_smem, ROW_SUM)
     _store_rows(acc, m_i, l_i, my_o, o_desc, lse_ptr, o_row, 64, out_scale)
 
 
@@ -582,7 +627,8 @@ def _pass_rows(k_ready, v_ready, k_empty, v_empty, turn, n_blocks, it0, turn0, C
 @gluon.jit
 def _consumer(shared, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
               HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, FP8: gl.constexpr,
-              TREE: gl.constexpr, FMA_EXP2: gl.constexpr, SLACK: gl.constexpr, CONSUMERS: gl.constexpr):
+              TREE: gl.constexpr, FMA_EXP2: gl.constexpr, SLACK: gl.constexpr, CONSUMERS: gl.constexpr,
+              ROW_SUM: gl.constexpr):
     """One consumer warpgroup (``shared``: the kernel's buffers, barriers, descriptors and sizes,
     the same tuple for every consumer): rows ``[64·CONSUMER, 64·CONSUMER + 64)`` of each tile of
     ``64 · CONSUMERS`` rows the loader hands this program, until it hands over ``n_tiles`` (no
@@ -592,7 +638,8 @@ def _consumer(shared, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl
     [batch·q_heads·seq/64]``, ``k_scales [batch·kv_heads·seq/BLOCK_N]`` and ``v_scales
     [batch·kv_heads]``, in row order."""
     (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-     k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group, n_tiles, qk_scale) = shared
+     k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group, n_tiles, qk_scale,
+     ones_smem) = shared
     it0 = 0  # K/V blocks this program's ring has passed
     turn0 = 0  # ping-pong turns taken
     i = 0  # tiles done
@@ -613,13 +660,14 @@ def _consumer(shared, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl
             _consume_tile(my_q, my_o, k_smem, v_smem, p_smem.index(CONSUMER), k_ready, v_ready, k_empty, v_empty,
                           turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, kv_bh, n_blocks,
                           my_row0, o_row, seq_len, qk_scale, it0, turn0, CONSUMER, CONSUMERS, PINGPONG, CAUSAL,
-                          HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK)
+                          HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, ones_smem, ROW_SUM)
         else:
             if my_row0 < seq_len:
                 _consume_tile(my_q, my_o, k_smem, v_smem, p_smem.index(CONSUMER), k_ready, v_ready, k_empty,
                               v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, kv_bh,
                               n_blocks, my_row0, o_row, seq_len, qk_scale, it0, turn0, CONSUMER, CONSUMERS,
-                              PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK)
+                              PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, ones_smem,
+                              ROW_SUM)
             else:
                 _pass_rows(k_ready, v_ready, k_empty, v_empty, turn, n_blocks, it0, turn0, CONSUMER, CONSUMERS,
                            PINGPONG, NUM_STAGES)
@@ -721,7 +769,8 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
                              PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                              FP8: gl.constexpr = False, PAIRED: gl.constexpr = False,
                              DYNAMIC: gl.constexpr = False, TREE: gl.constexpr = False,
-                             FMA_EXP2: gl.constexpr = 0, SLACK: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2):
+                             FMA_EXP2: gl.constexpr = 0, SLACK: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2,
+                             ROW_SUM: gl.constexpr = False):
     """A 1-d grid over the ``n_tiles`` query tiles of ``64 · CONSUMERS`` rows (``CONSUMERS``: 2,
     or 3 for FlashAttention-3's 192-row tiles, `_tiles_per_head` of them per head): one program
     per tile, or fewer (persistent: each takes tiles in turn, `_loader` says which;
@@ -762,29 +811,48 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=CONSUMERS)  # one arrival per consumer
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
-    fence_async_shared()
+    if ROW_SUM:  # the second operand of P · 1, for every consumer, written once
+        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], k_desc.dtype)
+        ones_smem = gl.allocate_shared_memory(k_desc.dtype, [8, BLOCK_N], ones_layout)
+        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [2, 2], [1, 0])
+        if FP8:
+            # The byte of e4m3's 1.0, 0x38, as int8: Triton 3.6 has no e4m3 constants, and a
+            # constant 1.0 converted to e4m3 did not multiply as 1 (row sums off by up to e^5
+            # on an H200), where the byte itself does.
+            ones_bits = gl.full([8, BLOCK_N], 0x38, gl.int8, store_layout)
+            _reinterpret(ones_smem, gl.int8, [8, BLOCK_N], ones_layout).store(ones_bits)
+        else:
+            ones_smem.store(gl.full([8, BLOCK_N], 1.0, gl.float32, store_layout).to(k_desc.dtype))
+    else:
+        ones_smem = tile_ids  # (unused)
+    fence_async_shared()  # (the ones are ordinary stores, and wgmma reads through the async proxy)
 
     # What every consumer reads: run-time values only, since a tuple kept in a variable would
     # turn constexpr members into run-time values (the consumer's index and the switches are
     # therefore written in place, in each partition's own tuple).
     shared = (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group, n_tiles,
-              qk_scale)
+              qk_scale, ones_smem)
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty,
              v_empty, tile_counter, seq_len, q_heads, group, n_tiles, head_group)
     if CONSUMERS == 2:
         gl.warp_specialize(
-            [(_consumer, (shared, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 2)),
-             (_consumer, (shared, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 2)),
+            [(_consumer, (shared, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 2,
+                          ROW_SUM)),
+             (_consumer, (shared, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 2,
+                          ROW_SUM)),
              (_loader, (loads, CAUSAL, BLOCK_N, NUM_STAGES, FP8, PAIRED, DYNAMIC, CONSUMERS))],
             [4, 1],
             [CONSUMER_REGS, LOADER_REGS],
         )
     else:
         gl.warp_specialize(
-            [(_consumer, (shared, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 3)),
-             (_consumer, (shared, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 3)),
-             (_consumer, (shared, 2, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 3)),
+            [(_consumer, (shared, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 3,
+                          ROW_SUM)),
+             (_consumer, (shared, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 3,
+                          ROW_SUM)),
+             (_consumer, (shared, 2, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 3,
+                          ROW_SUM)),
              (_loader, (loads, CAUSAL, BLOCK_N, NUM_STAGES, FP8, PAIRED, DYNAMIC, CONSUMERS))],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS],
@@ -879,7 +947,7 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
                           persistent: bool | int | None = None, head_group: int | None = None,
                           paired: bool | None = None, dynamic: bool | None = None, tree_reductions: bool = False,
                           fma_exp2: int = 0, lazy_rescale: bool = False, consumers: int = 2,
-                          compile_only: bool = False):
+                          row_sum_mma: bool = False, compile_only: bool = False):
     """``softmax(scale · q kᵀ + mask) v`` with the Gluon kernels (forward only).
 
     - ``q: [batch, q_heads, seq, head_dim]``, ``k, v: [batch, kv_heads, seq, head_dim]``, bf16,
@@ -909,6 +977,8 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
       than `LAZY_RESCALE_SLACK`, and the accumulator is rescaled only when some row's does.
       Both are FlashAttention-4's and off by default: on an H200 they made the kernels slower
       but for FP8 with ping-pong (``bench/ch04_gluon.py``, the softmax part).
+      ``row_sum_mma`` (warp-specialized kernels): the softmax's row sums as a matmul ``P · 1``
+      started with each P·V (`_start_row_sum`) instead of additions on the CUDA cores.
 
     Returns ``(out [batch, q_heads, seq, head_dim] bf16, lse [batch, q_heads, seq] fp32,
     natural log)``; with ``compile_only``, compiles without launching and returns the
@@ -921,7 +991,7 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return _launch(q, k, v, None, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs,
                    persistent, head_group, paired, dynamic, tree_reductions, compile_only, fma_exp2=fma_exp2,
-                   lazy_rescale=lazy_rescale, consumers=consumers)
+                   lazy_rescale=lazy_rescale, consumers=consumers, row_sum_mma=row_sum_mma)
 
 
 def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -931,7 +1001,7 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               persistent: bool | int | None = None, head_group: int | None = None,
                               paired: bool | None = None, dynamic: bool | None = None, tree_reductions: bool = True,
                               fma_exp2: int = 0, lazy_rescale: bool = False, consumers: int = 2,
-                              compile_only: bool = False):
+                              row_sum_mma: bool | None = None, compile_only: bool = False):
     """The warp-specialized kernel with e4m3 matmuls: Q in blocks of 64 rows (one consumer's
     rows) and K in blocks of ``block_n`` keys, each with its own scale, V with one scale per
     head, fp32 accumulation (the quantization of `minillm.kernels.ch04_flash_attention_hopper.
@@ -941,8 +1011,11 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     `prepare_gluon_fp8`'s result for these inputs, to time the kernel without the
     quantization (it also says whether P·V reads P from registers, the default, or from
     shared memory); ``tree_reductions``: as
-    `flash_attention_gluon`'s, here on by default; ``fma_exp2``, ``lazy_rescale`` and
-    ``consumers``: as `flash_attention_gluon`'s, the first two off by default here too (P, at
+    `flash_attention_gluon`'s, here on by default; ``row_sum_mma``: as `flash_attention_gluon`'s,
+    by default on with two consumers and tiles of up to 128 keys (`default_row_sum`), where it
+    measured faster on an H200 at every point; P's row sums are then those of P as rounded to
+    e4m3, in ℓ and in the logsumexp; ``fma_exp2``, ``lazy_rescale`` and ``consumers``:
+    as `flash_attention_gluon`'s, the first two off by default here too (P, at
     most ``2^8`` with a lazy max, still fits e4m3's 448). With three consumers the kernel fits
     its 160 registers a thread only with P through shared memory (``prepared`` with
     ``p_in_registers=False``): P held in registers spills, and the kernel runs at well under half
@@ -953,10 +1026,24 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if reason:
         raise ValueError(reason)
     block_n = block_n or default_tiles(q.shape[-1], True, consumers)[0]
+    row_sum_mma = default_row_sum(block_n, consumers) if row_sum_mma is None else row_sum_mma
     q8, k8, v8t, scales, p_in_registers = prepared or prepare_gluon_fp8(q, k, v, block_n)
     return _launch(q8, k8, v8t, (scales, p_in_registers), causal, scale, variant, block_n, num_stages, consumer_regs,
                    loader_regs, persistent, head_group, paired, dynamic, tree_reductions, compile_only,
-                   out_shape=q.shape, fma_exp2=fma_exp2, lazy_rescale=lazy_rescale, consumers=consumers)
+                   out_shape=q.shape, fma_exp2=fma_exp2, lazy_rescale=lazy_rescale, consumers=consumers,
+                   row_sum_mma=row_sum_mma)
+
+
+def default_row_sum(block_n: int, consumers: int) -> bool:
+    """Whether the FP8 kernel takes its row sums from the tensor cores (``row_sum_mma``) unless
+    told: with two consumers and tiles of up to 128 keys. There, on an H200, it ran 1.05-1.09x
+    faster at head dim 128 and 1.10-1.13x at 64 (with ping-pong 1.04-1.08x and 1.05-1.16x),
+    causal or not, N 2k-16k (the row-sum part of ``bench/ch04_gluon.py``): the loop of the
+    softmax loses 64 additions and 4 shuffles a thread per block (448 instructions a warp to
+    386 at head dim 128) for one matmul of width 8 more. In bf16 it does not pay (0.97-1.03x:
+    there the tensor cores, not the instructions, set the pace), and three consumers and
+    256-key tiles were not measured with it."""
+    return consumers == 2 and block_n <= 128
 
 
 #: With ``lazy_rescale``, how far (base 2) a row's max may outgrow the one its P and accumulator
@@ -1060,7 +1147,7 @@ def _grid(n_units: int, persistent: bool | int, dynamic: bool, device) -> tuple[
 
 def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs, persistent,
             head_group, paired, dynamic, tree_reductions, compile_only, out_shape=None, fma_exp2=0,
-            lazy_rescale=False, consumers=2):
+            lazy_rescale=False, consumers=2, row_sum_mma=False):
     """Make the descriptors and launch (or compile) the kernel of ``variant``. ``scales``:
     None for bf16, else FP8's ``((q_scales, k_scales, v_scales), p_in_registers)`` with ``v``
     as Vᵀ."""
@@ -1081,8 +1168,8 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
         raise ValueError(f"seq must be a multiple of block_n = {block_n}, got {s}")
     if fma_exp2 not in FMA_EXP2_SHARES:
         raise ValueError(f"fma_exp2 must be one of {FMA_EXP2_SHARES}, got {fma_exp2!r}")
-    if (fma_exp2 or lazy_rescale) and variant == "pipelined":
-        raise ValueError("fma_exp2 and lazy_rescale need a warp-specialized variant")
+    if (fma_exp2 or lazy_rescale or row_sum_mma) and variant == "pipelined":
+        raise ValueError("fma_exp2, lazy_rescale and row_sum_mma need a warp-specialized variant")
     if consumers not in CONSUMER_REGS:
         raise ValueError(f"consumers must be one of {tuple(CONSUMER_REGS)}, got {consumers!r}")
     if consumers == 3 and (variant == "pipelined" or causal):
@@ -1111,7 +1198,8 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
         meta = dict(PINGPONG=variant == "ws_pingpong", CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
                     FP8=(2 if p_in_registers else 1) if fp8 else 0, PAIRED=paired, DYNAMIC=dynamic,
                     TREE=bool(tree_reductions), FMA_EXP2=fma_exp2,
-                    SLACK=LAZY_RESCALE_SLACK if lazy_rescale else 0.0, CONSUMERS=consumers, num_warps=4)
+                    SLACK=LAZY_RESCALE_SLACK if lazy_rescale else 0.0, CONSUMERS=consumers,
+                    ROW_SUM=bool(row_sum_mma), num_warps=4)
     descriptors = (_descriptor(q.view(-1, d), rows), k_desc, v_desc, _descriptor(out.view(-1, d), rows))
     meta.update(CAUSAL=bool(causal), HEAD_D=d, BLOCK_N=block_n, NUM_STAGES=num_stages)
     if compile_only:

@@ -371,7 +371,7 @@ def fp8_quantized_inputs(prepared: tuple, q_len: int, kv_len: int, block_m: int,
 
 def assert_within_fp8_bound(out: torch.Tensor, q, k, v, block_m: int, block_n: int, causal: bool,
                             v_block: int | None, what: str = "", seed: int | None = None,
-                            p_rel_error: float = 0.0, nonvacuous: bool = True) -> None:
+                            p_rel_error: float = 0.0, nonvacuous: bool = True, rounded_sum: bool = False) -> None:
     """Assert an FP8 attention kernel's ``out`` is within the error that FP8 allows of exact
     attention of the block-quantized inputs (`minillm.reference.ch04_fp8`), elementwise:
     rounding P to e4m3, on a GPU the tensor cores' ~14-bit FP8 accumulation, and the rounding
@@ -382,15 +382,16 @@ def assert_within_fp8_bound(out: torch.Tensor, q, k, v, block_m: int, block_n: i
     which reaches both P·V and ℓ: the bound's unit roundoff grows by three times it. Also checks
     that the bound is not vacuous (well below the output's own size), unless ``nonvacuous`` is
     False: over many keys of random inputs the output, an average, shrinks while the bound does
-    not, and the caller must then catch a lost block another way."""
+    not, and the caller must then catch a lost block another way. ``rounded_sum``: the kernel's
+    row sums ℓ add P as rounded to e4m3, on the tensor cores (`ref8.p_rounding_bound`)."""
     from minillm.reference import ch04_fp8 as ref8
 
     kw = dict(causal=causal, v_block=v_block)
     want = ref8.fp8_attention(q, k, v, block_m, block_n, **kw)
     bound = ref8.p_rounding_bound(q, k, v, block_m, block_n, unit_roundoff=ref8.UNIT_ROUNDOFF + 3 * p_rel_error,
-                                  **kw)
+                                  rounded_sum=rounded_sum, **kw)
     if out.is_cuda:  # exact products and sums under the interpreter
-        bound = bound + ref8.fp8_accumulation_bound(q, k, v, block_m, block_n, **kw)
+        bound = bound + ref8.fp8_accumulation_bound(q, k, v, block_m, block_n, rounded_sum=rounded_sum, **kw)
     out_rounding = {torch.float32: 1e-6, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[out.dtype]
     err = np.abs(to_numpy(out) - want)
     allowed = bound + out_rounding * np.abs(want) + 1e-5

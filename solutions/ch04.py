@@ -326,3 +326,43 @@ def exp2_on_fma(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     out = torch.empty_like(flat) if out is None else out
     exp2_fma_kernel[(triton.cdiv(flat.numel(), 128),)](flat, out, flat.numel(), *EXP2_POLY_COEFFS, BLOCK=128)
     return out[:flat.numel()].view(x.shape)
+
+
+# Exercise 4.11: the row sums as a matmul.
+@triton.jit
+def row_sums_kernel(S, V, O, LSE, n_q, n_k, stride_s, stride_v, stride_o,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, D)
+    in_rows = rows < n_q
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    l_acc = tl.zeros([BLOCK_M, 16], tl.float32)
+    ones = tl.full([BLOCK_N, 16], 1.0, tl.float32)
+    for start in range(0, n_k, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        in_keys = keys < n_k
+        s = tl.load(S + rows[:, None] * stride_s + keys[None, :], mask=in_rows[:, None] & in_keys[None, :],
+                    other=float("-inf"))
+        v = tl.load(V + keys[:, None] * stride_v + dims[None, :], mask=in_keys[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # (rows past n_q see only -inf)
+        alpha = tl.exp2(m - m_new)
+        p8 = tl.exp2(s - m_new[:, None]).to(tl.float8e4nv).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p8, v, input_precision="ieee")
+        l_acc = l_acc * alpha[:, None] + tl.dot(p8, ones, input_precision="ieee")
+        m = m_new
+    l = tl.where(in_rows, tl.max(l_acc, axis=1), 1.0)  # (rows past n_q: nothing to divide)
+    tl.store(O + rows[:, None] * stride_o + dims[None, :], acc / l[:, None], mask=in_rows[:, None])
+    tl.store(LSE + rows, m + tl.log2(l), mask=in_rows)
+
+
+def row_sums_attention(s: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None,
+                       lse: torch.Tensor | None = None, block_m: int = 32, block_n: int = 32):
+    n_q, n_k = s.shape
+    d = v.shape[1]
+    out = torch.empty((n_q, d), device=s.device, dtype=torch.float32) if out is None else out
+    lse = torch.empty((n_q,), device=s.device, dtype=torch.float32) if lse is None else lse
+    row_sums_kernel[(triton.cdiv(n_q, block_m),)](s, v, out, lse, n_q, n_k, s.stride(0), v.stride(0), out.stride(0),
+                                                   BLOCK_M=block_m, BLOCK_N=block_n, D=d)
+    return out, lse

@@ -153,7 +153,7 @@ def fp8_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, block_m: int, blo
 def p_rounding_bound(q: np.ndarray, k: np.ndarray, v: np.ndarray, block_m: int, block_n: int,
                      causal: bool = False, scale: float | None = None,
                      rotation: np.ndarray | None = None, v_block: int | None = None,
-                     unit_roundoff: float = UNIT_ROUNDOFF) -> np.ndarray:
+                     unit_roundoff: float = UNIT_ROUNDOFF, rounded_sum: bool = False) -> np.ndarray:
     """Elementwise bound on ``|kernel − fp8_attention|`` from rounding P to e4m3 (``u``:
     ``unit_roundoff``, which a caller widens when p itself is approximate).
 
@@ -163,7 +163,14 @@ def p_rounding_bound(q: np.ndarray, k: np.ndarray, v: np.ndarray, block_m: int, 
     max that absolute error only shrinks (``m_run <= m_final``). With ``p̂ = exp(s − m_final)``
     and ``ℓ = Σ p̂``, output row i is off by at most
     ``(u · Σ_j p̂_ij |v_j| + 2^-10 · Σ_j |v_j|) / ℓ_i`` (j over the visible keys), fp32
-    accumulation aside."""
+    accumulation aside.
+
+    ``rounded_sum``: the kernel sums the *rounded* p into ℓ as well (its row sums come from the
+    tensor cores, ``P · 1``). Then ``O' − O = Σ_j (p'_j − p_j)(v_j − O) / ℓ'``: with ``e_j``
+    a bound on ``|p'_j − p_j|`` in units of the final max (``u · p̂_j`` for a normal p, at most
+    ``min(p̂_j, 2^-10)`` for a subnormal one, since rounding to nearest never moves a value by
+    more than itself), row i is off by at most ``(Σ_j e_ij |v_j| + |O_i| Σ_j e_ij) / (ℓ_i −
+    Σ_j e_ij)``."""
     scale = 1.0 / np.sqrt(np.shape(q)[-1]) if scale is None else scale
     qd, kd, vd = quantized_inputs(q, k, v, block_m, block_n, rotation, v_block)
     q_heads, kv_heads = qd.shape[1], kd.shape[1]
@@ -176,6 +183,11 @@ def p_rounding_bound(q: np.ndarray, k: np.ndarray, v: np.ndarray, block_m: int, 
     p = np.where(visible, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
     ell = np.maximum(p.sum(axis=-1, keepdims=True), 1e-300)
     abs_v = np.abs(vd)
+    if rounded_sum:
+        err_p = np.maximum(unit_roundoff * p, np.minimum(p, SUBNORMAL_ABS_ERROR))
+        slack = err_p.sum(axis=-1, keepdims=True)
+        out = (p @ vd) / ell
+        return (err_p @ abs_v + np.abs(out) * slack) / np.maximum(ell - slack, 1e-300)
     return (unit_roundoff * (p @ abs_v) + SUBNORMAL_ABS_ERROR * (visible.astype(np.float64) @ abs_v)) / ell
 
 
@@ -190,7 +202,8 @@ FP8_MMA_K = 32
 def fp8_accumulation_bound(q: np.ndarray, k: np.ndarray, v: np.ndarray, block_m: int, block_n: int,
                            causal: bool = False, scale: float | None = None,
                            rotation: np.ndarray | None = None, v_block: int | None = None,
-                           bits: int = FP8_ACCUMULATOR_BITS, mma_k: int = FP8_MMA_K) -> np.ndarray:
+                           bits: int = FP8_ACCUMULATOR_BITS, mma_k: int = FP8_MMA_K,
+                           rounded_sum: bool = False) -> np.ndarray:
     """Elementwise bound on what the GPU's reduced-precision FP8 accumulation adds to the error
     (zero in exact arithmetic, as under the interpreter).
 
@@ -200,7 +213,9 @@ def fp8_accumulation_bound(q: np.ndarray, k: np.ndarray, v: np.ndarray, block_m:
     ``δ_ij = ceil(head_dim / mma_k) · 2^-(bits-1) · scale · Σ_d |q_d k_d|``, which moves output
     row i by at most ``(exp(2 max_j δ_ij) − 1) · Σ_j p̂_ij |v_j| / ℓ_i``; the P·V sum over
     ``kv_len / mma_k`` steps adds ``ceil(kv_len / mma_k) · 2^-(bits-1) · Σ_j p̂_ij |v_j| / ℓ_i``
-    (V's scale accumulates in place when there is one per head)."""
+    (V's scale accumulates in place when there is one per head). ``rounded_sum``: ℓ is summed by
+    the tensor cores too (``P · 1``), a sum of positive terms off by a relative ``ε = ceil(kv_len
+    / mma_k) · 2^-(bits-1)`` at most, which moves the row by ``ε / (1 − ε) · |O_i|`` more."""
     scale = 1.0 / np.sqrt(np.shape(q)[-1]) if scale is None else scale
     qd, kd, vd = quantized_inputs(q, k, v, block_m, block_n, rotation, v_block)
     q_heads, kv_heads = qd.shape[1], kd.shape[1]
@@ -216,5 +231,9 @@ def fp8_accumulation_bound(q: np.ndarray, k: np.ndarray, v: np.ndarray, block_m:
     p = np.where(visible, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
     ell = np.maximum(p.sum(axis=-1, keepdims=True), 1e-300)
     weighted = (p @ np.abs(vd)) / ell
-    return (np.expm1(2 * delta) + -(-kv_len // mma_k) * ulp) * weighted
+    sum_error = -(-kv_len // mma_k) * ulp
+    bound = (np.expm1(2 * delta) + sum_error) * weighted
+    if rounded_sum:
+        bound = bound + sum_error / (1 - sum_error) * np.abs(p @ vd) / ell
+    return bound
 

@@ -28,6 +28,8 @@ relabel_ex = pytest.mark.exercise(id="4.9", title="Relabel, don't shuffle: the k
                                   "registers", points=2)
 exp2_ex = pytest.mark.exercise(id="4.10", title="2^x on the FMA units: an exponential without the exponential unit",
                                points=2, kind="triton")
+row_sums_ex = pytest.mark.exercise(id="4.11", title="The row sums as a matmul: l = P·1 on the tensor cores' path",
+                                   points=2, kind="triton")
 
 
 def empty_state(rows, d):
@@ -598,3 +600,76 @@ def test_exp2_kernel_leaves_the_rest_alone(impl, device, seed):
     impl.exp2_on_fma(x, out=out)
     assert torch.isfinite(out[:250]).all(), f"the first 250 elements must be written (seed {seed})"
     assert torch.isnan(out[250:]).all(), f"elements past n were written (seed {seed})"
+
+
+# --- 4.11 ------------------------------------------------------------------------------------
+
+def row_sum_scores(rng, n_q, n_k, block_n):
+    """Scores ``[n_q, n_k]`` (base 2, fp32) whose weights never sit near a rounding point of
+    e4m3, so that the kernel and the float64 reference round every one the same way: in each
+    block of ``block_n`` keys one key has the row's running max ``M_b`` (an integer, rising by
+    0, 1 or 2 from block to block), and every other key a weight ``2^(s - M_b) = g + 2^e/32``,
+    a quarter of e4m3's step above a value ``g = 2^e (1 + k/8)`` with ``e`` in -4..-1."""
+    s = np.empty((n_q, n_k))
+    top = rng.integers(-4, 5, size=n_q).astype(np.float64)
+    for start in range(0, n_k, block_n):
+        width = min(block_n, n_k - start)
+        top = top + rng.integers(0, 3, size=n_q) if start else top
+        e = rng.integers(-4, 0, size=(n_q, width)).astype(np.float64)
+        w = 2.0 ** e * (1 + rng.integers(0, 8, size=(n_q, width)) / 8 + 1 / 32)
+        w[np.arange(n_q), rng.integers(0, width, size=n_q)] = 1.0
+        s[:, start:start + width] = top[:, None] + np.log2(w)
+    return s.astype(np.float32)
+
+
+def row_sums_reference(s, v, block_n, rounded=True):
+    """The kernel's steps in float64: ``(out, lse)``; ``rounded``: P rounded to e4m3 in both
+    products (False: the plain online softmax, for comparison)."""
+    from minillm.reference.ch04_fp8 import round_e4m3
+
+    s, v = s.astype(np.float64), v.astype(np.float64)
+    m = np.full(s.shape[0], -np.inf)
+    acc, ell = np.zeros((s.shape[0], v.shape[1])), np.zeros(s.shape[0])
+    for start in range(0, s.shape[1], block_n):
+        block = s[:, start:start + block_n]
+        m_new = np.maximum(m, block.max(axis=1))
+        alpha, p = np.exp2(m - m_new), np.exp2(block - m_new[:, None])
+        p = round_e4m3(p) if rounded else p
+        acc = acc * alpha[:, None] + p @ v[start:start + block_n]
+        ell = ell * alpha + p.sum(axis=1)
+        m = m_new
+    return acc / ell[:, None], m + np.log2(ell)
+
+
+@row_sums_ex
+@pytest.mark.parametrize("n_q, n_k, d, block_m, block_n", [(37, 100, 16, 32, 32), (64, 64, 32, 16, 16),
+                                                           (5, 203, 64, 16, 32)])
+def test_row_sums_as_a_matmul(impl, n_q, n_k, d, block_m, block_n, device, seed):
+    """Out and the base-2 logsumexp against the float64 steps with P rounded to e4m3 in both
+    products; on these inputs summing P unrounded moves the logsumexp by more than 0.01, and
+    multiplying V by it moves the output by far more than the tolerance."""
+    rng = np.random.default_rng(seed)
+    s = row_sum_scores(rng, n_q, n_k, block_n)
+    v = rng.standard_normal((n_k, d)).astype(np.float32)
+    out, lse = impl.row_sums_attention(torch.from_numpy(s).to(device), torch.from_numpy(v).to(device),
+                                       block_m=block_m, block_n=block_n)
+    assert out.shape == (n_q, d) and lse.shape == (n_q,)
+    want_out, want_lse = row_sums_reference(s, v, block_n)
+    _, plain_lse = row_sums_reference(s, v, block_n, rounded=False)
+    assert np.abs(want_lse - plain_lse).max() > 1e-2  # (the inputs tell the two sums apart)
+    np.testing.assert_allclose(to_numpy(lse), want_lse, rtol=0, atol=2e-5,
+                               err_msg=f"lse = m + log2(l), l from P rounded to e4m3 (seed {seed})")
+    np.testing.assert_allclose(to_numpy(out), want_out, rtol=1e-5, atol=1e-5,
+                               err_msg=f"out = (P8 @ V) / (P8 @ 1) (seed {seed})")
+
+
+@row_sums_ex
+def test_row_sums_kernel_writes_only_its_rows(impl, device, seed):
+    """Rows past ``n_q`` of given, longer buffers are not written."""
+    rng = np.random.default_rng(seed)
+    s = torch.from_numpy(row_sum_scores(rng, 20, 70, 32)).to(device)
+    v = torch.from_numpy(rng.standard_normal((70, 16)).astype(np.float32)).to(device)
+    out, lse = poisoned((27, 16), torch.float32, device), poisoned((27,), torch.float32, device)
+    impl.row_sums_attention(s, v, out=out, lse=lse, block_m=16, block_n=32)
+    assert torch.isfinite(out[:20]).all() and torch.isfinite(lse[:20]).all(), f"rows 0-19 must be written (seed {seed})"
+    assert torch.isnan(out[20:]).all() and torch.isnan(lse[20:]).all(), f"rows past n_q were written (seed {seed})"
