@@ -233,44 +233,25 @@ def test_exp2_polynomial_within_its_bound(seed):
     assert np.all(np.isfinite(got)) and got.min() >= np.finfo(np.float32).tiny
 
 
-def online_fp8_attention(qd, kd, vd, causal, block_n, rounded_sum):
-    """The FP8 kernels' arithmetic in float64 on quantized inputs (MHA): key blocks of
-    ``block_n``, a running max, P rounded to e4m3 for P·V, and ℓ summed from P as rounded
-    (``rounded_sum``, the row sums on the tensor cores) or as computed."""
-    scale = 1.0 / math.sqrt(qd.shape[-1])
-    s = scale * qd @ np.swapaxes(kd, -1, -2)
-    s = np.where(ref8.attention_mask(s.shape[-2], s.shape[-1], causal), s, -np.inf)
-    m = np.full(s.shape[:-1] + (1,), -np.inf)
-    acc, ell = np.zeros(qd.shape), np.zeros(m.shape)
-    for j in range(0, s.shape[-1], block_n):
-        block = s[..., j:j + block_n]
-        m_new = np.maximum(m, block.max(axis=-1, keepdims=True))
-        alpha, p = np.exp(m - m_new), np.exp(block - m_new)
-        p8 = ref8.round_e4m3(p)
-        acc = acc * alpha + p8 @ vd[..., j:j + block_n, :]
-        ell = ell * alpha + (p8 if rounded_sum else p).sum(axis=-1, keepdims=True)
-        m = m_new
-    return acc / ell
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_rounded_row_sums_within_their_bound(causal, seed):
-    """`p_rounding_bound` with ``rounded_sum``: the kernels' arithmetic with ℓ summed from P as
-    rounded to e4m3 (what the tensor cores add for ``P · 1``) stays within it, elementwise, on
+    """`p_rounding_bound` with ``rounded_sum``: the kernels' arithmetic (`online_fp8_softmax`) with
+    ℓ summed from P as rounded to e4m3 (what the tensor cores add for ``P · 1``) stays within it, elementwise, on
     scores with a spread of a few units over 256 keys in blocks of 64; the plain bound holds
     for ℓ from P unrounded, as the kernels compute it otherwise. Neither bound is vacuous,
     and the rounded sums do move the output (more than a bf16 rounding of it)."""
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((1, 2, 256, 64)) * sd for sd in (2.0, 2.0, 1.0))
     qd, kd, vd = ref8.quantized_inputs(q, k, v, 64, 128)
+    s2 = np.where(ref8.attention_mask(256, 256, causal), qd @ np.swapaxes(kd, -1, -2) / math.sqrt(64), -np.inf)
+    s2 = s2 * math.log2(math.e)  # the kernels' base-2 scores
     want = ref8.fp8_attention(q, k, v, 64, 128, causal=causal)
     for rounded_sum in (False, True):
-        got = online_fp8_attention(qd, kd, vd, causal, 64, rounded_sum)
+        got = ref8.online_fp8_softmax(s2, vd, 64, rounded_sum)[0]
         bound = ref8.p_rounding_bound(q, k, v, 64, 128, causal=causal, rounded_sum=rounded_sum)
         assert np.all(np.abs(got - want) <= bound + 1e-12), (rounded_sum, np.max(np.abs(got - want) - bound))
         assert np.linalg.norm(bound) < 0.5 * np.linalg.norm(want)
-    moved = np.abs(online_fp8_attention(qd, kd, vd, causal, 64, True)
-                   - online_fp8_attention(qd, kd, vd, causal, 64, False))
+    moved = np.abs(ref8.online_fp8_softmax(s2, vd, 64, True)[0] - ref8.online_fp8_softmax(s2, vd, 64, False)[0])
     assert moved.max() > 2.0 ** -8 * np.abs(want).max()
 
 

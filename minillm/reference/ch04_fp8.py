@@ -150,6 +150,29 @@ def fp8_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, block_m: int, blo
     return attention(qd, kd, vd, causal=causal, scale=scale)[0]
 
 
+def online_fp8_softmax(s: np.ndarray, v: np.ndarray, block_n: int, rounded_sum: bool = True
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """The FP8 kernels' softmax arithmetic in float64: ``(out [..., q, d], lse [..., q])`` of
+    base-2 scores ``s: [..., q, k]`` (``-inf``: masked) and ``v: [..., k, d]``, over blocks of
+    ``block_n`` keys with a running max, P rounded to e4m3 (`round_e4m3`) for P·V, and ℓ summed
+    from P as rounded (``rounded_sum``, the row sums on the tensor cores) or as computed (the
+    CUDA cores' sum); ``lse = m + log2 ℓ``. Rows that see no key get NaN."""
+    s, v = np.asarray(s, dtype=np.float64), np.asarray(v, dtype=np.float64)
+    m = np.full(s.shape[:-1], -np.inf)
+    acc, ell = np.zeros(s.shape[:-1] + v.shape[-1:]), np.zeros(s.shape[:-1])
+    for start in range(0, s.shape[-1], block_n):
+        block = s[..., start:start + block_n]
+        m_new = np.maximum(m, block.max(axis=-1))
+        m_sub = np.where(np.isfinite(m_new), m_new, 0.0)  # (no -inf - -inf)
+        alpha, p = np.exp2(m - m_sub), np.exp2(block - m_sub[..., None])
+        p8 = round_e4m3(p)
+        acc = acc * alpha[..., None] + p8 @ v[..., start:start + block_n, :]
+        ell = ell * alpha + (p8 if rounded_sum else p).sum(axis=-1)
+        m = m_new
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return acc / ell[..., None], m + np.log2(ell)
+
+
 def p_rounding_bound(q: np.ndarray, k: np.ndarray, v: np.ndarray, block_m: int, block_n: int,
                      causal: bool = False, scale: float | None = None,
                      rotation: np.ndarray | None = None, v_block: int | None = None,

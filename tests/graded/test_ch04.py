@@ -622,40 +622,23 @@ def row_sum_scores(rng, n_q, n_k, block_n):
     return s.astype(np.float32)
 
 
-def row_sums_reference(s, v, block_n, rounded=True):
-    """The kernel's steps in float64: ``(out, lse)``; ``rounded``: P rounded to e4m3 in both
-    products (False: the plain online softmax, for comparison)."""
-    from minillm.reference.ch04_fp8 import round_e4m3
-
-    s, v = s.astype(np.float64), v.astype(np.float64)
-    m = np.full(s.shape[0], -np.inf)
-    acc, ell = np.zeros((s.shape[0], v.shape[1])), np.zeros(s.shape[0])
-    for start in range(0, s.shape[1], block_n):
-        block = s[:, start:start + block_n]
-        m_new = np.maximum(m, block.max(axis=1))
-        alpha, p = np.exp2(m - m_new), np.exp2(block - m_new[:, None])
-        p = round_e4m3(p) if rounded else p
-        acc = acc * alpha[:, None] + p @ v[start:start + block_n]
-        ell = ell * alpha + p.sum(axis=1)
-        m = m_new
-    return acc / ell[:, None], m + np.log2(ell)
-
-
 @row_sums_ex
 @pytest.mark.parametrize("n_q, n_k, d, block_m, block_n", [(37, 100, 16, 32, 32), (64, 64, 32, 16, 16),
                                                            (5, 203, 64, 16, 32)])
 def test_row_sums_as_a_matmul(impl, n_q, n_k, d, block_m, block_n, device, seed):
     """Out and the base-2 logsumexp against the float64 steps with P rounded to e4m3 in both
-    products; on these inputs summing P unrounded moves the logsumexp by more than 0.01, and
+    products (`minillm.reference.ch04_fp8.online_fp8_softmax`); on these inputs summing P unrounded moves the logsumexp by more than 0.01, and
     multiplying V by it moves the output by far more than the tolerance."""
+    from minillm.reference import ch04_fp8 as ref8
+
     rng = np.random.default_rng(seed)
     s = row_sum_scores(rng, n_q, n_k, block_n)
     v = rng.standard_normal((n_k, d)).astype(np.float32)
     out, lse = impl.row_sums_attention(torch.from_numpy(s).to(device), torch.from_numpy(v).to(device),
                                        block_m=block_m, block_n=block_n)
     assert out.shape == (n_q, d) and lse.shape == (n_q,)
-    want_out, want_lse = row_sums_reference(s, v, block_n)
-    _, plain_lse = row_sums_reference(s, v, block_n, rounded=False)
+    want_out, want_lse = ref8.online_fp8_softmax(s, v, block_n)
+    _, plain_lse = ref8.online_fp8_softmax(s, v, block_n, rounded_sum=False)
     assert np.abs(want_lse - plain_lse).max() > 1e-2  # (the inputs tell the two sums apart)
     np.testing.assert_allclose(to_numpy(lse), want_lse, rtol=0, atol=2e-5,
                                err_msg=f"lse = m + log2(l), l from P rounded to e4m3 (seed {seed})")
