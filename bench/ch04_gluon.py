@@ -63,8 +63,10 @@ ones also against bf16 ``ws``. Budget ``MINILLM_CH04_GLUON_SOFTMAX_BUDGET_S`` (d
 
 The row-sum part (``params["part"] = "row_sum"``; the softmax part's points): the softmax's row
 sums as a third matmul, P times a tile of ones, started with each P·V (``row_sum_mma=True``,
-``*_row_sum`` in `ROW_SUM_KERNELS`), against the same kernel summing on the CUDA cores; FP8 ones
-also against bf16 ``ws``. Budget ``MINILLM_CH04_GLUON_ROW_SUM_BUDGET_S`` (default 200).
+``*_row_sum`` in `ROW_SUM_KERNELS`), against the same kernel summing on the CUDA cores (and FP8's
+with FMA exponentials or the lazy max on top against the kernel without them); FP8 ones
+also against bf16 ``ws``, and those with three consumers or 256-key tiles against the FP8 kernel
+as its defaults run it (``fp8_ws_row_sum``). Budget ``MINILLM_CH04_GLUON_ROW_SUM_BUDGET_S`` (default 200).
 
 The tiles part (``params["part"] = "tiles"``; N 2k-16k, both head dims, causal and not): FP8
 with 256-key tiles of K and Vᵀ against the 128-key default (`TILE_KERNELS`: ws and ping-pong, P
@@ -159,17 +161,32 @@ SOFTMAX_KERNELS = {
 }
 #: The row-sum part's kernels (same form): each warp-specialized variant with the row sums of
 #: P as a matmul ``P · 1`` (``row_sum_mma=True``) and without; in FP8 also with one in eight of
-#: the exponentials on the FMA units (``*_fma8``).
+#: the exponentials on the FMA units (``*_fma8``) or the lazy running max (``*_lazy``) on top.
 ROW_SUM_KERNELS = {
     "ws": ("bf16", "ws", {}), "ws_row_sum": ("bf16", "ws", dict(row_sum_mma=True)),
     "ws_pingpong": ("bf16", "ws_pingpong", {}),
     "ws_pingpong_row_sum": ("bf16", "ws_pingpong", dict(row_sum_mma=True)),
-    "fp8_ws": ("fp8", "ws", {}), "fp8_ws_row_sum": ("fp8", "ws", dict(row_sum_mma=True)),
-    "fp8_ws_pingpong": ("fp8", "ws_pingpong", {}),
+    # (FP8 sums on the tensor cores by default: the kernels without say so)
+    "fp8_ws": ("fp8", "ws", dict(row_sum_mma=False)), "fp8_ws_row_sum": ("fp8", "ws", dict(row_sum_mma=True)),
+    "fp8_ws_pingpong": ("fp8", "ws_pingpong", dict(row_sum_mma=False)),
     "fp8_ws_pingpong_row_sum": ("fp8", "ws_pingpong", dict(row_sum_mma=True)),
     "fp8_ws_row_sum_fma8": ("fp8", "ws", dict(row_sum_mma=True, fma_exp2=8)),
     "fp8_ws_pingpong_row_sum_fma8": ("fp8", "ws_pingpong", dict(row_sum_mma=True, fma_exp2=8)),
+    "fp8_ws_row_sum_lazy": ("fp8", "ws", dict(row_sum_mma=True, lazy_rescale=True)),
+    "fp8_ws_pingpong_row_sum_lazy": ("fp8", "ws_pingpong", dict(row_sum_mma=True, lazy_rescale=True)),
+    # Where the sums are not on by default: three consumers (P through shared memory, 128-key
+    # tiles in two stages: the consumers part's fastest three-consumer FP8 kernel) and 256-key
+    # tiles (P through shared memory), each with and without.
+    "fp8_ws_c3_smem_n128": ("fp8", "ws", dict(consumers=3, block_n=128, num_stages=2, p_in_registers=False,
+                                               row_sum_mma=False)),
+    "fp8_ws_c3_smem_n128_row_sum": ("fp8", "ws", dict(consumers=3, block_n=128, num_stages=2,
+                                                       p_in_registers=False, row_sum_mma=True)),
+    "fp8_ws_n256_smem": ("fp8", "ws", dict(block_n=256, p_in_registers=False, row_sum_mma=False)),
+    "fp8_ws_n256_smem_row_sum": ("fp8", "ws", dict(block_n=256, p_in_registers=False, row_sum_mma=True)),
 }
+#: The FP8 kernel as `flash_attention_gluon_fp8`'s defaults run it (row sums on the tensor cores):
+#: the row-sum part's kernels with other tiles or consumers are also timed against it.
+FP8_DEFAULT = "fp8_ws_row_sum"
 #: The tiles part's FP8 kernels: name -> (variant, keys per tile, P in "registers" or "smem").
 #: The 128-key ones are the forward part's ``fp8_ws`` and ``fp8_ws_pingpong``.
 TILE_KERNELS = {
@@ -491,12 +508,18 @@ def _softmax_point(results: Results, device, gen, n: int, head_dim: int, causal:
                for _ in range(3))
     flops = nominal_attention_flops(batch, heads, n, n, head_dim, causal)
     tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
-    prepared = prepare_gluon_fp8(q, k, v)
+    prepared = {}  # (keys per tile, P in registers) -> the quantized inputs
     ms = {}
+    if causal:  # three consumers take no mask
+        kernels = {name: kernel for name, kernel in kernels.items() if kernel[2].get("consumers", 2) != 3}
     for name, (dtype, variant, kw) in kernels.items():
         if dtype == "fp8":
+            kw = dict(kw)
+            where = (kw.get("block_n") or 128, kw.pop("p_in_registers", True))
+            if where not in prepared:
+                prepared[where] = prepare_gluon_fp8(q, k, v, where[0], p_in_registers=where[1])
             fn = lambda: flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant,  # noqa: E731
-                                                   prepared=prepared, **kw)
+                                                   prepared=prepared[where], **kw)
         else:
             fn = lambda: flash_attention_gluon(q, k, v, causal=causal, variant=variant, **kw)  # noqa: E731
         ms[name], _ = timed_output(fn, timer)
@@ -504,7 +527,12 @@ def _softmax_point(results: Results, device, gen, n: int, head_dim: int, causal:
         params = {"batch": batch, "heads": heads, "seq_len": n, "head_dim": head_dim, "causal": causal,
                   "dtype": dtype, "kernel": name, "part": part}
         plain = ("fp8_" if dtype == "fp8" else "") + variant
-        peers = ([plain] if kw else []) + (["ws"] if dtype == "fp8" else [])
+        # the same kernel without its last change (summing on the CUDA cores, no FMA exponentials,
+        # no lazy max), else the plain variant
+        without = next((name.removesuffix(s) for s in ("_row_sum", "_fma8", "_lazy")
+                        if name.endswith(s) and name.removesuffix(s) in kernels), None)
+        peers = [without] if without else [plain] if kw and plain != name else []
+        peers += (["ws"] if dtype == "fp8" else []) + ([FP8_DEFAULT] if {"block_n", "consumers"} & set(kw) else [])
         for peer in peers or [None]:
             p_ms = ms[peer] if peer else None
             results.add(BENCHMARK, params, "time_ms", ms[name], peer, p_ms, note=str(kw or "as the defaults"))

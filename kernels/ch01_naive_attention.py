@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 # (importing base also sets the interpreter switch, before any @triton.jit)
-from minillm.kernels.base import block_d, dot_precision, scale_and_window, tl, triton
+from minillm.kernels.base import block_d, dot_precision, power_of_2_at_least, scale_and_window, tl, triton
 
 
 # ----------------------------------------------------------------------------------------
@@ -138,7 +138,7 @@ def row_softmax(scores: torch.Tensor, out_dtype: torch.dtype | None = None,
         out = torch.empty(scores.shape, device=scores.device, dtype=out_dtype)
     if lse is None:
         lse = torch.empty(scores.shape[:-1], device=scores.device, dtype=torch.float32)
-    BLOCK_N = triton.next_power_of_2(n_cols)
+    BLOCK_N = power_of_2_at_least(n_cols)
     if BLOCK_N > 65536:
         raise ValueError(f"row_softmax keeps a whole row on chip; kv_len={n_cols} > 65536 is not supported")
     # Enough threads that each holds ~32 elements of the row in registers (Triton caps at 32 warps).

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from minillm.kernels.base import (  # Triton as this machine runs it, and the shared helpers
     tl, triton,
-    LN2_C, LOG2E, block_d, dot_precision, online_softmax_update, scale_and_window,
+    LN2_C, LOG2E, block_d, dot_precision, online_softmax_update, power_of_2_at_least, scale_and_window,
 )
 
 
@@ -112,9 +112,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, 
         raise TypeError(f"slots must be an integer tensor, got {slots.dtype}")
     if batch * n_tokens == 0:
         return
-    BLOCK_D = triton.next_power_of_2(head_dim)
+    BLOCK_D = power_of_2_at_least(head_dim)
     # At most ~4k elements per tensor per program (16 KB of fp32 registers over 4 warps).
-    BLOCK_H = min(triton.next_power_of_2(kv_heads), max(1, 4096 // BLOCK_D))
+    BLOCK_H = min(power_of_2_at_least(kv_heads), max(1, 4096 // BLOCK_D))
     grid = (batch * n_tokens, triton.cdiv(kv_heads, BLOCK_H))
     _write_kv_kernel[grid](
         k_new, v_new, k_cache, v_cache, slots,
@@ -242,7 +242,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     group = q_heads // kv_heads
     BLOCK_D = block_d(head_dim)  # tl.dot needs every dim >= 16
-    GROUP_PAD = max(16, triton.next_power_of_2(group))
+    GROUP_PAD = max(16, power_of_2_at_least(group))
     # Tiles of 32 KB (128 x 128 in bf16): with num_stages=3 the loads of the next tiles are
     # in flight (in shared memory) while one is used, and a single program needs that much
     # outstanding to pull a fair share of HBM bandwidth. Measured on an H200 (bf16, head_dim

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from minillm.kernels.base import (  # Triton as this machine runs it, and the shared helpers
     tl, triton,
-    LN2_C, LOG2E, block_d, dot_precision, online_softmax_update, scale_and_window,
+    LN2_C, LOG2E, block_d, dot_precision, online_softmax_update, power_of_2_at_least, scale_and_window,
 )
 
 #: Rows up to this many elements are kept in registers (one read); longer rows are streamed.
@@ -113,7 +113,7 @@ def online_softmax(x: torch.Tensor, out_dtype: torch.dtype | None = None, out: t
         return out, lse
     if block_n is None:
         one_tile = n_cols <= MAX_ONE_TILE
-        block_n = triton.next_power_of_2(n_cols) if one_tile else STREAM_BLOCK
+        block_n = power_of_2_at_least(n_cols) if one_tile else STREAM_BLOCK
     else:
         if block_n < 1 or block_n & (block_n - 1):
             raise ValueError(f"block_n must be a power of two, got {block_n}")

@@ -66,7 +66,7 @@ import torch
 from minillm.kernels.base import (  # shared by every chapter's attention kernels
     tl, triton,
     LN2_C, LOG2E, LOG2E_C, block_d, dot_precision, head_dim_offsets, interpreting, launch, online_softmax_update,
-    scale_and_window,
+    power_of_2_at_least, scale_and_window,
 )
 
 MAX_HEAD_DIM = 256
@@ -431,7 +431,7 @@ _fwd_kernel_tuned = triton.autotune(
 
 def seq_bucket(n: int) -> int:
     """The autotuning key of a sequence length: the next power of two in [64, 16384]."""
-    return min(max(triton.next_power_of_2(max(int(n), 1)), 64), 16384)
+    return min(max(power_of_2_at_least(max(int(n), 1)), 64), 16384)
 
 
 # ----------------------------------------------------------------------------------------

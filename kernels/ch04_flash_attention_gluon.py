@@ -1037,12 +1037,14 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def default_row_sum(block_n: int, consumers: int) -> bool:
     """Whether the FP8 kernel takes its row sums from the tensor cores (``row_sum_mma``) unless
     told: with two consumers and tiles of up to 128 keys. There, on an H200, it ran 1.05-1.09x
-    faster at head dim 128 and 1.10-1.13x at 64 (with ping-pong 1.04-1.08x and 1.05-1.16x),
+    faster at head dim 128 and 1.10-1.14x at 64 (with ping-pong 1.04-1.07x and 1.06-1.16x),
     causal or not, N 2k-16k (the row-sum part of ``bench/ch04_gluon.py``): the loop of the
     softmax loses 64 additions and 4 shuffles a thread per block (448 instructions a warp to
-    386 at head dim 128) for one matmul of width 8 more. In bf16 it does not pay (0.97-1.03x:
-    there the tensor cores, not the instructions, set the pace), and three consumers and
-    256-key tiles were not measured with it."""
+    386 at head dim 128) for one matmul of width 8 more. In bf16 it does not pay (0.96-1.04x:
+    there the tensor cores, not the instructions, set the pace). With three consumers (P through
+    shared memory) it gains 1.02-1.05x at head dim 128 and 1.06-1.09x at 64, which only draws
+    level with two consumers and the sums (0.95-1.02x); with 256-key tiles it gains little at
+    128 (0.98-1.03x; the loop spills) and the wide tile stays behind (0.84-0.97x)."""
     return consumers == 2 and block_n <= 128
 
 

@@ -91,7 +91,7 @@ import torch
 from minillm.kernels.base import (
     tl, triton,
     LN2_C, LOG2E, block_d, dot_precision, head_dim_offsets, interpreting, launch, online_softmax_update,
-    scale_and_window,
+    power_of_2_at_least, scale_and_window,
 )
 from minillm.kernels.ch04_flash_attention import kv_segments, visible_mask
 
@@ -178,8 +178,8 @@ def write_paged_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Te
         raise TypeError(f"slot_mapping must be an integer tensor, got {slot_mapping.dtype}")
     if num_tokens == 0 or kv_heads * head_dim == 0 or num_blocks * block_size == 0:
         return
-    BLOCK_D = triton.next_power_of_2(head_dim)
-    BLOCK_H = min(triton.next_power_of_2(kv_heads), max(1, 4096 // BLOCK_D))  # <= ~4k elements per tensor
+    BLOCK_D = power_of_2_at_least(head_dim)
+    BLOCK_H = min(power_of_2_at_least(kv_heads), max(1, 4096 // BLOCK_D))  # <= ~4k elements per tensor
     grid = (num_tokens, triton.cdiv(kv_heads, BLOCK_H))
     launch(
         _write_paged_kv_kernel, grid, k_new, v_new, k_cache, v_cache, slot_mapping,
@@ -446,7 +446,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), seq_lens.stride(0),
         *out.stride(), *lse.stride(),
         group, block_size, num_blocks, block_tables.shape[1], scale * LOG2E,
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), GROUP_PAD=max(16, power_of_2_at_least(group)),
         BLOCK_N=BLOCK_N, BLOCKS_PER_TILE=blocks_per_tile(block_size, BLOCK_N, tile_in_block),
         DOT_PRECISION=dot_precision(q.dtype), num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
     )

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from minillm.kernels.base import tl, triton  # Triton as this machine runs it (no GPU: the interpreter)
+from minillm.kernels.base import power_of_2_at_least, tl, triton  # (no GPU: Triton's interpreter)
 
 __all__ = ["copy_blocks", "check_pairs", "copy_block_size"]
 
@@ -63,7 +63,7 @@ MAX_BLOCK = 4096
 def copy_block_size(block_elems: int) -> int:
     """``BLOCK`` of the kernel: the block's elements rounded up to a power of two, at most
     `MAX_BLOCK` (a larger block is copied by several programs)."""
-    return min(MAX_BLOCK, triton.next_power_of_2(max(1, block_elems)))
+    return min(MAX_BLOCK, power_of_2_at_least(max(1, block_elems)))
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -44,7 +44,7 @@ import torch
 from minillm.kernels.base import (
     tl, triton,
     CPU_NUM_SMS, LN2_C, LOG2E, LOG2E_C, TensorAddress, block_d, cached_descriptor, dot_precision, head_dim_offsets,
-    interpreting, launch, num_sms, online_softmax_update, scale_and_window, unrecorded,
+    interpreting, launch, num_sms, online_softmax_update, power_of_2_at_least, scale_and_window, unrecorded,
 )
 from minillm.kernels.ch05_paged_attention import (  # Chapter 5's tile addressing, reused as it is
     blocks_per_tile, check_paged, decode_block_n, decode_outputs, tile_rows,
@@ -685,16 +685,21 @@ def _reused(key: tuple, device, make):
     reuses across calls when the caller gives none. Nothing is kept while a CUDA graph is being
     captured: memory allocated during capture belongs to the graph's private pool (and a zero
     fill is captured with the graph, so every replay starts from zero)."""
-    key = tuple(_same_device(k) if isinstance(k, torch.device) else k for k in key)
+    buf = _WORKSPACES.get(key)  # the key as the caller gave it (a decode loop's: the same each step)
+    if buf is not None:
+        return buf
+    given, key = key, tuple(_same_device(k) if isinstance(k, torch.device) else k for k in key)
     buf = _WORKSPACES.get(key)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if buf is None:
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         with unrecorded():  # made once for later calls, which leave it as they found it
             buf = make()
-        if not capturing:
-            if len(_WORKSPACES) >= WORKSPACE_CACHE_SIZE:
-                _WORKSPACES.clear()
-            _WORKSPACES[key] = buf
+    if not capturing:
+        if len(_WORKSPACES) >= WORKSPACE_CACHE_SIZE - 1:
+            _WORKSPACES.clear()
+        _WORKSPACES[key] = buf
+        if given != key:  # e.g. "cuda" for "cuda:0": one buffer under both spellings of the device
+            _WORKSPACES[given] = buf
     return buf
 
 
@@ -982,13 +987,13 @@ def _stage1_meta(head_dim: int, dtype: torch.dtype, group: int, block_size: int,
     of a call's few microseconds of host time). ``config``: overrides, as sorted items."""
     window_lo, window_hi = async_window(dtype)
     meta = dict(
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), GROUP_PAD=max(16, power_of_2_at_least(group)),
         BLOCK_N=block_n, BLOCKS_PER_TILE=blocks_per_tile(block_size, block_n, tile_in_block),
         DOT_PRECISION=dot_precision(dtype), ASYNC=is_async, WINDOW_LO=window_lo, WINDOW_HI=window_hi,
         TRACK_FALLBACKS=track, FUSED_MERGE=fused,
-        MERGE_ROWS=triton.next_power_of_2(group) if fused else 1,
-        MERGE_BLOCK_S=(min(MERGE_BLOCK_S, triton.next_power_of_2(num_splits),
-                           max(1, MERGE_TILE_ROWS // triton.next_power_of_2(group))) if fused else 1),
+        MERGE_ROWS=power_of_2_at_least(group) if fused else 1,
+        MERGE_BLOCK_S=(min(MERGE_BLOCK_S, power_of_2_at_least(num_splits),
+                           max(1, MERGE_TILE_ROWS // power_of_2_at_least(group))) if fused else 1),
         **{**_STAGE1_DEFAULTS, **dict(config)},
     )
     meta["TMA"] = bool(meta["TMA"]) and meta["BLOCKS_PER_TILE"] == 1  # one box per tile: one block per tile
@@ -1014,6 +1019,6 @@ def reduce_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tenso
     launch(
         _merge_splits_kernel, (batch, q_heads), o_part, lse_part, out, lse, num_splits,
         *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(num_splits)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_S=min(MERGE_BLOCK_S, power_of_2_at_least(num_splits)),
         num_warps=MERGE_WARPS, **({"PDL": True, "launch_pdl": True} if pdl else {}),
     )

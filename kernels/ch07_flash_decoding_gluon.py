@@ -48,14 +48,15 @@ CPU the tests check the planning and compile the kernel for sm_90.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from minillm.kernels.base import (  # first: it decides on Triton's interpreter before Triton is imported
-    LOG2E, TensorAddress, TensorDescriptor, cached_descriptor, fence_async_shared, launch, mbarrier, num_sms, tl,
-    triton, warpgroup_mma, warpgroup_mma_wait, gluon_get_index, gluon_put_index, gluon_tma_load as _tma_load,
-    gluon_warps_barrier as _warps_barrier,
+    LOG2E, TensorAddress, TensorDescriptor, cached_descriptor, device_capability, fence_async_shared, launch, mbarrier,
+    num_sms, power_of_2_at_least, tl, warpgroup_mma, warpgroup_mma_wait, gluon_get_index, gluon_put_index,
+    gluon_tma_load as _tma_load, gluon_warps_barrier as _warps_barrier,
 )
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -1072,6 +1073,10 @@ def plan_splits(batch: int, kv_heads: int, max_seq_len: int, programs: int, bloc
     return next(s for s in range(1, most + 1) if -(-tiles // s) == per_unit)
 
 
+#: `plan_splits` remembered per argument tuple: a decode loop asks for the same plan every step.
+_planned_splits = functools.lru_cache(maxsize=1024)(plan_splits)
+
+
 def balanced_slots(programs: int, kv_heads: int, capacity_boxes: int) -> int:
     """The most pieces a unit can be cut into by the balanced schedule (the workspace's slots per
     head): a unit of ``u`` boxes shares the line with its sequence's other KV heads, so the line
@@ -1134,7 +1139,7 @@ def gluon_decode_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 def _reason(q, k_cache, v_cache, kv_layout) -> str | None:
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+    if not (q.is_cuda and device_capability(q.device)[0] == 9):
         return "the Gluon decode kernel needs an sm_90 GPU (H100/H200)"
     return _layout_reason(q, k_cache, v_cache, kv_layout)
 
@@ -1289,7 +1294,7 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     else:
         if num_splits is None:
             bound = capacity if max_seq_len is None else int(max_seq_len)
-            num_splits = plan_splits(batch, kv_heads, bound, programs, block_n)
+            num_splits = _planned_splits(batch, kv_heads, bound, programs, block_n)
         if int(num_splits) != num_splits or num_splits < 1:
             raise ValueError(f"num_splits must be an integer >= 1, got {num_splits}")
         num_splits = slots = int(num_splits)
@@ -1318,14 +1323,15 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         claims = steal_words(batch, kv_heads, num_splits, q.device)
     else:
         claims = claim_counters(batch, q_heads, q.device) if claim else counters
-    merge_h = triton.next_power_of_2(q_heads // kv_heads)
+    merge_h = power_of_2_at_least(q_heads // kv_heads)
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
     view, block_rows, head_rows, head_cols = _pool_view(num_blocks, block_size, kv_heads, head_dim, kv_layout)
+    q_st, out_st, o_st, lse_st, l_st = q.stride(), out.stride(), o_part.stride(), lse.stride(), lse_part.stride()
     args = (_descriptor(k_cache, view, box), _descriptor(v_cache, view, box), q, block_tables, seq_lens, o_part,
-            lse_part, out, lse, counters, claims, q.stride(0), q.stride(1), block_tables.stride(0), o_part.stride(0),
-            o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-            lse.stride(0), lse.stride(1), counters.stride(0), batch, q_heads // kv_heads, kv_heads, num_splits,
-            block_size, block_rows, head_rows, head_cols, num_blocks, block_tables.shape[1], qk_scale,
+            lse_part, out, lse, counters, claims, q_st[0], q_st[1], block_tables.stride(0), o_st[0], o_st[1], o_st[2],
+            l_st[0], l_st[1], out_st[0], out_st[1], lse_st[0], lse_st[1], counters.stride(0), batch,
+            q_heads // kv_heads, kv_heads, num_splits, block_size, block_rows, head_rows, head_cols, num_blocks,
+            block_tables.shape[1], qk_scale,
             seq_lens if timeline is None else timeline)  # (an unused placeholder without one)
     meta = dict(HEAD_D=head_dim, BLOCK_N=block_n, BOX=box, NUM_STAGES=num_stages, LINE=schedule == "line",
                 CLAIM=claim, STEAL=steal, CLAIM_FIRST=int(claim_first), SPLIT=split, MERGE_H=merge_h,
@@ -1334,10 +1340,10 @@ def flash_decode_attention_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                 MERGE=MERGE_CODES[merge], LAUNCH_DEPENDENTS=split and merge == "launch_pdl", PDL=bool(pdl),
                 **({"launch_pdl": True} if pdl else {}),  # (the kernel's switch and the launch's go together)
                 TIMELINE=timeline is not None,
-                MERGE_S=max(1, min(MERGE_SPLITS, MERGE_ROWS // merge_h, triton.next_power_of_2(slots))))
+                MERGE_S=max(1, min(MERGE_SPLITS, MERGE_ROWS // merge_h, power_of_2_at_least(slots))))
     if compile_only:
         return _decode_kernel.warmup(*args, grid=(grid,), **meta)
-    if q.stride(2) != 1 or out.stride(2) != 1:
+    if q_st[2] != 1 or out_st[2] != 1:
         raise ValueError("q and out must have a unit stride along head_dim")
     launch(_decode_kernel, (grid,), *args, **meta)
     if split and MERGE_CODES[merge] == 0:

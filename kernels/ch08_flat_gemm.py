@@ -109,7 +109,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 from minillm.kernels.base import (
-    dot_precision, interpreting, is_recording, launch, num_sms, record_call, tl, triton, unrecorded,
+    dot_precision, interpreting, is_recording, launch, num_sms, power_of_2_at_least, record_call, tl, triton,
+    unrecorded,
 )
 
 __all__ = ["gemv", "flat_gemm", "linear", "linear_into", "blas_linear", "store_result", "choose_kernel",
@@ -477,7 +478,7 @@ def _make_plan(kind: str, x: torch.Tensor, weight: torch.Tensor, has_bias: bool,
                 BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if kind == "gemv":
         kernel = _gemv_kernel
-        meta.update(ROWS=cfg.block_m, BLOCK_M=triton.next_power_of_2(cfg.block_m))
+        meta.update(ROWS=cfg.block_m, BLOCK_M=power_of_2_at_least(cfg.block_m))
     else:
         kernel = _flat_gemm_kernel
         meta.update(DOT_PRECISION=dot_precision(x.dtype), W_AS_A=cfg.w_as_a, BLOCK_M=cfg.block_m)
@@ -533,7 +534,7 @@ def _with_split(cfg: TileConfig, M: int, N: int, K: int, x: torch.Tensor) -> Til
 def rows_bucket(kind: str, M: int) -> int:
     """The M part of the tuning key: the exact row count per GEMV program (each is its own
     compiled variant anyway), or M rounded up to a power of two >= 16 for the flat GEMM."""
-    return max(1, min(M, GEMV_MAX_ROWS)) if kind == "gemv" else max(16, triton.next_power_of_2(max(M, 1)))
+    return max(1, min(M, GEMV_MAX_ROWS)) if kind == "gemv" else max(16, power_of_2_at_least(max(M, 1)))
 
 
 #: Tuned configs: (kind, dtype, rows bucket, N, K, device index) -> the fastest (tile, split).

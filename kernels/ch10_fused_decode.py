@@ -55,7 +55,6 @@ agrees with the unfused one to the last bit in most elements; in fp32 they compu
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 from dataclasses import dataclass
@@ -63,7 +62,8 @@ from dataclasses import dataclass
 import torch
 
 from minillm.kernels.base import (
-    graph_ms_per_call, l2_copies, head_dim_offsets, interpreting, launch, tl, triton, unrecorded,
+    device_capability, graph_ms_per_call, l2_copies, head_dim_offsets, interpreting, launch, power_of_2_at_least, tl,
+    triton, unrecorded,
 )
 from minillm.kernels.ch08_flat_gemm import store_result
 
@@ -121,7 +121,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         r_out = torch.empty_like(x) if residual_out is None else residual_out
     if T == 0:
         return out, r_out
-    BLOCK = triton.next_power_of_2(hidden)
+    BLOCK = power_of_2_at_least(hidden)
     num_warps = 4 if BLOCK <= 2048 else 8
     launch(_add_rmsnorm_kernel, (T,), x, r_in, weight, out, r_out, x.stride(0), r_in.stride(0), out.stride(0),
            r_out.stride(0), hidden, float(eps), HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=num_warps)
@@ -252,8 +252,8 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
            cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1),
            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
            v_cache.stride(2), H, Hkv, block_size, num_blocks * block_size,
-           HALF=half, BLOCK_I=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(H),
-           BLOCK_HK=triton.next_power_of_2(Hkv), num_warps=4, **_pdl_meta(q.device))
+           HALF=half, BLOCK_I=power_of_2_at_least(half), BLOCK_HQ=power_of_2_at_least(H),
+           BLOCK_HK=power_of_2_at_least(Hkv), num_warps=4, **_pdl_meta(q.device))
     return q_out
 
 
@@ -287,7 +287,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     out = torch.empty((T, inter), device=gate_up.device, dtype=gate_up.dtype) if out is None else out
     if T == 0 or inter == 0:
         return out
-    BLOCK = min(1024, triton.next_power_of_2(inter))
+    BLOCK = min(1024, power_of_2_at_least(inter))
     launch(_silu_mul_kernel, (T, triton.cdiv(inter, BLOCK)), gate_up, out, gate_up.stride(0), out.stride(0), inter,
            BLOCK=BLOCK, num_warps=4)
     return out
@@ -368,7 +368,7 @@ def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.
     out = torch.empty(B, device=probs.device, dtype=torch.int64) if out is None else out
     if B == 0:
         return out
-    BLOCK = min(4096, triton.next_power_of_2(vocab))
+    BLOCK = min(4096, power_of_2_at_least(vocab))
     launch(_exponential_race_kernel, (B,), probs, seeds, positions, out, probs.stride(0), vocab, BLOCK=BLOCK,
            num_warps=8 if BLOCK >= 2048 else 4)
     return out
@@ -381,7 +381,7 @@ def race_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
     _check_race_rows(seeds, positions, B)
     u = torch.empty(B, vocab, device=seeds.device, dtype=torch.float32)
     if B and vocab:
-        BLOCK = min(1024, triton.next_power_of_2(vocab))
+        BLOCK = min(1024, power_of_2_at_least(vocab))
         launch(_race_uniforms_kernel, (B, triton.cdiv(vocab, BLOCK)), seeds, positions, u, u.stride(0), vocab,
                BLOCK=BLOCK, num_warps=4)
     return u
@@ -544,12 +544,7 @@ def pdl_enabled(device: torch.device) -> bool:
     0.99 µs a kernel with PDL against 1.44 without (measured, Triton 3.6)."""
     if device.type != "cuda" or interpreting() or os.environ.get("MINILLM_PDL", "1") == "0":
         return False
-    return _capability(device) >= (9, 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    return device_capability(device) >= (9, 0)
 
 
 @dataclass
@@ -586,9 +581,9 @@ def _gemv_plan(prologue: int, x: torch.Tensor, weight: torch.Tensor, has_bias: b
             counters = torch.zeros(grid[0] * grid[1], device=x.device, dtype=torch.int32)
     meta = dict(PROLOGUE=prologue, HAS_RESIDUAL=has_residual, HAS_BIAS=has_bias, SPLIT=split > 1,
                 EVEN_K=K % cfg.block_k == 0, PDL=pdl, EARLY_W=prologue in EARLY_W_PROLOGUES, ROWS=cfg.block_m,
-                BLOCK_M=triton.next_power_of_2(cfg.block_m),
+                BLOCK_M=power_of_2_at_least(cfg.block_m),
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                BLOCK_H=triton.next_power_of_2(K) if prologue == PROLOGUE_ADD_RMSNORM else 1,
+                BLOCK_H=power_of_2_at_least(K) if prologue == PROLOGUE_ADD_RMSNORM else 1,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if pdl:
         meta["launch_pdl"] = True
@@ -701,7 +696,7 @@ def _prologue_config(prologue: int, x_view: torch.Tensor, weight: torch.Tensor, 
         return fit(pick_config("gemv", x_view, weight, bias))
     M, K = x_view.shape
     N = weight.shape[0]
-    rows = min(triton.next_power_of_2(M), GEMV_MAX_ROWS)
+    rows = min(power_of_2_at_least(M), GEMV_MAX_ROWS)
     key = (prologue, has_residual, x_view.dtype, rows, N, K, x_view.device, rope_half)
     cfg = PROLOGUE_CONFIGS.get(key)
     if cfg is None:
@@ -905,8 +900,8 @@ def add_rmsnorm_gemv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_w
     def run(cfg, w=weight, pdl=pdl_enabled(x.device)):
         meta = dict(HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0,
                     PDL=pdl, EARLY_W=PROLOGUE_ADD_RMSNORM in EARLY_W_PROLOGUES, ROWS=cfg.block_m,
-                    BLOCK_M=triton.next_power_of_2(cfg.block_m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                    BLOCK_H=triton.next_power_of_2(K), HALF=half, num_warps=cfg.num_warps,
+                    BLOCK_M=power_of_2_at_least(cfg.block_m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                    BLOCK_H=power_of_2_at_least(K), HALF=half, num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages)
         if pdl:
             meta["launch_pdl"] = True

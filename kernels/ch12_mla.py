@@ -41,6 +41,7 @@ import torch
 from minillm.kernels.base import (
     tl, triton,
     LN2_C, LOG2E, block_d, dot_precision, head_dim_offsets, interpreting, launch, num_sms, online_softmax_update,
+    power_of_2_at_least,
 )
 from minillm.kernels.ch05_paged_attention import blocks_per_tile, tile_rows  # Chapter 5's paged tiles
 from minillm.kernels.ch07_flash_decoding import MAX_SPLITS, reduce_splits  # Chapter 7's merge of splits
@@ -152,8 +153,8 @@ def write_latent_cache(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torc
     launch(_write_latent_kernel, (n,), kv, weight, cos, sin, slot_mapping, pool,
            *kv.stride(), *cos.stride(), *sin.stride(), slot_mapping.stride(0), *pool.stride(),
            block_size, num_blocks, float(eps),
-           KV_LORA=kv_lora_rank, ROPE_DIM=rope, BLOCK_C=triton.next_power_of_2(kv_lora_rank),
-           BLOCK_HALF=max(1, triton.next_power_of_2(rope // 2)), NORM=norm_weight is not None,
+           KV_LORA=kv_lora_rank, ROPE_DIM=rope, BLOCK_C=power_of_2_at_least(kv_lora_rank),
+           BLOCK_HALF=max(1, power_of_2_at_least(rope // 2)), NORM=norm_weight is not None,
            INTERLEAVE=bool(interleave), num_warps=4)
 
 
@@ -301,7 +302,7 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
         raise ValueError(f"scale must be > 0, got {scale}")
     rope = width - kv_lora_rank
     block_n = block_n or mla_block_n(kv_lora_rank, q.dtype)
-    block_h = block_h or min(MAX_BLOCK_H, max(16, triton.next_power_of_2(heads)))
+    block_h = block_h or min(MAX_BLOCK_H, max(16, power_of_2_at_least(heads)))
     head_blocks = triton.cdiv(heads, block_h)
     if num_splits is None:
         bound = block_tables.shape[1] * block_size if max_seq_len is None else int(max_seq_len)

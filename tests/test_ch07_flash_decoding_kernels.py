@@ -33,8 +33,9 @@ import torch
 
 from minillm.kernels.ch07_flash_decoding import (
     ASYNC_WINDOW_FP16, ASYNC_WINDOW_WIDE, CPU_NUM_SMS, MAX_SPLITS, MIN_TILES_PER_SPLIT, SPLIT_PROGRAMS_PER_SM,
-    async_window, clear_workspace_cache, fa2_num_splits, flash_decode_attention, num_sms, num_splits_heuristic,
-    partition_splits, reduce_splits, split_counters, split_workspace, tma_applies, workspace_cache,
+    async_window, cached_workspace, clear_workspace_cache, fa2_num_splits, flash_decode_attention, num_sms,
+    num_splits_heuristic, partition_splits, reduce_splits, split_counters, split_workspace, tma_applies,
+    workspace_cache,
 )
 from minillm.kernels.ch05_paged_attention import contiguous_as_paged, decode_block_n, paged_decode_attention
 from minillm.paged import PAD
@@ -457,6 +458,22 @@ def test_cached_workspace(dtype, device, gen, seed):
     assert o_part.shape == (2, 4, 3, 32) and lse_part.shape == (2, 4, 3) and o_part.is_contiguous()
     assert counters is cache[("counters", q.device, 2, 4)] and counters.shape == (2, 4)
     assert not counters.any(), "the arrival counters must be back to zero after each call"
+
+
+def test_workspace_is_found_again_under_either_spelling_of_the_device(device):
+    """A second ask for a shape's workspace returns the same tensors without making new ones, and
+    on a GPU ``cuda`` finds the buffers that ``cuda:0`` made (the lookup tries the caller's key
+    first, so a decode loop's repeated ask skips the normalization)."""
+    clear_workspace_cache()
+    first = cached_workspace(3, 4, 2, 32, device)
+    again = cached_workspace(3, 4, 2, 32, device)
+    assert all(a is b for a, b in zip(first, again))
+    if device.type == "cuda":
+        indexed, bare = torch.device("cuda", torch.cuda.current_device()), torch.device("cuda")
+        assert all(a is b for a, b in zip(cached_workspace(3, 4, 2, 32, indexed), cached_workspace(3, 4, 2, 32, bare)))
+    made = len(workspace_cache())
+    cached_workspace(3, 4, 2, 32, device)
+    assert len(workspace_cache()) == made, "a hit must not add entries"
 
 
 @pytest.mark.parametrize("phi", [None, 0.0])

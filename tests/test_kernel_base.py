@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 
 from minillm.kernels.base import (
-    CPU_NUM_SMS, DIRECT_LAUNCH_VERSIONS, LN2, LOG2E, TRITON_VERSION, block_d, clear_launch_cache, direct_plan,
-    dot_precision, expanded_arguments, head_dim_offsets, launch, launch_cache, num_sms, online_softmax_update,
-    record_call, recording, scale_and_window,
+    CPU_NUM_SMS, DIRECT_LAUNCH_VERSIONS, LN2, LOG2E, TRITON_VERSION, block_d, clear_launch_cache, device_capability,
+    direct_plan, dot_precision, expanded_arguments, head_dim_offsets, launch, launch_cache, num_sms,
+    online_softmax_update, power_of_2_at_least, record_call, recording, scale_and_window,
 )
 import minillm.kernels.base as kernel_base
 
@@ -250,6 +250,11 @@ def test_host_helpers():
     assert num_sms("cpu") == num_sms(torch.device("cpu")) == CPU_NUM_SMS
     if torch.cuda.is_available():
         assert num_sms("cuda:0") == torch.cuda.get_device_properties(0).multi_processor_count
+        assert device_capability(torch.device("cuda:0")) == torch.cuda.get_device_capability(0)
+    # The launchers' plain-Python power of two is Triton's, from 0 up (and past 2^31: head counts
+    # are small, but a table's capacity need not be).
+    ns = [*range(0, 2050), 2**31 - 1, 2**31, 2**31 + 1, 3 * 2**40]
+    assert [power_of_2_at_least(n) for n in ns] == [triton.next_power_of_2(n) for n in ns]
 
 
 @triton.jit
