@@ -68,6 +68,13 @@ with FMA exponentials or the lazy max on top against the kernel without them); F
 also against bf16 ``ws``, and those with three consumers or 256-key tiles against the FP8 kernel
 as its defaults run it (``fp8_ws_row_sum``). Budget ``MINILLM_CH04_GLUON_ROW_SUM_BUDGET_S`` (default 200).
 
+The pin part (``params["part"] = "pin"``; the softmax part's points): each block's softmax kept
+in front of the wait for the P·V in flight in the machine code (``pin_softmax=True``, ``*_pin``
+in `PIN_KERNELS`), which ptxas otherwise moves ahead of the exponentials, against the same
+kernel without; bf16 and FP8 (row sums on the tensor cores, the default, and on the CUDA cores),
+with and without ping-pong; FP8 ones also against bf16 ``ws``. Budget
+``MINILLM_CH04_GLUON_PIN_BUDGET_S`` (default 200).
+
 The tiles part (``params["part"] = "tiles"``; N 2k-16k, both head dims, causal and not): FP8
 with 256-key tiles of K and Vᵀ against the 128-key default (`TILE_KERNELS`: ws and ping-pong, P
 in registers or through shared memory), each also against bf16 ``ws``. Budget
@@ -95,7 +102,7 @@ at N ≤ `GRAPH_MAX_SEQ`, where the host's time per step is close to the GPU's,
 cuDNN's. Budget
 ``MINILLM_CH04_GLUON_DISPATCH_BUDGET_S`` (default 240).
 
-``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax,row_sum,tiles,consumers,dispatch``) picks the
+``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax,row_sum,pin,tiles,consumers,dispatch``) picks the
 parts to run; a re-run of some parts keeps the others' earlier rows in the results file.
 """
 from __future__ import annotations
@@ -127,7 +134,7 @@ from bench.common import (
 BENCHMARK = "ch04_gluon"
 DEFAULT_VARIANT = "ws"
 PEERS = ("sdpa_cudnn", "sdpa_flash", "triton_hopper")
-PARTS = ("forward", "backward", "softmax", "row_sum", "tiles", "consumers", "dispatch")
+PARTS = ("forward", "backward", "softmax", "row_sum", "pin", "tiles", "consumers", "dispatch")
 #: The backward's kernels, each setting spelled out (the module's default is ``bwd_tma`` at head
 #: dim 128 and ``bwd_tma_prefetch`` at 64, `default_prefetch_stats`); the ablations are against
 #: ``bwd_tma``.
@@ -183,6 +190,19 @@ ROW_SUM_KERNELS = {
                                                        p_in_registers=False, row_sum_mma=True)),
     "fp8_ws_n256_smem": ("fp8", "ws", dict(block_n=256, p_in_registers=False, row_sum_mma=False)),
     "fp8_ws_n256_smem_row_sum": ("fp8", "ws", dict(block_n=256, p_in_registers=False, row_sum_mma=True)),
+}
+#: The pin part's kernels (same form): each with its softmax pinned ahead of the wait for P·V
+#: (``pin_softmax=True``, ``*_pin``) and without; FP8 with its default row sums on the tensor cores
+#: (``*_row_sum``) and with the sums on the CUDA cores.
+PIN_KERNELS = {
+    name + pin: (dtype, variant, dict(kw, pin_softmax=bool(pin)))
+    for name, (dtype, variant, kw) in {
+        "ws": ("bf16", "ws", {}), "ws_pingpong": ("bf16", "ws_pingpong", {}),
+        "fp8_ws_row_sum": ("fp8", "ws", dict(row_sum_mma=True)),
+        "fp8_ws_pingpong_row_sum": ("fp8", "ws_pingpong", dict(row_sum_mma=True)),
+        "fp8_ws": ("fp8", "ws", dict(row_sum_mma=False)),
+    }.items()
+    for pin in ("", "_pin")
 }
 #: The FP8 kernel as `flash_attention_gluon_fp8`'s defaults run it (row sums on the tensor cores):
 #: the row-sum part's kernels with other tiles or consumers are also timed against it.
@@ -265,6 +285,11 @@ def row_sum_budget_s() -> float:
     return float(os.environ.get("MINILLM_CH04_GLUON_ROW_SUM_BUDGET_S", "200"))
 
 
+def pin_budget_s() -> float:
+    """The pin part's budget: ``MINILLM_CH04_GLUON_PIN_BUDGET_S`` (default 200)."""
+    return float(os.environ.get("MINILLM_CH04_GLUON_PIN_BUDGET_S", "200"))
+
+
 def consumers_budget_s() -> float:
     """The consumers part's budget: ``MINILLM_CH04_GLUON_CONSUMERS_BUDGET_S`` (default 240)."""
     return float(os.environ.get("MINILLM_CH04_GLUON_CONSUMERS_BUDGET_S", "240"))
@@ -287,7 +312,7 @@ def selected_parts() -> tuple[str, ...]:
 def row_part(row: dict) -> str:
     """The part that wrote a row of this benchmark."""
     params = row.get("params") or {}
-    if params.get("part") in ("softmax", "row_sum", "tiles", "consumers", "dispatch"):
+    if params.get("part") in ("softmax", "row_sum", "pin", "tiles", "consumers", "dispatch"):
         return params["part"]
     return "backward" if params.get("pass") == "bwd" else "forward"
 
@@ -312,6 +337,8 @@ def run(results: Results, device) -> None:
         softmax_sweep(results, device)
     if "row_sum" in parts:
         row_sum_sweep(results, device)
+    if "pin" in parts:
+        pin_sweep(results, device)
     if "tiles" in parts:
         tiles_sweep(results, device)
     if "consumers" in parts:
@@ -497,6 +524,13 @@ def row_sum_sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SOFTMA
     part_sweep(results, device, "row_sum", row_sum_budget_s(), point, head_dims, seq_lens, tokens, hidden, timer)
 
 
+def pin_sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SOFTMAX_SEQ_LENS, tokens: int = TOKENS,
+              hidden: int = HIDDEN, timer: Callable | None = None) -> None:
+    """The pin rows (`PIN_KERNELS`) at the softmax part's points, until `pin_budget_s`."""
+    point = lambda *args: _softmax_point(*args, kernels=PIN_KERNELS, part="pin")  # noqa: E731
+    part_sweep(results, device, "pin", pin_budget_s(), point, head_dims, seq_lens, tokens, hidden, timer)
+
+
 def _softmax_point(results: Results, device, gen, n: int, head_dim: int, causal: bool, timer, tokens: int,
                    hidden: int, kernels: dict = SOFTMAX_KERNELS, part: str = "softmax") -> None:
     """Every kernel of ``kernels`` (`SOFTMAX_KERNELS`) at one point: ``TFLOPs`` and ``time_ms``
@@ -528,10 +562,10 @@ def _softmax_point(results: Results, device, gen, n: int, head_dim: int, causal:
                   "dtype": dtype, "kernel": name, "part": part}
         plain = ("fp8_" if dtype == "fp8" else "") + variant
         # the same kernel without its last change (summing on the CUDA cores, no FMA exponentials,
-        # no lazy max), else the plain variant
-        without = next((name.removesuffix(s) for s in ("_row_sum", "_fma8", "_lazy")
+        # no lazy max, no pin), else the plain variant
+        without = next((name.removesuffix(s) for s in ("_row_sum", "_fma8", "_lazy", "_pin")
                         if name.endswith(s) and name.removesuffix(s) in kernels), None)
-        peers = [without] if without else [plain] if kw and plain != name else []
+        peers = [without] if without else [plain] if kw and plain != name and plain in kernels else []
         peers += (["ws"] if dtype == "fp8" else []) + ([FP8_DEFAULT] if {"block_n", "consumers"} & set(kw) else [])
         for peer in peers or [None]:
             p_ms = ms[peer] if peer else None

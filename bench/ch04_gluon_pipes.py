@@ -15,8 +15,24 @@ pass), so what it reports is each kernel's own use of the tensor cores (``pipe_t
 special-function unit that evaluates the exponentials (``xu``), the FMA and ALU pipes and the
 issue slots, and where the warps wait. Chapter 4's page "where the FP8 kernel's time goes"
 reads the committed log, ``bench/results/raw/<gpu>.ch04_gluon_pipes.csv``.
+
+Where in the code the warps wait: with ``--pinned`` the tool also launches the bf16 and FP8
+kernels with ``pin_softmax=True`` (`PINNED_KERNELS`, after the three above), for Nsight Compute's
+per-instruction warp samples::
+
+    ncu --clock-control none --kernel-name-base function --kernel-name _warp_specialized_kernel \
+        --section SourceCounters -o source python -m bench.ch04_gluon_pipes --pinned
+    ncu -i source.ncu-rep --page source --print-source sass --csv > source.csv
+    python -m bench.ch04_gluon_pipes --shares source.csv
+
+The last prints, for each launch, the share of its warps' samples at each kind of instruction
+(`INSTRUCTION_KINDS`): the page of Chapter 4 on what the compiler did with the overlap reads
+it from ``bench/results/raw/<gpu>.ch04_gluon_source_shares.csv``.
 """
 from __future__ import annotations
+
+import csv
+import sys
 
 import torch
 
@@ -28,9 +44,51 @@ from minillm.kernels.ch04_flash_attention_gluon import (
 POINT = (1, 16, 16384, 128)
 #: Launch order: name -> what it runs (the profiled launches are numbered in this order).
 KERNELS = ("bf16 ws", "fp8 ws (row sums on the tensor cores)", "fp8 ws (row sums on the CUDA cores)")
+#: With ``--pinned``, launched after `KERNELS`: the first two with the softmax pinned ahead of the
+#: wait for P·V (``pin_softmax=True``).
+PINNED_KERNELS = ("bf16 ws, pinned", "fp8 ws (row sums on the tensor cores), pinned")
+#: Kinds of SASS instruction, by the start of the opcode: what a warp sampled there was doing.
+INSTRUCTION_KINDS = {
+    "wait for matmuls": ("WARPGROUP.DEPBAR",), "start matmuls": ("HGMMA", "QGMMA", "WARPGROUP.ARRIVE"),
+    "exponentials": ("MUFU.EX2",), "max": ("FMNMX",), "add": ("FADD",), "multiply (-add)": ("FMUL", "FFMA"),
+    "convert": ("F2FP",), "shuffle": ("SHFL",), "barriers (mbarrier, bar.sync)": ("SYNCS", "BAR.SYNC"),
+    "idle (NOP)": ("NOP",),
+}
 
 
-def main() -> None:
+def instruction_shares(source_csv: str) -> list[dict]:
+    """Per launch in Nsight Compute's ``--page source --print-source sass --csv`` output: the share
+    of its warps' samples (``Warp Stall Sampling (All Samples)``) at each of `INSTRUCTION_KINDS`,
+    and ``"other"``; every launch's shares add up to 1. (The warps that ``gl.warp_specialize``
+    leaves without work wait in ``NOP``s; ``other`` holds the branches of the barrier waits'
+    retry loops, most of them the loader warp's, and the integer work.)"""
+    launches, header = [], None
+    for row in csv.reader(source_csv.splitlines()):
+        if row and row[0] == "Kernel Name":
+            launches.append({})
+            header = None
+        elif row and row[0] == "Address":
+            header = {name: i for i, name in enumerate(row)}
+        elif header and len(row) == len(header):
+            op = row[header["Source"]].split()
+            op = op[1] if op and op[0].startswith("@") else (op[0] if op else "")
+            kind = next((k for k, prefixes in INSTRUCTION_KINDS.items() if op.startswith(prefixes)), "other")
+            samples = int(row[header["Warp Stall Sampling (All Samples)"]].replace(",", "") or 0)
+            launches[-1][kind] = launches[-1].get(kind, 0) + samples
+    return [{kind: n / sum(counts.values()) for kind, n in counts.items()} for counts in launches]
+
+
+def print_shares(source_csv_path: str) -> None:
+    """`instruction_shares` of a source CSV as a CSV table: a row per kind, a column per launch."""
+    shares = instruction_shares(open(source_csv_path).read())
+    names = (KERNELS + PINNED_KERNELS)[:len(shares)]
+    out = csv.writer(sys.stdout, lineterminator="\n")
+    out.writerow(["kind", *names])
+    for kind in (*INSTRUCTION_KINDS, "other"):
+        out.writerow([kind, *(f"{launch.get(kind, 0):.4f}" for launch in shares)])
+
+
+def main(pinned: bool = False) -> None:
     batch, heads, n, head_dim = POINT
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(batch, heads, n, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -39,11 +97,17 @@ def main() -> None:
     calls = (lambda: flash_attention_gluon(q, k, v, variant="ws"),
              lambda: flash_attention_gluon_fp8(q, k, v, variant="ws", prepared=prepared),
              lambda: flash_attention_gluon_fp8(q, k, v, variant="ws", prepared=prepared, row_sum_mma=False))
-    for name, call in zip(KERNELS, calls):
+    if pinned:
+        calls += (lambda: flash_attention_gluon(q, k, v, variant="ws", pin_softmax=True),
+                  lambda: flash_attention_gluon_fp8(q, k, v, variant="ws", prepared=prepared, pin_softmax=True))
+    for name, call in zip(KERNELS + PINNED_KERNELS, calls):
         call()
         torch.cuda.synchronize()
         print(f"launched: {name}", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--shares"]:
+        print_shares(sys.argv[2])
+    else:
+        main(pinned="--pinned" in sys.argv[1:])

@@ -13,9 +13,11 @@ forward with it, in steps that the chapter measures one against the other:
 1. ``"pipelined"``: one program of 8 warps (two warpgroups, 64 query rows each) per 128-row
    query tile; K/V tiles arrive by TMA in a ring of ``num_stages`` shared-memory slots, each
    guarded by an mbarrier; the loop is ordered as FA3's *intra-warpgroup overlap*: the
-   scores ``S_j = Q K_jᵀ`` are started before ``P_{j-1} V_{j-1}``, and the softmax of block j
-   runs while that second matmul is still on the tensor cores. The same warps also refill
-   the ring, after a barrier across the whole program.
+   scores ``S_j = Q K_jᵀ`` are started before ``P_{j-1} V_{j-1}``, so that the softmax of
+   block j may run while that second matmul is still on the tensor cores. (In the machine
+   code it does not: ptxas moves the wait for the second matmul ahead of the softmax, in all
+   three kernels; ``pin_softmax`` keeps the order, `_pin_before_wait`, and measured slower.)
+   The same warps also refill the ring, after a barrier across the whole program.
 2. ``"ws"``: warp specialization. A *loader* warp (24 registers) only issues TMA copies into
    the ring and waits until a slot is free; two *consumer* warpgroups (4 warps and 240
    registers each, 64 query rows each) only compute. A slot is free when both consumers
@@ -136,6 +138,18 @@ def _fold_halves(x, MAX: gl.constexpr):
             else:
                 x = a + b
     return x
+
+
+@gluon.jit
+def _pin_before_wait(p, pin_smem):
+    """Store a value that depends on every element of ``p`` (its column halves added, `_fold_halves`)
+    into the scratch tile ``pin_smem [ROWS, 8]`` fp32, which nobody reads. ptxas schedules a
+    ``wgmma`` wait as early as the registers allow: nothing in the softmax reads the
+    accumulators of the P·V in flight, so it puts the wait for that matmul, and the slot's
+    release after it, before the exponentials (which then run with no matmul of this warpgroup
+    in flight). It does not move a shared-memory store across the wait, so a store that needs
+    every exponential keeps them all in front of it (`_attend_rows`' ``PIN_SOFTMAX``)."""
+    pin_smem.store(_fold_halves(p, False))
 
 
 #: `minillm.reference.ch04_fp8.exp2_polynomial`'s constants, as the kernel's compile-time values.
@@ -345,7 +359,7 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
                  HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
                  FP8: gl.constexpr = False, TREE: gl.constexpr = False, FMA_EXP2: gl.constexpr = 0,
                  SLACK: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2, ones_smem=None,
-                 ROW_SUM: gl.constexpr = False):
+                 ROW_SUM: gl.constexpr = False, PIN_SOFTMAX: gl.constexpr = False, pin_smem=None):
     """The key loop of one set of query rows: returns ``(acc [ROWS, HEAD_D] fp32, not yet
     divided by l; m_i, l_i [ROWS])`` for ``softmax(Q Kᵀ · scale) V`` over ``n_blocks`` blocks.
 
@@ -367,9 +381,13 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
       its exponentials on the FMA units, a lazy running max (`_online_softmax`, `_rescaled`).
     - ``ROW_SUM``: the row sums of P as a third matmul, ``P · 1`` with the ones of ``ones_smem``,
       started with each P·V (`_start_row_sum`), instead of on the CUDA cores.
+    - ``PIN_SOFTMAX`` (``WS``, P in registers): keep the softmax in front of the wait for P·V in
+      the machine code too (`_pin_before_wait`, into ``pin_smem [ROWS, 8]``): without it ptxas
+      moves that wait, and the slot's release, up to just after the wait for S_j.
 
     Iteration j:  start S_j = Q K_jᵀ;  acc *= alpha_{j-1};  start acc += P_{j-1} V_{j-1};
-    wait for S_j only (P V keeps running);  softmax(S_j) on the CUDA cores;  wait for P V.
+    wait for S_j only (P V keeps running);  softmax(S_j) on the CUDA cores;  wait for P V
+    (in the source: ptxas moves that last wait up to the first unless ``PIN_SOFTMAX``).
     """
     MMA_K: gl.constexpr = 256 // k_smem.dtype.primitive_bitwidth  # 16 for bf16, 32 for e4m3
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -428,6 +446,8 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
         tile_scale = qk_scale * gl.load(k_scales + j) if FP8 else qk_scale
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, tile_scale, row0, j * BLOCK_N, j >= n_full, CAUSAL,
                                              ROWS, BLOCK_N, s_layout, TREE, FMA_EXP2, SLACK, not ROW_SUM)
+        if PIN_SOFTMAX:
+            _pin_before_wait(p, pin_smem)
         acc, p_op = _wait_pv(acc_tok, p_op, FP8)
         if ROW_SUM:
             l_acc = warpgroup_mma_wait(0, deps=[l_tok])
@@ -587,7 +607,7 @@ def _consume_tile(my_q, my_o, k_smem, v_smem, p_smem, k_ready, v_ready, k_empty,
                   it0, turn0, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                   CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                   FP8: gl.constexpr, TREE: gl.constexpr, FMA_EXP2: gl.constexpr, SLACK: gl.constexpr,
-                  ones_smem, ROW_SUM: gl.constexpr):
+                  ones_smem, ROW_SUM: gl.constexpr, PIN_SOFTMAX: gl.constexpr, pin_smem):
     """One consumer's 64 rows of a tile: the key loop (`_attend_rows`) and the store
     (`_store_rows`) of rows ``my_row0`` (in the head) / ``o_row`` (in the 2-D views)."""
     if FP8:
@@ -600,7 +620,7 @@ def _consume_tile(my_q, my_o, k_smem, v_smem, p_smem, k_ready, v_ready, k_empty,
                                  k_desc, v_desc, kv_bh * seq_len, n_blocks, (my_row0 + 1) // BLOCK_N, my_row0,
                                  rows_scale, k_scales + kv_bh * (seq_len // BLOCK_N), p_smem, it0, turn0,
                                  CONSUMER, True, PINGPONG, CAUSAL, 64, BLOCK_N, HEAD_D, NUM_STAGES, 4, FP8, TREE,
-                                 FMA_EXP2, SLACK, CONSUMERS, ones_smem, ROW_SUM)
+                                 FMA_EXP2, SLACK, CONSUMERS, ones_smem, ROW_SUM, PIN_SOFTMAX, pin_smem)
     _store_rows(acc, m_i, l_i, my_o, o_desc, lse_ptr, o_row, 64, out_scale)
 
 
@@ -628,7 +648,7 @@ def _pass_rows(k_ready, v_ready, k_empty, v_empty, turn, n_blocks, it0, turn0, C
 def _consumer(shared, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
               HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, FP8: gl.constexpr,
               TREE: gl.constexpr, FMA_EXP2: gl.constexpr, SLACK: gl.constexpr, CONSUMERS: gl.constexpr,
-              ROW_SUM: gl.constexpr):
+              ROW_SUM: gl.constexpr, PIN_SOFTMAX: gl.constexpr):
     """One consumer warpgroup (``shared``: the kernel's buffers, barriers, descriptors and sizes,
     the same tuple for every consumer): rows ``[64·CONSUMER, 64·CONSUMER + 64)`` of each tile of
     ``64 · CONSUMERS`` rows the loader hands this program, until it hands over ``n_tiles`` (no
@@ -639,7 +659,7 @@ def _consumer(shared, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl
     [batch·kv_heads]``, in row order."""
     (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
      k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group, n_tiles, qk_scale,
-     ones_smem) = shared
+     ones_smem, pin_smem) = shared
     it0 = 0  # K/V blocks this program's ring has passed
     turn0 = 0  # ping-pong turns taken
     i = 0  # tiles done
@@ -660,14 +680,15 @@ def _consumer(shared, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl
             _consume_tile(my_q, my_o, k_smem, v_smem, p_smem.index(CONSUMER), k_ready, v_ready, k_empty, v_empty,
                           turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, kv_bh, n_blocks,
                           my_row0, o_row, seq_len, qk_scale, it0, turn0, CONSUMER, CONSUMERS, PINGPONG, CAUSAL,
-                          HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, ones_smem, ROW_SUM)
+                          HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, ones_smem, ROW_SUM,
+                          PIN_SOFTMAX, pin_smem.index(CONSUMER))
         else:
             if my_row0 < seq_len:
                 _consume_tile(my_q, my_o, k_smem, v_smem, p_smem.index(CONSUMER), k_ready, v_ready, k_empty,
                               v_empty, turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, kv_bh,
                               n_blocks, my_row0, o_row, seq_len, qk_scale, it0, turn0, CONSUMER, CONSUMERS,
                               PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, ones_smem,
-                              ROW_SUM)
+                              ROW_SUM, PIN_SOFTMAX, pin_smem.index(CONSUMER))
             else:
                 _pass_rows(k_ready, v_ready, k_empty, v_empty, turn, n_blocks, it0, turn0, CONSUMER, CONSUMERS,
                            PINGPONG, NUM_STAGES)
@@ -770,7 +791,7 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
                              FP8: gl.constexpr = False, PAIRED: gl.constexpr = False,
                              DYNAMIC: gl.constexpr = False, TREE: gl.constexpr = False,
                              FMA_EXP2: gl.constexpr = 0, SLACK: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2,
-                             ROW_SUM: gl.constexpr = False):
+                             ROW_SUM: gl.constexpr = False, PIN_SOFTMAX: gl.constexpr = False):
     """A 1-d grid over the ``n_tiles`` query tiles of ``64 · CONSUMERS`` rows (``CONSUMERS``: 2,
     or 3 for FlashAttention-3's 192-row tiles, `_tiles_per_head` of them per head): one program
     per tile, or fewer (persistent: each takes tiles in turn, `_loader` says which;
@@ -825,6 +846,10 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
             ones_smem.store(gl.full([8, BLOCK_N], 1.0, gl.float32, store_layout).to(k_desc.dtype))
     else:
         ones_smem = tile_ids  # (unused)
+    if PIN_SOFTMAX:  # each consumer's scratch tile for `_pin_before_wait`
+        pin_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    else:
+        pin_smem = q_smem  # (unused)
     fence_async_shared()  # (the ones are ordinary stores, and wgmma reads through the async proxy)
 
     # What every consumer reads: run-time values only, since a tuple kept in a variable would
@@ -832,15 +857,15 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
     # therefore written in place, in each partition's own tuple).
     shared = (q_smem, k_smem, v_smem, o_smem, p_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               turn, k_desc, v_desc, o_desc, lse_ptr, q_scales, k_scales, v_scales, seq_len, q_heads, group, n_tiles,
-              qk_scale, ones_smem)
+              qk_scale, ones_smem, pin_smem)
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_ids, q_ready, q_empty, k_ready, v_ready, k_empty,
              v_empty, tile_counter, seq_len, q_heads, group, n_tiles, head_group)
     if CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer, (shared, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 2,
-                          ROW_SUM)),
+                          ROW_SUM, PIN_SOFTMAX)),
              (_consumer, (shared, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 2,
-                          ROW_SUM)),
+                          ROW_SUM, PIN_SOFTMAX)),
              (_loader, (loads, CAUSAL, BLOCK_N, NUM_STAGES, FP8, PAIRED, DYNAMIC, CONSUMERS))],
             [4, 1],
             [CONSUMER_REGS, LOADER_REGS],
@@ -848,11 +873,11 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
     else:
         gl.warp_specialize(
             [(_consumer, (shared, 0, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 3,
-                          ROW_SUM)),
+                          ROW_SUM, PIN_SOFTMAX)),
              (_consumer, (shared, 1, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 3,
-                          ROW_SUM)),
+                          ROW_SUM, PIN_SOFTMAX)),
              (_consumer, (shared, 2, PINGPONG, CAUSAL, HEAD_D, BLOCK_N, NUM_STAGES, FP8, TREE, FMA_EXP2, SLACK, 3,
-                          ROW_SUM)),
+                          ROW_SUM, PIN_SOFTMAX)),
              (_loader, (loads, CAUSAL, BLOCK_N, NUM_STAGES, FP8, PAIRED, DYNAMIC, CONSUMERS))],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS],
@@ -947,7 +972,7 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
                           persistent: bool | int | None = None, head_group: int | None = None,
                           paired: bool | None = None, dynamic: bool | None = None, tree_reductions: bool = False,
                           fma_exp2: int = 0, lazy_rescale: bool = False, consumers: int = 2,
-                          row_sum_mma: bool = False, compile_only: bool = False):
+                          row_sum_mma: bool = False, pin_softmax: bool = False, compile_only: bool = False):
     """``softmax(scale · q kᵀ + mask) v`` with the Gluon kernels (forward only).
 
     - ``q: [batch, q_heads, seq, head_dim]``, ``k, v: [batch, kv_heads, seq, head_dim]``, bf16,
@@ -979,6 +1004,12 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
       but for FP8 with ping-pong (``bench/ch04_gluon.py``, the softmax part).
       ``row_sum_mma`` (warp-specialized kernels): the softmax's row sums as a matmul ``P · 1``
       started with each P·V (`_start_row_sum`) instead of additions on the CUDA cores.
+      ``pin_softmax`` (warp-specialized kernels, P in registers): keep each block's softmax in
+      front of the wait for the P·V in flight in the machine code (`_pin_before_wait`), which
+      ptxas otherwise moves up to the wait for the scores. Off by default: on an H200 it made
+      bf16 0.94-1.02x as fast and FP8 with its defaults 0.91-0.96x; only FP8 summing on the
+      CUDA cores under a causal mask at head dim 128 gained (1.00-1.03x; ``bench/ch04_gluon.py``,
+      the pin part).
 
     Returns ``(out [batch, q_heads, seq, head_dim] bf16, lse [batch, q_heads, seq] fp32,
     natural log)``; with ``compile_only``, compiles without launching and returns the
@@ -991,7 +1022,7 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return _launch(q, k, v, None, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs,
                    persistent, head_group, paired, dynamic, tree_reductions, compile_only, fma_exp2=fma_exp2,
-                   lazy_rescale=lazy_rescale, consumers=consumers, row_sum_mma=row_sum_mma)
+                   lazy_rescale=lazy_rescale, consumers=consumers, row_sum_mma=row_sum_mma, pin_softmax=pin_softmax)
 
 
 def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -1001,7 +1032,7 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               persistent: bool | int | None = None, head_group: int | None = None,
                               paired: bool | None = None, dynamic: bool | None = None, tree_reductions: bool = True,
                               fma_exp2: int = 0, lazy_rescale: bool = False, consumers: int = 2,
-                              row_sum_mma: bool | None = None, compile_only: bool = False):
+                              row_sum_mma: bool | None = None, pin_softmax: bool = False, compile_only: bool = False):
     """The warp-specialized kernel with e4m3 matmuls: Q in blocks of 64 rows (one consumer's
     rows) and K in blocks of ``block_n`` keys, each with its own scale, V with one scale per
     head, fp32 accumulation (the quantization of `minillm.kernels.ch04_flash_attention_hopper.
@@ -1014,7 +1045,7 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     `flash_attention_gluon`'s, here on by default; ``row_sum_mma``: as `flash_attention_gluon`'s,
     by default on with two consumers and tiles of up to 128 keys (`default_row_sum`), where it
     measured faster on an H200 at every point; P's row sums are then those of P as rounded to
-    e4m3, in ℓ and in the logsumexp; ``fma_exp2``, ``lazy_rescale`` and ``consumers``:
+    e4m3, in ℓ and in the logsumexp; ``fma_exp2``, ``lazy_rescale``, ``consumers`` and ``pin_softmax``:
     as `flash_attention_gluon`'s, the first two off by default here too (P, at
     most ``2^8`` with a lazy max, still fits e4m3's 448). With three consumers the kernel fits
     its 160 registers a thread only with P through shared memory (``prepared`` with
@@ -1031,7 +1062,7 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _launch(q8, k8, v8t, (scales, p_in_registers), causal, scale, variant, block_n, num_stages, consumer_regs,
                    loader_regs, persistent, head_group, paired, dynamic, tree_reductions, compile_only,
                    out_shape=q.shape, fma_exp2=fma_exp2, lazy_rescale=lazy_rescale, consumers=consumers,
-                   row_sum_mma=row_sum_mma)
+                   row_sum_mma=row_sum_mma, pin_softmax=pin_softmax)
 
 
 def default_row_sum(block_n: int, consumers: int) -> bool:
@@ -1149,7 +1180,7 @@ def _grid(n_units: int, persistent: bool | int, dynamic: bool, device) -> tuple[
 
 def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consumer_regs, loader_regs, persistent,
             head_group, paired, dynamic, tree_reductions, compile_only, out_shape=None, fma_exp2=0,
-            lazy_rescale=False, consumers=2, row_sum_mma=False):
+            lazy_rescale=False, consumers=2, row_sum_mma=False, pin_softmax=False):
     """Make the descriptors and launch (or compile) the kernel of ``variant``. ``scales``:
     None for bf16, else FP8's ``((q_scales, k_scales, v_scales), p_in_registers)`` with ``v``
     as Vᵀ."""
@@ -1170,8 +1201,8 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
         raise ValueError(f"seq must be a multiple of block_n = {block_n}, got {s}")
     if fma_exp2 not in FMA_EXP2_SHARES:
         raise ValueError(f"fma_exp2 must be one of {FMA_EXP2_SHARES}, got {fma_exp2!r}")
-    if (fma_exp2 or lazy_rescale or row_sum_mma) and variant == "pipelined":
-        raise ValueError("fma_exp2, lazy_rescale and row_sum_mma need a warp-specialized variant")
+    if (fma_exp2 or lazy_rescale or row_sum_mma or pin_softmax) and variant == "pipelined":
+        raise ValueError("fma_exp2, lazy_rescale, row_sum_mma and pin_softmax need a warp-specialized variant")
     if consumers not in CONSUMER_REGS:
         raise ValueError(f"consumers must be one of {tuple(CONSUMER_REGS)}, got {consumers!r}")
     if consumers == 3 and (variant == "pipelined" or causal):
@@ -1192,6 +1223,8 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
         meta = dict(num_warps=8)
     else:
         (q_scales, k_scales, v_scales), p_in_registers = scales if fp8 else ((lse, lse, lse), False)  # (bf16: unread)
+        if pin_softmax and fp8 and not p_in_registers:
+            raise ValueError("pin_softmax needs P in registers (prepare_gluon_fp8(..., p_in_registers=True))")
         kernel, rows = _warp_specialized_kernel, 64
         n_units = b * h * ((s // BLOCK_M + 1) // 2) if paired else n_tiles
         grid, tile_counter = _grid(n_units, persistent, dynamic, q.device)
@@ -1201,7 +1234,7 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
                     FP8=(2 if p_in_registers else 1) if fp8 else 0, PAIRED=paired, DYNAMIC=dynamic,
                     TREE=bool(tree_reductions), FMA_EXP2=fma_exp2,
                     SLACK=LAZY_RESCALE_SLACK if lazy_rescale else 0.0, CONSUMERS=consumers,
-                    ROW_SUM=bool(row_sum_mma), num_warps=4)
+                    ROW_SUM=bool(row_sum_mma), PIN_SOFTMAX=bool(pin_softmax), num_warps=4)
     descriptors = (_descriptor(q.view(-1, d), rows), k_desc, v_desc, _descriptor(out.view(-1, d), rows))
     meta.update(CAUSAL=bool(causal), HEAD_D=d, BLOCK_N=block_n, NUM_STAGES=num_stages)
     if compile_only:

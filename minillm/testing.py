@@ -414,7 +414,7 @@ def assert_within_fp8_bound(out: torch.Tensor, q, k, v, block_m: int, block_n: i
 #: stack (ptxas's spills) of the machine code. The script goes on to import the kernels,
 #: compile them and print one JSON line last.
 SM90_COMPILE_PRELUDE = r"""
-import json, os, subprocess, sys, tempfile, torch
+import json, os, re, subprocess, sys, tempfile, torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
@@ -471,6 +471,26 @@ def stack_bytes(cubin):
         f.flush()
         out = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     return max(int(field.split(":")[1]) for field in out.split() if field.startswith("STACK:"))
+
+
+def sass_ops(cubin):
+    # The machine code's instructions in order, each as its text without the address and the
+    # encoding ("MUFU.EX2 R12, R13"): what ptxas scheduled, which the PTX does not say.
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    found = (re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line) for line in out.splitlines())
+    return [m.group(1) for m in found if m]
+
+
+def exps_before_wait(ops):
+    # In the first key loop of a Gluon forward kernel: the exponentials (MUFU.EX2) between the
+    # wait for the scores (the first wgmma wait that leaves 1 or 2 matmuls in flight) and the
+    # next wait for every matmul (the P V in flight).
+    start = next(i for i, op in enumerate(ops) if re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[12]$", op))
+    end = next(i for i in range(start + 1, len(ops)) if ops[i] == "WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    return sum(op.startswith("MUFU.EX2") for op in ops[start:end])
 """
 
 

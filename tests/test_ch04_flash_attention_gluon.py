@@ -117,6 +117,11 @@ def test_refuses_unknown_variant_and_tile():
         flash_attention_gluon(q, q, q, variant="pipelined", lazy_rescale=True)
     with pytest.raises(ValueError, match="warp-specialized"):
         flash_attention_gluon(q, q, q, variant="pipelined", row_sum_mma=True)
+    with pytest.raises(ValueError, match="warp-specialized"):
+        flash_attention_gluon(q, q, q, variant="pipelined", pin_softmax=True)
+    with pytest.raises(ValueError, match="P in registers"):
+        flash_attention_gluon_fp8(q, q, q, pin_softmax=True, compile_only=True,
+                                  prepared=prepare_gluon_fp8(q, q, q, p_in_registers=False))
 
 
 def test_refuses_three_consumers_out_of_scope():
@@ -260,6 +265,14 @@ for head_dim in (64, 128):
             facts[f"row sum {dtype} {head_dim} {row_sum}"] = dict(
                 facts_of(compiled, mma), ones_mma=len(re.findall(r"wgmma\.mma_async\S*\.m64n8k", ptx)),
                 wait_2="wgmma.wait_group.sync.aligned 2" in ptx, shfl=ptx.count("shfl.sync"))
+for head_dim in (64, 128):
+    q = torch.zeros(1, 4, 256, head_dim, dtype=torch.bfloat16)
+    for dtype, fn in (("bf16", flash_attention_gluon), ("fp8", flash_attention_gluon_fp8)):
+        for variant in VARIANTS[1:]:
+            for pin in (False, True):
+                compiled = fn(q, q, q, variant=variant, pin_softmax=pin, compile_only=True)
+                facts[f"pin {dtype} {variant} {head_dim} {pin}"] = dict(
+                    exps=exps_before_wait(sass_ops(compiled.asm["cubin"])), stack=stack_bytes(compiled.asm["cubin"]))
 for reduce in ("tma", "atomic", "tma_prefetch"):
     for head_dim in (64, 128):
         for causal in (False, True):
@@ -368,6 +381,22 @@ def test_row_sum_on_tensor_cores_compiles_for_sm90(sm90_compiled, dtype, head_di
     assert ones["wait_2"] and not plain["wait_2"]
     assert ones["shfl"] < plain["shfl"]
     assert ones["a_from_registers"] and not ones["local"] and ones["stack"] == plain["stack"] == 0
+
+
+@sm90_compile_mark(GLUON_VERSIONS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_pinned_softmax_stays_ahead_of_the_wait_in_the_machine_code(sm90_compiled, dtype, variant, head_dim):
+    """In the machine code of the key loop, ptxas puts the wait for the P·V in flight before the
+    softmax's exponentials (at most one of them, an alpha, ahead of it): the overlap that the
+    source's order allows does not happen. ``pin_softmax`` keeps every one of P's 64 a thread in
+    front of the wait (`_pin_before_wait`), without spilling. (Chapter 4 measures both.)"""
+    plain = sm90_compiled[f"pin {dtype} {variant} {head_dim} False"]
+    pinned = sm90_compiled[f"pin {dtype} {variant} {head_dim} True"]
+    assert plain["exps"] <= 2, plain
+    assert pinned["exps"] >= 64, pinned
+    assert pinned["stack"] == 0
 
 
 @sm90_compile_mark(GLUON_VERSIONS)
@@ -604,6 +633,22 @@ def test_fp8_p_in_registers_matches_shared_memory_on_gpu(variant, head_dim, caus
             for flag in (True, False)]
     torch.testing.assert_close(outs[0][0], outs[1][0], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=3e-3, rtol=0)
+
+
+@on_hopper_warp_specialized
+def test_pinned_softmax_computes_the_same_bits_on_gpu(variant, head_dim, causal, gen, seed):
+    """``pin_softmax`` changes where the machine code waits, not what it computes: the same output
+    and logsumexp bit for bit, in bf16 and FP8 (row sums on the tensor cores and on the CUDA
+    cores), persistent or not, at 640 keys and GQA 2."""
+    q, k, v = make_qkv(2, 4, 2, 640, head_dim, "cuda", gen)
+    prepared = prepare_gluon_fp8(q, k, v)
+    calls = ((flash_attention_gluon, {}), (flash_attention_gluon, dict(persistent=3)),
+             (flash_attention_gluon_fp8, dict(prepared=prepared)),
+             (flash_attention_gluon_fp8, dict(prepared=prepared, row_sum_mma=False)))
+    for fn, kw in calls:
+        out, lse = fn(q, k, v, causal=causal, variant=variant, **kw)
+        out_pinned, lse_pinned = fn(q, k, v, causal=causal, variant=variant, pin_softmax=True, **kw)
+        assert torch.equal(out, out_pinned) and torch.equal(lse, lse_pinned), f"seed {seed}"
 
 
 @on_hopper_warp_specialized
