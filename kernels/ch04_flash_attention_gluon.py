@@ -143,11 +143,11 @@ def _fold_halves(x, MAX: gl.constexpr):
 @gluon.jit
 def _pin_before_wait(p, pin_smem):
     """Store a value that depends on every element of ``p`` (its column halves added, `_fold_halves`)
-    into the scratch tile ``pin_smem [ROWS, 8]`` fp32, which nobody reads. ptxas schedules a
-    ``wgmma`` wait as early as the registers allow: nothing in the softmax reads the
-    accumulators of the P·V in flight, so it puts the wait for that matmul, and the slot's
-    release after it, before the exponentials (which then run with no matmul of this warpgroup
-    in flight). It does not move a shared-memory store across the wait, so a store that needs
+    into the scratch tile ``pin_smem [ROWS, 8]`` fp32, which nobody reads. A ``wgmma`` wait has
+    no operands: ptxas must keep it before the first read of the accumulators in flight, and
+    nothing in the softmax reads those of the P·V, so it puts the wait for that matmul, and the
+    slot's release after it, before the exponentials (which then run with no matmul of this
+    warpgroup in flight). It does not move a shared-memory store across the wait, so a store that needs
     every exponential keeps them all in front of it (`_attend_rows`' ``PIN_SOFTMAX``)."""
     pin_smem.store(_fold_halves(p, False))
 
@@ -1007,7 +1007,7 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
       ``pin_softmax`` (warp-specialized kernels, P in registers): keep each block's softmax in
       front of the wait for the P·V in flight in the machine code (`_pin_before_wait`), which
       ptxas otherwise moves up to the wait for the scores. Off by default: on an H200 it made
-      bf16 0.94-1.02x as fast and FP8 with its defaults 0.91-0.96x; only FP8 summing on the
+      bf16 0.94-1.02x as fast and FP8 with its defaults 0.90-0.96x; only FP8 summing on the
       CUDA cores under a causal mask at head dim 128 gained (1.00-1.03x; ``bench/ch04_gluon.py``,
       the pin part).
 

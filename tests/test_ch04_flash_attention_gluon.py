@@ -268,8 +268,8 @@ for head_dim in (64, 128):
 for head_dim in (64, 128):
     q = torch.zeros(1, 4, 256, head_dim, dtype=torch.bfloat16)
     for dtype, fn in (("bf16", flash_attention_gluon), ("fp8", flash_attention_gluon_fp8)):
-        for variant in VARIANTS[1:]:
-            for pin in (False, True):
+        for variant in VARIANTS if dtype == "bf16" else VARIANTS[1:]:  # (FP8 is warp-specialized only)
+            for pin in (False, True) if variant != "pipelined" else (False,):
                 compiled = fn(q, q, q, variant=variant, pin_softmax=pin, compile_only=True)
                 facts[f"pin {dtype} {variant} {head_dim} {pin}"] = dict(
                     exps=exps_before_wait(sass_ops(compiled.asm["cubin"])), stack=stack_bytes(compiled.asm["cubin"]))
@@ -384,19 +384,20 @@ def test_row_sum_on_tensor_cores_compiles_for_sm90(sm90_compiled, dtype, head_di
 
 
 @sm90_compile_mark(GLUON_VERSIONS)
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-@pytest.mark.parametrize("variant", VARIANTS[1:])
+@pytest.mark.parametrize("dtype, variant", [("bf16", v) for v in VARIANTS] + [("fp8", v) for v in VARIANTS[1:]])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_pinned_softmax_stays_ahead_of_the_wait_in_the_machine_code(sm90_compiled, dtype, variant, head_dim):
     """In the machine code of the key loop, ptxas puts the wait for the P·V in flight before the
-    softmax's exponentials (at most one of them, an alpha, ahead of it): the overlap that the
-    source's order allows does not happen. ``pin_softmax`` keeps every one of P's 64 a thread in
-    front of the wait (`_pin_before_wait`), without spilling. (Chapter 4 measures both.)"""
+    softmax's exponentials (at most the two rescaling factors' ahead of it), in all three
+    kernels: the overlap that the source's order allows does not happen. ``pin_softmax`` keeps
+    all 64 of P's a thread in front of the wait (`_pin_before_wait`), without spilling.
+    (Chapter 4 measures both.)"""
     plain = sm90_compiled[f"pin {dtype} {variant} {head_dim} False"]
-    pinned = sm90_compiled[f"pin {dtype} {variant} {head_dim} True"]
     assert plain["exps"] <= 2, plain
-    assert pinned["exps"] >= 64, pinned
-    assert pinned["stack"] == 0
+    if variant != "pipelined":  # (the switch is the warp-specialized kernels')
+        pinned = sm90_compiled[f"pin {dtype} {variant} {head_dim} True"]
+        assert pinned["exps"] >= 64, pinned
+        assert pinned["stack"] == 0
 
 
 @sm90_compile_mark(GLUON_VERSIONS)
