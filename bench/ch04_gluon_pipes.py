@@ -28,6 +28,11 @@ per-instruction warp samples::
 The last prints, for each launch, the share of its warps' samples at each kind of instruction
 (`INSTRUCTION_KINDS`): the page of Chapter 4 on what the compiler did with the overlap reads
 it from ``bench/results/raw/<gpu>.ch04_gluon_source_shares.csv``.
+
+``python -m bench.ch04_gluon_pipes --sass`` (no profiler) compiles the warp-specialized kernels
+on this GPU, pinned and not, and prints their key loops' events in the machine code
+(`minillm.testing.key_loop_events`): what this machine's Triton and ptxas made of the order
+(``bench/results/raw/<gpu>.ch04_gluon_sass_order.txt``).
 """
 from __future__ import annotations
 
@@ -88,6 +93,24 @@ def print_shares(source_csv_path: str) -> None:
         out.writerow([kind, *(f"{launch.get(kind, 0):.4f}" for launch in shares)])
 
 
+def print_sass_order() -> None:
+    """The key loop's events in the machine code (`minillm.testing.key_loop_events`) of the bf16
+    and FP8 kernels at `POINT`'s head dim, both warp-specialized variants, pinned and not,
+    compiled here by this Triton (and its ptxas)."""
+    import triton
+
+    from minillm.testing import exps_before_wait, key_loop_events, sass_ops
+
+    q = torch.zeros(1, 4, 256, POINT[3], device="cuda", dtype=torch.bfloat16)
+    print(f"# {torch.cuda.get_device_name()}, Triton {triton.__version__}: exponentials before the wait "
+          "for P·V (of 66 a block), then the key loop's events from the wait for S")
+    for dtype, fn in (("bf16", flash_attention_gluon), ("fp8", flash_attention_gluon_fp8)):
+        for variant in ("ws", "ws_pingpong"):
+            for pin in (False, True):
+                ops = sass_ops(fn(q, q, q, variant=variant, pin_softmax=pin, compile_only=True).asm["cubin"])
+                print(f"{dtype} {variant}{' pinned' if pin else ''}: {exps_before_wait(ops)}: {key_loop_events(ops)}")
+
+
 def main(pinned: bool = False) -> None:
     batch, heads, n, head_dim = POINT
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -109,5 +132,7 @@ def main(pinned: bool = False) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--shares"]:
         print_shares(sys.argv[2])
+    elif sys.argv[1:2] == ["--sass"]:
+        print_sass_order()
     else:
         main(pinned="--pinned" in sys.argv[1:])

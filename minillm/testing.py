@@ -411,10 +411,11 @@ def assert_within_fp8_bound(out: torch.Tensor, q, k, v, block_m: int, block_n: i
 #: TRITON_INTERPRET=1 they become interpreted functions, which the compiler cannot call), and
 #: Triton's active driver is replaced by one that names an sm_90 target and launches nothing,
 #: which is enough for ``warmup`` to compile. Defines ``stack_bytes(cubin)``: the bytes of
-#: stack (ptxas's spills) of the machine code. The script goes on to import the kernels,
-#: compile them and print one JSON line last.
+#: stack (ptxas's spills) of the machine code, and imports `sass_ops`, `exps_before_wait` and
+#: `key_loop_events`. The script goes on to import the kernels, compile them and print one
+#: JSON line last.
 SM90_COMPILE_PRELUDE = r"""
-import json, os, re, subprocess, sys, tempfile, torch
+import json, os, subprocess, sys, tempfile, torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
@@ -473,24 +474,7 @@ def stack_bytes(cubin):
     return max(int(field.split(":")[1]) for field in out.split() if field.startswith("STACK:"))
 
 
-def sass_ops(cubin):
-    # The machine code's instructions in order, each as its text without the address and the
-    # encoding ("MUFU.EX2 R12, R13"): what ptxas scheduled, which the PTX does not say.
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    found = (re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line) for line in out.splitlines())
-    return [m.group(1) for m in found if m]
-
-
-def exps_before_wait(ops):
-    # In the first key loop of a Gluon forward kernel: the exponentials (MUFU.EX2) between the
-    # wait for the scores (the first wgmma wait that leaves 1 or 2 matmuls in flight) and the
-    # next wait for every matmul (the P V in flight).
-    start = next(i for i, op in enumerate(ops) if re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[12]$", op))
-    end = next(i for i in range(start + 1, len(ops)) if ops[i] == "WARPGROUP.DEPBAR.LE gsb0, 0x0")
-    return sum(op.startswith("MUFU.EX2") for op in ops[start:end])
+from minillm.testing import exps_before_wait, key_loop_events, sass_ops  # noqa: E402  (read the SASS)
 """
 
 
@@ -507,6 +491,65 @@ def compile_for_sm90(script: str) -> dict:
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def sass_ops(cubin: bytes) -> list[str]:
+    """The instructions of ``cubin`` (a compiled kernel's ``asm["cubin"]``) in order, each as its
+    text without the address and the encoding (``"MUFU.EX2 R12, R13"``): what ptxas scheduled,
+    which the PTX does not show. Uses the ``cuobjdump`` that ships with Triton."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    found = (re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line) for line in out.splitlines())
+    return [m.group(1) for m in found if m]
+
+
+def _sass_event(op: str) -> str | None:
+    """What a key-loop instruction of a Gluon forward kernel does, for `key_loop_events` (None:
+    something else)."""
+    import re
+
+    if re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[12]$", op):
+        return "wait for S"  # the first wait of a block leaves P V (and the row sums) in flight
+    if op == "WARPGROUP.DEPBAR.LE gsb0, 0x0":
+        return "wait for P·V"
+    for prefix, name in (("MUFU.EX2", "exp"), ("BAR.SYNC", "bar.sync"), ("STS", "store")):
+        if op.startswith(prefix):
+            return name
+    return "release a slot" if "SYNCS.ARRIVE" in op else None
+
+
+def exps_before_wait(ops: list[str]) -> int:
+    """In the first key loop of a Gluon forward kernel (``ops``: `sass_ops`), the exponentials
+    (``MUFU.EX2``) between the wait for the scores and the next wait for every matmul in flight."""
+    start = next(i for i, op in enumerate(ops) if _sass_event(op) == "wait for S")
+    end = next(i for i in range(start + 1, len(ops)) if _sass_event(ops[i]) == "wait for P·V")
+    return sum(_sass_event(op) == "exp" for op in ops[start:end])
+
+
+def key_loop_events(ops: list[str]) -> str:
+    """The first key loop of a Gluon forward kernel (``ops``: `sass_ops`) from the wait for the
+    scores to the next matmul, as its events in order (`_sass_event`), repeats counted:
+    ``"wait for S → bar.sync → release a slot → 66× exp → …"``."""
+    start = next(i for i, op in enumerate(ops) if _sass_event(op) == "wait for S")
+    seen: list[list] = []
+    for op in ops[start:]:
+        if seen and "GMMA" in op:
+            break
+        name = _sass_event(op)
+        if name and seen and seen[-1][0] == name:
+            seen[-1][1] += 1
+        elif name:
+            seen.append([name, 1])
+    return " → ".join(f"{n}× {name}" if n > 1 else name for name, n in seen)
 
 
 def sm90_compile_mark(versions: tuple):
