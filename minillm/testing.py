@@ -16,7 +16,10 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 
@@ -410,12 +413,11 @@ def assert_within_fp8_bound(out: torch.Tensor, q, k, v, block_m: int, block_n: i
 #: `compile_for_sm90`): Gluon functions must be defined with the interpreter off (under
 #: TRITON_INTERPRET=1 they become interpreted functions, which the compiler cannot call), and
 #: Triton's active driver is replaced by one that names an sm_90 target and launches nothing,
-#: which is enough for ``warmup`` to compile. Defines ``stack_bytes(cubin)``: the bytes of
-#: stack (ptxas's spills) of the machine code, and imports `sass_ops`, `exps_before_wait` and
-#: `key_loop_events`. The script goes on to import the kernels, compile them and print one
-#: JSON line last.
+#: which is enough for ``warmup`` to compile. It imports the readers of the machine code
+#: (`stack_bytes`, `sass_ops`, `exps_before_wait`, `key_loop_events`), then goes on to import
+#: the kernels, compile them and print one JSON line last.
 SM90_COMPILE_PRELUDE = r"""
-import json, os, subprocess, sys, tempfile, torch
+import json, os, sys, torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
@@ -461,20 +463,7 @@ class CompileOnlySm90(DriverBase):
 
 driver.set_active(CompileOnlySm90())
 
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-
-def stack_bytes(cubin):
-    # ptxas spills registers to a stack frame in local memory, which the PTX does not show: the
-    # machine code's resource usage does (cuobjdump ships with Triton).
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return max(int(field.split(":")[1]) for field in out.split() if field.startswith("STACK:"))
-
-
-from minillm.testing import exps_before_wait, key_loop_events, sass_ops  # noqa: E402  (read the SASS)
+from minillm.testing import exps_before_wait, key_loop_events, sass_ops, stack_bytes  # noqa: E402
 """
 
 
@@ -482,7 +471,6 @@ def compile_for_sm90(script: str) -> dict:
     """Run ``script`` (`SM90_COMPILE_PRELUDE` + its own part) in a fresh Python with the
     repository on the path and the interpreter off; returns the JSON of its last line."""
     import json
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -493,30 +481,35 @@ def compile_for_sm90(script: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def sass_ops(cubin: bytes) -> list[str]:
-    """The instructions of ``cubin`` (a compiled kernel's ``asm["cubin"]``) in order, each as its
-    text without the address and the encoding (``"MUFU.EX2 R12, R13"``): what ptxas scheduled,
-    which the PTX does not show. Uses the ``cuobjdump`` that ships with Triton."""
-    import re
-    import subprocess
-    import tempfile
-
+def _cuobjdump(cubin: bytes, option: str) -> str:
+    """What the ``cuobjdump`` that ships with Triton prints for ``cubin`` with ``option``."""
     import triton
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    found = (re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line) for line in out.splitlines())
+        return subprocess.run([tool, option, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def stack_bytes(cubin: bytes) -> int:
+    """The bytes of stack of a compiled kernel's machine code (``asm["cubin"]``): ptxas spills
+    registers to a stack frame in local memory, which the PTX does not show."""
+    out = _cuobjdump(cubin, "-res-usage")
+    return max(int(field.split(":")[1]) for field in out.split() if field.startswith("STACK:"))
+
+
+def sass_ops(cubin: bytes) -> list[str]:
+    """The instructions of ``cubin`` (a compiled kernel's ``asm["cubin"]``) in order, each as its
+    text without the address and the encoding (``"MUFU.EX2 R12, R13"``): what ptxas scheduled,
+    which the PTX does not show."""
+    found = (re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line) for line in _cuobjdump(cubin, "-sass").splitlines())
     return [m.group(1) for m in found if m]
 
 
 def _sass_event(op: str) -> str | None:
     """What a key-loop instruction of a Gluon forward kernel does, for `key_loop_events` (None:
     something else)."""
-    import re
-
     if re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[12]$", op):
         return "wait for S"  # the first wait of a block leaves P V (and the row sums) in flight
     if op == "WARPGROUP.DEPBAR.LE gsb0, 0x0":

@@ -188,7 +188,7 @@ def test_does_not_apply_off_the_gpu():
 
 
 #: Compiles every kernel for sm_90 in a fresh process (`minillm.testing.SM90_COMPILE_PRELUDE`
-#: says how, and defines ``stack_bytes``).
+#: says how, and provides ``stack_bytes`` and the SASS readers).
 COMPILE_SCRIPT = SM90_COMPILE_PRELUDE + r"""
 import re
 from minillm.kernels.ch04_flash_attention_gluon import (
