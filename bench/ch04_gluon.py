@@ -75,6 +75,13 @@ kernel without; bf16 and FP8 (row sums on the tensor cores, the default, and on 
 with and without ping-pong; FP8 ones also against bf16 ``ws``. Budget
 ``MINILLM_CH04_GLUON_PIN_BUDGET_S`` (default 200).
 
+The wide part (``params["part"] = "wide"``; N 2k-16k, both head dims, causal and not): FP8 with
+192-key blocks, each two tiles of 128 and 64 keys (``block_n=192``, `WIDE_KERNELS`; FlashAttention-3's
+tile for e4m3), with the row sums on the tensor cores (``*_row_sum``) and on the CUDA cores, with
+and without ping-pong, against the same kernel summing on the CUDA cores, bf16 ``ws`` and the FP8
+kernel as its defaults run it (``fp8_ws_row_sum``, also timed, as is its ping-pong). Budget
+``MINILLM_CH04_GLUON_WIDE_BUDGET_S`` (default 240).
+
 The tiles part (``params["part"] = "tiles"``; N 2k-16k, both head dims, causal and not): FP8
 with 256-key tiles of K and Vᵀ against the 128-key default (`TILE_KERNELS`: ws and ping-pong, P
 in registers or through shared memory), each also against bf16 ``ws``. Budget
@@ -102,7 +109,7 @@ at N ≤ `GRAPH_MAX_SEQ`, where the host's time per step is close to the GPU's,
 cuDNN's. Budget
 ``MINILLM_CH04_GLUON_DISPATCH_BUDGET_S`` (default 240).
 
-``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax,row_sum,pin,tiles,consumers,dispatch``) picks the
+``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax,row_sum,pin,wide,tiles,consumers,dispatch``) picks the
 parts to run; a re-run of some parts keeps the others' earlier rows in the results file.
 """
 from __future__ import annotations
@@ -134,7 +141,7 @@ from bench.common import (
 BENCHMARK = "ch04_gluon"
 DEFAULT_VARIANT = "ws"
 PEERS = ("sdpa_cudnn", "sdpa_flash", "triton_hopper")
-PARTS = ("forward", "backward", "softmax", "row_sum", "pin", "tiles", "consumers", "dispatch")
+PARTS = ("forward", "backward", "softmax", "row_sum", "pin", "wide", "tiles", "consumers", "dispatch")
 #: The backward's kernels, each setting spelled out (the module's default is ``bwd_tma`` at head
 #: dim 128 and ``bwd_tma_prefetch`` at 64, `default_prefetch_stats`); the ablations are against
 #: ``bwd_tma``.
@@ -207,6 +214,15 @@ PIN_KERNELS = {
 #: The FP8 kernel as `flash_attention_gluon_fp8`'s defaults run it (row sums on the tensor cores):
 #: the row-sum part's kernels with other tiles or consumers are also timed against it.
 FP8_DEFAULT = "fp8_ws_row_sum"
+#: The wide part's kernels (same form): FP8 with 192-key blocks (``*_n192``), row sums on the
+#: tensor cores (``*_row_sum``) or the CUDA cores, against bf16 ``ws`` and the FP8 defaults.
+WIDE_KERNELS = {
+    "ws": ("bf16", "ws", {}),
+    FP8_DEFAULT: ("fp8", "ws", dict(row_sum_mma=True)),
+    "fp8_ws_pingpong_row_sum": ("fp8", "ws_pingpong", dict(row_sum_mma=True)),
+    **{f"fp8_{variant}_n192{suffix}": ("fp8", variant, dict(block_n=192, row_sum_mma=bool(suffix)))
+       for variant in ("ws", "ws_pingpong") for suffix in ("", "_row_sum")},
+}
 #: The tiles part's FP8 kernels: name -> (variant, keys per tile, P in "registers" or "smem").
 #: The 128-key ones are the forward part's ``fp8_ws`` and ``fp8_ws_pingpong``.
 TILE_KERNELS = {
@@ -290,6 +306,11 @@ def pin_budget_s() -> float:
     return float(os.environ.get("MINILLM_CH04_GLUON_PIN_BUDGET_S", "200"))
 
 
+def wide_budget_s() -> float:
+    """The wide part's budget: ``MINILLM_CH04_GLUON_WIDE_BUDGET_S`` (default 240)."""
+    return float(os.environ.get("MINILLM_CH04_GLUON_WIDE_BUDGET_S", "240"))
+
+
 def consumers_budget_s() -> float:
     """The consumers part's budget: ``MINILLM_CH04_GLUON_CONSUMERS_BUDGET_S`` (default 240)."""
     return float(os.environ.get("MINILLM_CH04_GLUON_CONSUMERS_BUDGET_S", "240"))
@@ -312,7 +333,7 @@ def selected_parts() -> tuple[str, ...]:
 def row_part(row: dict) -> str:
     """The part that wrote a row of this benchmark."""
     params = row.get("params") or {}
-    if params.get("part") in ("softmax", "row_sum", "pin", "tiles", "consumers", "dispatch"):
+    if params.get("part") in ("softmax", "row_sum", "pin", "wide", "tiles", "consumers", "dispatch"):
         return params["part"]
     return "backward" if params.get("pass") == "bwd" else "forward"
 
@@ -339,6 +360,8 @@ def run(results: Results, device) -> None:
         row_sum_sweep(results, device)
     if "pin" in parts:
         pin_sweep(results, device)
+    if "wide" in parts:
+        wide_sweep(results, device)
     if "tiles" in parts:
         tiles_sweep(results, device)
     if "consumers" in parts:
@@ -529,6 +552,13 @@ def pin_sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=SOFTMAX_SE
     """The pin rows (`PIN_KERNELS`) at the softmax part's points, until `pin_budget_s`."""
     point = lambda *args: _softmax_point(*args, kernels=PIN_KERNELS, part="pin")  # noqa: E731
     part_sweep(results, device, "pin", pin_budget_s(), point, head_dims, seq_lens, tokens, hidden, timer)
+
+
+def wide_sweep(results: Results, device, head_dims=HEAD_DIMS, seq_lens=TILE_SEQ_LENS, tokens: int = TOKENS,
+               hidden: int = HIDDEN, timer: Callable | None = None) -> None:
+    """The wide rows (`WIDE_KERNELS`) at the tiles part's points, until `wide_budget_s`."""
+    point = lambda *args: _softmax_point(*args, kernels=WIDE_KERNELS, part="wide")  # noqa: E731
+    part_sweep(results, device, "wide", wide_budget_s(), point, head_dims, seq_lens, tokens, hidden, timer)
 
 
 def _softmax_point(results: Results, device, gen, n: int, head_dim: int, causal: bool, timer, tokens: int,

@@ -481,6 +481,163 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
 
 
 @gluon.jit
+def _wide_softmax(s_a, s_b, m_i, qk_scale, row0, col0, mask_this, seq_len, CAUSAL: gl.constexpr):
+    """`_online_softmax` (trees, no row sum) on a 192-key block held as two tiles: ``s_a [ROWS,
+    128]`` (keys ``col0`` on) and ``s_b [ROWS, 64]`` (keys ``col0 + 128`` on), in the layouts of
+    their wgmma accumulators. ``mask_this``: the block straddles the diagonal (causal) or runs
+    past ``seq_len`` (the last block of a head whose length is not a multiple of 192: its keys
+    past the end are another head's, or TMA's zeros). Returns ``(p_a, p_b, alpha, m_new)``."""
+    ROWS: gl.constexpr = s_a.shape[0]
+    a_layout: gl.constexpr = s_a.type.layout
+    b_layout: gl.constexpr = s_b.type.layout
+    if mask_this:
+        rows_a = row0 + gl.arange(0, ROWS, gl.SliceLayout(1, a_layout))
+        rows_b = row0 + gl.arange(0, ROWS, gl.SliceLayout(1, b_layout))
+        cols_a = col0 + gl.arange(0, s_a.shape[1], gl.SliceLayout(0, a_layout))
+        cols_b = col0 + s_a.shape[1] + gl.arange(0, s_b.shape[1], gl.SliceLayout(0, b_layout))
+        if CAUSAL:
+            s_a = gl.where(cols_a[None, :] <= rows_a[:, None], s_a, float("-inf"))
+            s_b = gl.where(cols_b[None, :] <= rows_b[:, None], s_b, float("-inf"))
+        else:
+            s_a = gl.where(cols_a[None, :] < seq_len, s_a, float("-inf"))
+            s_b = gl.where(cols_b[None, :] < seq_len, s_b, float("-inf"))
+    folded_a = _fold_halves(s_a, True)
+    folded = gl.maximum(folded_a, gl.convert_layout(_fold_halves(s_b, True), folded_a.type.layout))
+    s_max = gl.convert_layout(gl.max(folded, axis=1), m_i.type.layout)
+    m_new = gl.maximum(m_i, s_max * qk_scale)
+    p_a = gl.exp2(s_a * qk_scale - m_new[:, None])
+    p_b = gl.exp2(s_b * qk_scale - gl.convert_layout(m_new, gl.SliceLayout(1, b_layout))[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    return p_a, p_b, alpha, m_new
+
+
+@gluon.jit
+def _wide_sums(p_a, p_b, l_i, alpha):
+    """``l_i · alpha`` plus the row sums of both tiles of P (trees, on the CUDA cores)."""
+    folded_a = _fold_halves(p_a, False)
+    folded = folded_a + gl.convert_layout(_fold_halves(p_b, False), folded_a.type.layout)
+    return l_i * alpha + gl.convert_layout(gl.sum(folded, axis=1), l_i.type.layout)
+
+
+@gluon.jit
+def _start_wide_pv(p_a, p_b, v_tile, acc, ones_smem, l_acc, alpha, p_layout: gl.constexpr, ROW_SUM: gl.constexpr):
+    """Start ``acc += P V`` for a 192-key block as two chained matmuls (keys 0-127, then 128-191
+    of the ``[HEAD_D, 256]`` slot of Vᵀ), P converted to e4m3 as it goes in (`_p_for_mma`), and
+    with ``ROW_SUM`` the row sums ``l_acc · alpha + P · 1`` likewise (`_start_row_sum`; ones
+    ``[8, 256]``). Returns the tokens of the two accumulators (``l_acc`` as given without)."""
+    pa_mma = _p_for_mma(p_a, p_layout, 2)
+    pb_mma = _p_for_mma(p_b, p_layout, 2)
+    N_A: gl.constexpr = p_a.shape[1]
+    N_B: gl.constexpr = p_b.shape[1]
+    acc_tok = warpgroup_mma(pa_mma, v_tile.slice(0, N_A, dim=1).permute((1, 0)), acc, is_async=True)
+    acc_tok = warpgroup_mma(pb_mma, v_tile.slice(N_A, N_B, dim=1).permute((1, 0)), acc_tok, is_async=True)
+    if ROW_SUM:
+        l_tok = _start_row_sum(pa_mma, ones_smem.slice(0, N_A, dim=1), l_acc, alpha, 2)
+        sum_layout: gl.constexpr = l_acc.type.layout
+        pb_sum = gl.convert_layout(pb_mma, gl.DotOperandLayout(operand_index=0, parent=sum_layout, k_width=4))
+        l_tok = warpgroup_mma(pb_sum, ones_smem.slice(N_A, N_B, dim=1).permute((1, 0)), l_tok, is_async=True)
+    else:
+        l_tok = l_acc
+    return acc_tok, l_tok
+
+
+@gluon.jit
+def _attend_rows_wide(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, n_blocks, n_full, row0,
+                      seq_len, qk_scale, k_scales, it0, turn0, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr,
+                      CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      CONSUMERS: gl.constexpr, ones_smem, ROW_SUM: gl.constexpr):
+    """`_attend_rows` for FP8 with 192-key blocks (FlashAttention-3's tile for e4m3 at head dim
+    128 is 128 × 224 without a mask, 128 × 192 with one), the warp-specialized kernels only, P
+    in registers. Gluon's tensors have power-of-two shapes, so a block is two tiles, keys 0-127
+    and 128-191, each its own wgmma, in ring slots of 256 keys (``k_smem [NUM_STAGES, 256,
+    HEAD_D]``, ``v_smem [NUM_STAGES, HEAD_D, 256]`` of Vᵀ; the last 64 unused). The wider block
+    spreads what every block costs whatever its width (waiting on barriers, issuing the
+    matmuls, the row max's shuffles, the rescaling of the accumulator) over 1.5 times the keys.
+
+    The order within an iteration differs from `_attend_rows`': P·V of the last block is started
+    *before* the scores of this one. The registers decide it: P in fp32 (96 a thread), the two
+    score accumulators (96) and the output's (64) cannot all be live at once within 240, and
+    starting P·V first converts P to e4m3 (48) before the scores' accumulators are taken. What
+    is lost is the chance to run the softmax under P·V, which the machine code of the other
+    order does not take either (ptxas moves the wait for P·V up to the wait for the scores)."""
+    MMA_K: gl.constexpr = 32
+    N_A: gl.constexpr = 128
+    N_B: gl.constexpr = 64
+    sa_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, N_A, MMA_K])
+    sb_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, N_B, MMA_K])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, MMA_K])
+    sum_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, 8, MMA_K])
+    # (`_p_for_mma` reads only this layout's parent, the accumulator's)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, sa_layout))
+    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, sa_layout))
+    acc = gl.zeros([64, HEAD_D], gl.float32, o_layout)
+    sa_zero = gl.zeros([64, N_A], gl.float32, sa_layout)
+    sb_zero = gl.zeros([64, N_B], gl.float32, sb_layout)
+    l_acc = gl.zeros([64, 8], gl.float32, sum_layout)
+
+    # Block 0: its scores and softmax.
+    first = it0 % NUM_STAGES
+    mbarrier.wait(k_ready.index(first), (it0 // NUM_STAGES) & 1)
+    k_tile = k_smem.index(first)
+    sa_tok = warpgroup_mma(q_smem, k_tile.slice(0, N_A).permute((1, 0)), sa_zero, use_acc=False, is_async=True)
+    sb_tok = warpgroup_mma(q_smem, k_tile.slice(N_A, N_B).permute((1, 0)), sb_zero, use_acc=False, is_async=True)
+    s_a, s_b = warpgroup_mma_wait(0, deps=[sa_tok, sb_tok])
+    mbarrier.arrive(k_empty.index(first))
+    mask_this = n_full <= 0 if CAUSAL else 192 > seq_len
+    p_a, p_b, alpha, m_i = _wide_softmax(s_a, s_b, m_i, qk_scale * gl.load(k_scales), row0, 0, mask_this, seq_len,
+                                         CAUSAL)
+    if not ROW_SUM:
+        l_i = _wide_sums(p_a, p_b, l_i, alpha)
+
+    for j in range(1, n_blocks):
+        slot = (it0 + j) % NUM_STAGES
+        prev = (it0 + j - 1) % NUM_STAGES
+        if PINGPONG:
+            _wait_turn(turn, CONSUMER, turn0 + j - 1)
+        acc = _rescaled(acc, alpha, o_rows, 0.0)
+        mbarrier.wait(v_ready.index(prev), ((it0 + j - 1) // NUM_STAGES) & 1)
+        acc_tok, l_tok = _start_wide_pv(p_a, p_b, v_smem.index(prev), acc, ones_smem, l_acc, alpha, p_layout,
+                                        ROW_SUM)
+        mbarrier.wait(k_ready.index(slot), ((it0 + j) // NUM_STAGES) & 1)
+        k_tile = k_smem.index(slot)
+        sa_tok = warpgroup_mma(q_smem, k_tile.slice(0, N_A).permute((1, 0)), sa_zero, use_acc=False, is_async=True)
+        sb_tok = warpgroup_mma(q_smem, k_tile.slice(N_A, N_B).permute((1, 0)), sb_zero, use_acc=False,
+                               is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index((CONSUMER + 1) % CONSUMERS))
+        if ROW_SUM:
+            acc, l_acc, s_a, s_b = warpgroup_mma_wait(0, deps=[acc_tok, l_tok, sa_tok, sb_tok])
+        else:
+            acc, s_a, s_b = warpgroup_mma_wait(0, deps=[acc_tok, sa_tok, sb_tok])
+        mbarrier.arrive(k_empty.index(slot))
+        mbarrier.arrive(v_empty.index(prev))
+        mask_this = j >= n_full if CAUSAL else (j + 1) * 192 > seq_len
+        p_a, p_b, alpha, m_i = _wide_softmax(s_a, s_b, m_i, qk_scale * gl.load(k_scales + j), row0, j * 192,
+                                             mask_this, seq_len, CAUSAL)
+        if not ROW_SUM:
+            l_i = _wide_sums(p_a, p_b, l_i, alpha)
+
+    # The last block's P V.
+    last = (it0 + n_blocks - 1) % NUM_STAGES
+    acc = _rescaled(acc, alpha, o_rows, 0.0)
+    mbarrier.wait(v_ready.index(last), ((it0 + n_blocks - 1) // NUM_STAGES) & 1)
+    acc_tok, l_tok = _start_wide_pv(p_a, p_b, v_smem.index(last), acc, ones_smem, l_acc, alpha, p_layout, ROW_SUM)
+    if ROW_SUM:
+        acc, l_acc = warpgroup_mma_wait(0, deps=[acc_tok, l_tok])
+        l_i = gl.convert_layout(gl.max(l_acc, axis=1), m_i.type.layout)
+    else:
+        acc = warpgroup_mma_wait(0, deps=[acc_tok])
+    mbarrier.arrive(v_empty.index(last))
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _store_rows(acc, m_i, l_i, o_smem, o_desc, lse_ptr, o_row, ROWS: gl.constexpr, out_scale=1.0):
     """FA2's epilogue: ``O = acc / l`` in bf16 through ``o_smem`` (in bf16 the rows' Q buffer, no
     longer read) and one TMA store at row ``o_row`` of the 2-D ``[batch·heads·seq, HEAD_D]`` output;
@@ -526,6 +683,17 @@ def _tiles_per_head(seq_len, TILE_M: gl.constexpr):
 
 
 @gluon.jit
+def _key_blocks(seq_len, BLOCK_N: gl.constexpr):
+    """Key blocks per head: ``seq_len / BLOCK_N``, or for FP8's 192-key blocks ``ceil(seq_len /
+    192)``, the last one short by 64 or 128 keys unless ``seq_len`` is a multiple of 192."""
+    if BLOCK_N == 192:
+        n = (seq_len + 191) // 192
+    else:  # (the same number as the ceiling; the plain division keeps the code as measured)
+        n = seq_len // BLOCK_N
+    return n
+
+
+@gluon.jit
 def _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                       TILE_M: gl.constexpr = 128):
     """Query tile ``tile = head · n_m + rank`` of ``TILE_M`` rows (``n_m``: `_tiles_per_head`;
@@ -540,7 +708,7 @@ def _tile_coordinates(tile, seq_len, q_heads, group, CAUSAL: gl.constexpr, BLOCK
     if CAUSAL:  # the blocks up to the tile's last row (the last one partly masked when wider than the tile)
         n_blocks = (row0 + TILE_M + BLOCK_N - 1) // BLOCK_N
     else:
-        n_blocks = seq_len // BLOCK_N
+        n_blocks = _key_blocks(seq_len, BLOCK_N)
     return row0, bh * seq_len + row0, kv_bh, n_blocks
 
 
@@ -616,11 +784,18 @@ def _consume_tile(my_q, my_o, k_smem, v_smem, p_smem, k_ready, v_ready, k_empty,
     else:
         rows_scale = qk_scale
         out_scale = 1.0
-    acc, m_i, l_i = _attend_rows(my_q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-                                 k_desc, v_desc, kv_bh * seq_len, n_blocks, (my_row0 + 1) // BLOCK_N, my_row0,
-                                 rows_scale, k_scales + kv_bh * (seq_len // BLOCK_N), p_smem, it0, turn0,
-                                 CONSUMER, True, PINGPONG, CAUSAL, 64, BLOCK_N, HEAD_D, NUM_STAGES, 4, FP8, TREE,
-                                 FMA_EXP2, SLACK, CONSUMERS, ones_smem, ROW_SUM, PIN_SOFTMAX, pin_smem)
+    my_k_scales = k_scales + kv_bh * _key_blocks(seq_len, BLOCK_N)
+    if BLOCK_N == 192:
+        acc, m_i, l_i = _attend_rows_wide(my_q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, n_blocks,
+                                          (my_row0 + 1) // BLOCK_N, my_row0, seq_len, rows_scale, my_k_scales, it0,
+                                          turn0, CONSUMER, PINGPONG, CAUSAL, HEAD_D, NUM_STAGES, CONSUMERS,
+                                          ones_smem, ROW_SUM)
+    else:
+        acc, m_i, l_i = _attend_rows(my_q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                                     k_desc, v_desc, kv_bh * seq_len, n_blocks, (my_row0 + 1) // BLOCK_N, my_row0,
+                                     rows_scale, my_k_scales, p_smem, it0, turn0,
+                                     CONSUMER, True, PINGPONG, CAUSAL, 64, BLOCK_N, HEAD_D, NUM_STAGES, 4, FP8, TREE,
+                                     FMA_EXP2, SLACK, CONSUMERS, ones_smem, ROW_SUM, PIN_SOFTMAX, pin_smem)
     _store_rows(acc, m_i, l_i, my_o, o_desc, lse_ptr, o_row, 64, out_scale)
 
 
@@ -727,14 +902,26 @@ def _load_tile(tile, i, it, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile
         slot = (it + j) % NUM_STAGES
         free_phase = (((it + j) // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(slot), free_phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [kv_row0 + j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        if BLOCK_N == 192:  # three copies of 64 keys each (see `_attend_rows_wide`)
+            mbarrier.expect(k_ready.index(slot), 3 * k_desc.block_type.nbytes)
+            for c in gl.static_range(3):
+                _tma_load(k_desc, [kv_row0 + j * BLOCK_N + 64 * c, 0], k_ready.index(slot),
+                          k_smem.index(slot).slice(64 * c, 64))
+        else:
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [kv_row0 + j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), free_phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        if FP8:
+        if BLOCK_N == 192:
+            mbarrier.expect(v_ready.index(slot), 3 * v_desc.block_type.nbytes)
+            for c in gl.static_range(3):
+                _tma_load(v_desc, [kv_bh * v_desc.block_type.shape[0], j * BLOCK_N + 64 * c], v_ready.index(slot),
+                          v_smem.index(slot).slice(64 * c, 64, dim=1))
+        elif FP8:
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             _tma_load(v_desc, [kv_bh * v_desc.block_type.shape[0], j * BLOCK_N], v_ready.index(slot),
                       v_smem.index(slot))
         else:
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             _tma_load(v_desc, [kv_row0 + j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
     return i + 1, it + n_blocks
 
@@ -803,13 +990,19 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
     the next tile's Q while it finishes this one. In bf16 each consumer's Q buffer takes its O
     for the store; in FP8 O (bf16) is twice the size of Q (e4m3) and has buffers of its own."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * CONSUMERS, 64, HEAD_D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    if FP8:
+    if BLOCK_N == 192:  # (FP8, P in registers) slots of 256 keys, filled by three copies of 64
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, 256, HEAD_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, HEAD_D, 256], v_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, 64, HEAD_D], o_desc.layout)
+        p_smem = q_smem  # (unused)
+    elif FP8:
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, HEAD_D, BLOCK_N], v_desc.layout)
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, 64, HEAD_D], o_desc.layout)
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.float8e4nv)
         p_smem = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS, 64, BLOCK_N], p_layout)
     else:
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
         o_smem = q_smem
         p_smem = q_smem  # (unused)
@@ -833,17 +1026,21 @@ def _warp_specialized_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scales, 
         mbarrier.init(k_empty.index(i), count=CONSUMERS)  # one arrival per consumer
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
     if ROW_SUM:  # the second operand of P · 1, for every consumer, written once
-        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], k_desc.dtype)
-        ones_smem = gl.allocate_shared_memory(k_desc.dtype, [8, BLOCK_N], ones_layout)
+        ONES_N: gl.constexpr = 256 if BLOCK_N == 192 else BLOCK_N
+        if BLOCK_N == 192:  # sliced as V's slots are: the same layout
+            ones_layout: gl.constexpr = v_desc.layout
+        else:
+            ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], k_desc.dtype)
+        ones_smem = gl.allocate_shared_memory(k_desc.dtype, [8, ONES_N], ones_layout)
         store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [2, 2], [1, 0])
         if FP8:
             # The byte of e4m3's 1.0, 0x38, as int8: Triton 3.6 has no e4m3 constants, and a
             # constant 1.0 converted to e4m3 did not multiply as 1 (row sums off by up to e^5
             # on an H200), where the byte itself does.
-            ones_bits = gl.full([8, BLOCK_N], 0x38, gl.int8, store_layout)
-            _reinterpret(ones_smem, gl.int8, [8, BLOCK_N], ones_layout).store(ones_bits)
+            ones_bits = gl.full([8, ONES_N], 0x38, gl.int8, store_layout)
+            _reinterpret(ones_smem, gl.int8, [8, ONES_N], ones_layout).store(ones_bits)
         else:
-            ones_smem.store(gl.full([8, BLOCK_N], 1.0, gl.float32, store_layout).to(k_desc.dtype))
+            ones_smem.store(gl.full([8, ONES_N], 1.0, gl.float32, store_layout).to(k_desc.dtype))
     else:
         ones_smem = tile_ids  # (unused)
     if PIN_SOFTMAX:  # each consumer's scratch tile for `_pin_before_wait`
@@ -900,6 +1097,10 @@ def default_tiles(head_dim: int, fp8: bool = False, consumers: int = 2) -> tuple
     256-key tiles (FP8 only) fit with P through shared memory alone (229,824 bytes at d = 128)
     and ran 0.82-1.06x the 128-key kernel, with P in registers they spill and run at half its
     speed or less (``bench.ch04_gluon`` part ``tiles``, ``nvidia-h200.bench_ch04_gluon_tiles.log``).
+    FlashAttention-3's FP8 tile, 192 keys (``block_n=192``: two tiles of 128 and 64 keys,
+    `_attend_rows_wide`, P in registers, row sums on the tensor cores), ran at 0.94-1.00x of
+    the 128-key kernel at d = 128 and 0.94-1.03x at 64, gaining only at 8k-16k keys (part
+    ``wide``, ``nvidia-h200.bench_ch04_gluon_wide.log``).
     With three consumers at d = 128: 64-key tiles and four stages. A consumer thread's 160
     registers hold a 64 × 64 fp32 score tile beside its share of the 64 × 128 accumulator, not a
     64 × 128 one (ptxas spills 248 bytes a thread in bf16 with 128-key tiles, none with 64),
@@ -1037,13 +1238,15 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rows) and K in blocks of ``block_n`` keys, each with its own scale, V with one scale per
     head, fp32 accumulation (the quantization of `minillm.kernels.ch04_flash_attention_hopper.
     quantize_blocks`). Inputs, scope and result as `flash_attention_gluon` (bf16 in, bf16
-    out); ``variant``: ``"ws"`` or ``"ws_pingpong"``; ``block_n``: 64, 128 (default) or 256
-    keys per tile, K's scale per as many (``prepared`` must use the same); ``prepared``:
+    out); ``variant``: ``"ws"`` or ``"ws_pingpong"``; ``block_n``: 64, 128 (default), 192 or
+    256 keys per tile, K's scale per as many (``prepared`` must use the same; 192: FlashAttention-3's
+    FP8 tile, two tiles of 128 and 64 keys, `_attend_rows_wide`, with two consumers and P in
+    registers, and ``seq`` need not be a multiple of it); ``prepared``:
     `prepare_gluon_fp8`'s result for these inputs, to time the kernel without the
     quantization (it also says whether P·V reads P from registers, the default, or from
     shared memory); ``tree_reductions``: as
     `flash_attention_gluon`'s, here on by default; ``row_sum_mma``: as `flash_attention_gluon`'s,
-    by default on with two consumers and tiles of up to 128 keys (`default_row_sum`), where it
+    by default on with two consumers and tiles of up to 192 keys (`default_row_sum`), where it
     measured faster on an H200 at every point; P's row sums are then those of P as rounded to
     e4m3, in ℓ and in the logsumexp; ``fma_exp2``, ``lazy_rescale``, ``consumers`` and ``pin_softmax``:
     as `flash_attention_gluon`'s, the first two off by default here too (P, at
@@ -1067,7 +1270,7 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def default_row_sum(block_n: int, consumers: int) -> bool:
     """Whether the FP8 kernel takes its row sums from the tensor cores (``row_sum_mma``) unless
-    told: with two consumers and tiles of up to 128 keys. There, on an H200, it ran 1.05-1.09x
+    told: with two consumers and tiles of up to 192 keys. With 128-key tiles, on an H200, it ran 1.05-1.09x
     faster at head dim 128 and 1.10-1.14x at 64 (with ping-pong 1.04-1.07x and 1.06-1.16x),
     causal or not, N 2k-16k (the row-sum part of ``bench/ch04_gluon.py``): the loop of the
     softmax loses 64 additions and 4 shuffles a thread per block (448 instructions a warp to
@@ -1075,8 +1278,10 @@ def default_row_sum(block_n: int, consumers: int) -> bool:
     there the tensor cores, not the instructions, set the pace). With three consumers (P through
     shared memory) it gains 1.02-1.05x at head dim 128 and 1.06-1.09x at 64, which only draws
     level with two consumers and the sums (0.95-1.02x); with 256-key tiles it gains little at
-    128 (0.98-1.03x; the loop spills) and the wide tile stays behind (0.84-0.97x)."""
-    return consumers == 2 and block_n <= 128
+    128 (0.98-1.03x; the loop spills) and the wide tile stays behind (0.84-0.97x). With 192-key
+    blocks (two tiles, `_attend_rows_wide`) it pays more than with 128: 1.02-1.06x at head dim
+    128 and 1.12-1.18x at 64 (the wide part of ``bench/ch04_gluon.py``)."""
+    return consumers == 2 and block_n <= 192
 
 
 #: With ``lazy_rescale``, how far (base 2) a row's max may outgrow the one its P and accumulator
@@ -1106,6 +1311,7 @@ def prepare_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n
 
     q8, q_scales = quantize_blocks(q, 64)
     k8, k_scales = quantize_blocks(k, block_n)
+    k8 = k8[:, :, :k.shape[2]].contiguous()  # (192-key blocks: the kernel masks the keys past the end)
     v8t, v_scales = quantize_blocks(v, v.shape[2], transpose=True)
     if p_in_registers:
         *lead, s = v8t.shape
@@ -1195,10 +1401,13 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
         raise ValueError(f"head_group must be a positive number of heads, got {head_group}")
     default_n, default_stages = default_tiles(d, fp8, consumers)
     block_n, num_stages = block_n or default_n, num_stages or default_stages
-    if block_n not in ((64, 128, 256) if fp8 else (64, 128)):
-        raise ValueError(f"block_n must be 64 or 128 (FP8: or 256), got {block_n}")
-    if s % block_n:
+    if block_n not in ((64, 128, 192, 256) if fp8 else (64, 128)):
+        raise ValueError(f"block_n must be 64 or 128 (FP8: or 192 or 256), got {block_n}")
+    if s % block_n and block_n != 192:
         raise ValueError(f"seq must be a multiple of block_n = {block_n}, got {s}")
+    if block_n == 192 and (consumers != 2 or not scales[1] or fma_exp2 or lazy_rescale or pin_softmax):
+        raise ValueError("192-key blocks need two consumers, P in registers and no fma_exp2, lazy_rescale "
+                         "or pin_softmax")
     if fma_exp2 not in FMA_EXP2_SHARES:
         raise ValueError(f"fma_exp2 must be one of {FMA_EXP2_SHARES}, got {fma_exp2!r}")
     if (fma_exp2 or lazy_rescale or row_sum_mma or pin_softmax) and variant == "pipelined":
@@ -1212,9 +1421,10 @@ def _launch(q, k, v, scales, causal, scale, variant, block_n, num_stages, consum
     qk_scale = scale_and_window(d, scale, None)[0] * LOG2E  # (> 0: the row max commutes with it)
     out = torch.empty(out_shape or q.shape, device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((b, h, s), device=q.device, dtype=torch.float32)
-    k_desc = _descriptor(k.view(-1, d), block_n)
+    copy_n = 64 if block_n == 192 else block_n  # (192-key blocks come in three copies)
+    k_desc = _descriptor(k.view(-1, d), copy_n)
     # FP8: V's tiles are [d, block_n] blocks of Vᵀ, viewed as [b·h_kv·d, s].
-    v_desc = _descriptor(v.view(-1, s), d, block_n) if fp8 else _descriptor(v.view(-1, d), block_n)
+    v_desc = _descriptor(v.view(-1, s), d, copy_n) if fp8 else _descriptor(v.view(-1, d), block_n)
     n_tiles = -(-s // (64 * consumers)) * b * h
     if variant == "pipelined":
         if persistent:

@@ -124,6 +124,21 @@ def test_refuses_unknown_variant_and_tile():
                                   prepared=prepare_gluon_fp8(q, q, q, p_in_registers=False))
 
 
+def test_refuses_192_key_blocks_out_of_scope():
+    """192-key blocks (two tiles of 128 and 64 keys, `_attend_rows_wide`) are FP8's, with two
+    consumers and P in registers, without the FMA exponentials, the lazy max or the pin; ``seq``
+    need not be a multiple of 192 (the last block is masked)."""
+    q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="block_n"):
+        flash_attention_gluon(q, q, q, block_n=192)
+    for kwargs in (dict(consumers=3), dict(fma_exp2=2), dict(lazy_rescale=True), dict(pin_softmax=True),
+                   dict(prepared=prepare_gluon_fp8(q, q, q, 192, p_in_registers=False))):
+        with pytest.raises(ValueError, match="192-key blocks need"):
+            flash_attention_gluon_fp8(q, q, q, block_n=192, compile_only=True, **kwargs)
+    q8, k8, v8t, (q_scales, k_scales, v_scales), _ = prepare_gluon_fp8(q, q, q, 192)
+    assert k8.shape == q.shape and v8t.shape == (1, 2, 64, 256) and k_scales.shape == (1, 2, 2)
+
+
 def test_refuses_three_consumers_out_of_scope():
     """Three consumer warpgroups (192-row tiles) without a mask only (the causal schedules pair
     up 128-row tiles), in a warp-specialized kernel; at head dim 128 with 64-key tiles unless
@@ -240,6 +255,15 @@ for head_dim in (64, 128):
                 prepared=prepare_gluon_fp8(q, k, k, block_n, p_in_registers=where == "registers"))
             facts[f"c3 fp8 {where} {variant} {head_dim}"] = dict(facts_of(compiled, "e4m3.e4m3"),
                                                                  warps=compiled.metadata.num_warps)
+for head_dim in (64, 128):
+    q = torch.zeros(1, 4, 640, head_dim, dtype=torch.bfloat16)  # three 192-key blocks and a short one
+    k = torch.zeros(1, 2, 640, head_dim, dtype=torch.bfloat16)
+    for variant in VARIANTS[1:]:
+        for causal in (False, True):
+            for row_sum in (False, True):
+                compiled = flash_attention_gluon_fp8(q, k, k, causal=causal, variant=variant, block_n=192,
+                                                     row_sum_mma=row_sum, compile_only=True)
+                facts[f"fp8 192 {variant} {head_dim} {causal} {row_sum}"] = facts_of(compiled, "e4m3.e4m3")
 q = torch.zeros(1, 4, 256, 128, dtype=torch.bfloat16)
 k = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
 compiled = flash_attention_gluon_fp8(q, k, k, causal=True, lazy_rescale=True, compile_only=True)
@@ -336,6 +360,26 @@ def test_wide_fp8_tiles_compile_for_sm90(sm90_compiled):
     assert 200 * 1024 < smem["shared"] <= 227 * 1024
     assert smem["stack"] <= (32 if triton.__version__.startswith("3.6") else 0)
     assert registers["a_from_registers"] and registers["stack"] > 0
+
+
+@sm90_compile_mark(GLUON_VERSIONS)
+@pytest.mark.parametrize("row_sum", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+def test_192_key_blocks_compile_for_sm90(sm90_compiled, variant, head_dim, causal, row_sum):
+    """FP8's 192-key blocks: e4m3 wgmma with P from registers, in 240 registers a consumer.
+    P·V starts before the scores (`_attend_rows_wide`), so that P is e4m3 (48 registers) by the
+    time the score accumulators (96) are taken; held in fp32 instead, as the 128-key loop holds
+    it, it would need 48 more than there are. With Triton 3.6 (the benchmarks') ptxas spills
+    8 bytes a thread at most (one register pair, and mostly none); 3.9's up to 248 bytes at
+    head dim 128."""
+    facts = sm90_compiled[f"fp8 192 {variant} {head_dim} {causal} {row_sum}"]
+    assert facts["wgmma"] > 0 and facts["a_from_registers"] and facts["setmaxnreg"] and not facts["local"]
+    if triton.__version__.startswith("3.6"):
+        assert facts["stack"] <= 8
+    else:
+        assert facts["stack"] <= 256
 
 
 @sm90_compile_mark(GLUON_VERSIONS)
@@ -536,6 +580,46 @@ def test_fp8_within_bound_on_gpu(variant, head_dim, causal, programs, p_in_regis
     qd, kd, vd = fp8_quantized_inputs(prepare_gluon_fp8(q, k, v, p_in_registers=False), 256, 256, 64, 128)
     assert_within_fp8_bound(out, qd, kd, vd, 64, 128, causal, vd.shape[2], f"gluon fp8 {variant}", seed,
                             rounded_sum=True)
+
+
+@on_hopper_warp_specialized
+@pytest.mark.parametrize("seq, programs", [(128, False), (384, 3), (640, False), (896, True)])
+@pytest.mark.parametrize("row_sum_mma", [True, False])
+def test_fp8_192_key_blocks_within_bound_on_gpu(variant, head_dim, causal, seq, programs, row_sum_mma, gen, seed):
+    """192-key blocks (K's scale per 192 keys) within FP8's bound, at lengths whose last block is
+    short by 64 keys (128: the only block; 640), full (384) or short by 128 (896), on one program
+    per tile, 3 that take several and one per SM. The logsumexp against exact attention of the
+    quantized inputs: within 0.02 with the row sums on the CUDA cores, and with them on the
+    tensor cores within ``-log(1 - 2^-4)`` = 0.065 more, since those sum P as rounded to e4m3
+    (each value within 2^-4 of itself). A 64-key block lost or taken twice moves it by about
+    ``log(1 ± 64/N)``, 0.07 or more at these lengths: the tighter check catches that."""
+    q, k, v = make_qkv(1, 4, 2, seq, head_dim, "cuda", gen, scale=2.0)
+    out, lse = flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant, block_n=192,
+                                         prepared=prepare_gluon_fp8(q, k, v, 192), persistent=programs,
+                                         row_sum_mma=row_sum_mma)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(lse).all()
+    qd, kd, vd = fp8_quantized_inputs(prepare_gluon_fp8(q, k, v, 192, p_in_registers=False), seq, seq, 64, 192)
+    assert_within_fp8_bound(out, qd, kd, vd, 64, 192, causal, vd.shape[2], f"gluon fp8 192 {variant}", seed,
+                            rounded_sum=row_sum_mma, nonvacuous=causal or seq <= 384)
+    _, want_lse = attention(qd, kd, vd, causal=causal)
+    assert np.abs(to_numpy(lse) - want_lse).max() <= 2e-2 + (0.065 if row_sum_mma else 0.0), f"seed {seed}"
+
+
+@on_hopper_warp_specialized
+def test_fp8_192_key_blocks_as_accurate_as_128_on_gpu(variant, head_dim, causal, gen, seed):
+    """192-key blocks against the 128-key kernel at 1,664 keys (8 blocks and 128 keys, GQA 2, 3
+    persistent programs): their errors against exact attention of the bf16 inputs are FP8's
+    and the same size (K's scales are per 192 and per 128 keys)."""
+    q, k, v = make_qkv(2, 4, 2, 1664, head_dim, "cuda", gen, scale=2.0)
+    want, _ = attention(*(to_numpy(t) for t in (q, k, v)), causal=causal)
+    errs = []
+    for block_n in (192, 128):
+        out, lse = flash_attention_gluon_fp8(q, k, v, causal=causal, variant=variant, block_n=block_n,
+                                             persistent=3, row_sum_mma=True)
+        assert torch.isfinite(lse).all()
+        errs.append(np.linalg.norm(to_numpy(out) - want) / np.linalg.norm(want))
+    assert errs[1] < 0.15, f"seed {seed}: the 128-key kernel's error {errs[1]:.3f} is not FP8's"
+    assert errs[0] <= 1.1 * errs[1] + 0.005, f"seed {seed}: 192-key blocks {errs[0]:.4f}, 128-key {errs[1]:.4f}"
 
 
 def on_hopper_three_consumers(test):
