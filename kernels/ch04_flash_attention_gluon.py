@@ -546,9 +546,9 @@ def _attend_rows_wide(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
                       seq_len, qk_scale, k_scales, it0, turn0, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr,
                       CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
                       CONSUMERS: gl.constexpr, ones_smem, ROW_SUM: gl.constexpr):
-    """`_attend_rows` for FP8 with 192-key blocks (FlashAttention-3's tile for e4m3 at head dim
-    128 is 128 × 224 without a mask, 128 × 192 with one), the warp-specialized kernels only, P
-    in registers. Gluon's tensors have power-of-two shapes, so a block is two tiles, keys 0-127
+    """`_attend_rows` for FP8 with 192-key blocks (FlashAttention-3's code takes 128 × 224 tiles
+    for e4m3 at head dim 128, and 128 × 192 when V comes column-major, as our Vᵀ does), the
+    warp-specialized kernels only, P in registers. Gluon's tensors have power-of-two shapes, so a block is two tiles, keys 0-127
     and 128-191, each its own wgmma, in ring slots of 256 keys (``k_smem [NUM_STAGES, 256,
     HEAD_D]``, ``v_smem [NUM_STAGES, HEAD_D, 256]`` of Vᵀ; the last 64 unused). The wider block
     spreads what every block costs whatever its width (waiting on barriers, issuing the
@@ -1097,10 +1097,10 @@ def default_tiles(head_dim: int, fp8: bool = False, consumers: int = 2) -> tuple
     256-key tiles (FP8 only) fit with P through shared memory alone (229,824 bytes at d = 128)
     and ran 0.82-1.06x the 128-key kernel, with P in registers they spill and run at half its
     speed or less (``bench.ch04_gluon`` part ``tiles``, ``nvidia-h200.bench_ch04_gluon_tiles.log``).
-    FlashAttention-3's FP8 tile, 192 keys (``block_n=192``: two tiles of 128 and 64 keys,
-    `_attend_rows_wide`, P in registers, row sums on the tensor cores), ran at 0.94-1.00x of
-    the 128-key kernel at d = 128 and 0.94-1.03x at 64, gaining only at 8k-16k keys (part
-    ``wide``, ``nvidia-h200.bench_ch04_gluon_wide.log``).
+    192-key FP8 blocks, FlashAttention-3's with V column-major (``block_n=192``: two tiles of
+    128 and 64 keys, `_attend_rows_wide`, P in registers, row sums on the tensor cores), ran at
+    0.94-1.00x of the 128-key kernel at d = 128 and 0.94-1.03x at 64, gaining only at 8k-16k
+    keys (part ``wide``, ``nvidia-h200.bench_ch04_gluon_wide.log``).
     With three consumers at d = 128: 64-key tiles and four stages. A consumer thread's 160
     registers hold a 64 × 64 fp32 score tile beside its share of the 64 × 128 accumulator, not a
     64 × 128 one (ptxas spills 248 bytes a thread in bf16 with 128-key tiles, none with 64),
@@ -1239,9 +1239,10 @@ def flash_attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     head, fp32 accumulation (the quantization of `minillm.kernels.ch04_flash_attention_hopper.
     quantize_blocks`). Inputs, scope and result as `flash_attention_gluon` (bf16 in, bf16
     out); ``variant``: ``"ws"`` or ``"ws_pingpong"``; ``block_n``: 64, 128 (default), 192 or
-    256 keys per tile, K's scale per as many (``prepared`` must use the same; 192: FlashAttention-3's
-    FP8 tile, two tiles of 128 and 64 keys, `_attend_rows_wide`, with two consumers and P in
-    registers, and ``seq`` need not be a multiple of it); ``prepared``:
+    256 keys per tile, K's scale per as many (``prepared`` must use the same; 192:
+    FlashAttention-3's FP8 tile for a column-major V, two tiles of 128 and 64 keys,
+    `_attend_rows_wide`, with two consumers and P in registers, and ``seq`` need not be a
+    multiple of it); ``prepared``:
     `prepare_gluon_fp8`'s result for these inputs, to time the kernel without the
     quantization (it also says whether P·V reads P from registers, the default, or from
     shared memory); ``tree_reductions``: as
