@@ -29,6 +29,10 @@ The last prints, for each launch, the share of its warps' samples at each kind o
 (`INSTRUCTION_KINDS`): the page of Chapter 4 on what the compiler did with the overlap reads
 it from ``bench/results/raw/<gpu>.ch04_gluon_source_shares.csv``.
 
+With ``--wide`` it launches, after `KERNELS`, the FP8 kernel with 192-key blocks
+(`WIDE_KERNELS`; ``block_n=192``, its row sums on the tensor cores), for the same sections:
+Chapter 4's page on FlashAttention-3's FP8 tile reads ``<gpu>.ch04_gluon_pipes_wide.csv``.
+
 ``python -m bench.ch04_gluon_pipes --sass`` (no profiler) compiles the warp-specialized kernels
 on this GPU, pinned and not, and prints their key loops' events in the machine code
 (`minillm.testing.key_loop_events`): what this machine's Triton and ptxas made of the order
@@ -52,6 +56,8 @@ KERNELS = ("bf16 ws", "fp8 ws (row sums on the tensor cores)", "fp8 ws (row sums
 #: With ``--pinned``, launched after `KERNELS`: the first two with the softmax pinned ahead of the
 #: wait for P·V (``pin_softmax=True``).
 PINNED_KERNELS = ("bf16 ws, pinned", "fp8 ws (row sums on the tensor cores), pinned")
+#: With ``--wide``, launched after `KERNELS`: FP8 with 192-key blocks (two tiles of 128 and 64 keys).
+WIDE_KERNELS = ("fp8 ws, 192-key blocks (row sums on the tensor cores)",)
 #: Kinds of SASS instruction, by the start of the opcode: what a warp sampled there was doing.
 INSTRUCTION_KINDS = {
     "wait for matmuls": ("WARPGROUP.DEPBAR",), "start matmuls": ("HGMMA", "QGMMA", "WARPGROUP.ARRIVE"),
@@ -111,7 +117,9 @@ def print_sass_order() -> None:
                 print(f"{dtype} {variant}{' pinned' if pin else ''}: {exps_before_wait(ops)}: {key_loop_events(ops)}")
 
 
-def main(pinned: bool = False) -> None:
+def main(pinned: bool = False, wide: bool = False) -> None:
+    if pinned and wide:
+        raise SystemExit("--pinned and --wide: one at a time")
     batch, heads, n, head_dim = POINT
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(batch, heads, n, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -123,7 +131,12 @@ def main(pinned: bool = False) -> None:
     if pinned:
         calls += (lambda: flash_attention_gluon(q, k, v, variant="ws", pin_softmax=True),
                   lambda: flash_attention_gluon_fp8(q, k, v, variant="ws", prepared=prepared, pin_softmax=True))
-    for name, call in zip(KERNELS + PINNED_KERNELS, calls):
+    names = KERNELS + PINNED_KERNELS
+    if wide:
+        prepared_192 = prepare_gluon_fp8(q, k, v, 192)
+        calls += (lambda: flash_attention_gluon_fp8(q, k, v, variant="ws", block_n=192, prepared=prepared_192),)
+        names = KERNELS + WIDE_KERNELS
+    for name, call in zip(names, calls):
         call()
         torch.cuda.synchronize()
         print(f"launched: {name}", flush=True)
@@ -135,4 +148,4 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["--sass"]:
         print_sass_order()
     else:
-        main(pinned="--pinned" in sys.argv[1:])
+        main(pinned="--pinned" in sys.argv[1:], wide="--wide" in sys.argv[1:])
