@@ -1181,7 +1181,7 @@ def flash_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
       otherwise); non-contiguous inputs are copied;
     - ``causal``: query i sees keys ``j <= i``; ``scale`` defaults to ``1/sqrt(head_dim)``;
     - ``variant``: one of `VARIANTS`; ``block_n`` (64 or 128; FP8 also 256, with ``seq`` a
-      multiple of it) and ``num_stages`` default to
+      multiple of it, and 192, `flash_attention_gluon_fp8`) and ``num_stages`` default to
       `default_tiles`; ``consumer_regs`` / ``loader_regs``: registers per thread of the
       warp-specialized partitions (``setmaxnreg``; the consumers' default: `CONSUMER_REGS`);
       ``consumers`` (warp-specialized kernels): 2 consumer warpgroups per program (tiles of 128
