@@ -548,11 +548,12 @@ def _attend_rows_wide(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
                       CONSUMERS: gl.constexpr, ones_smem, ROW_SUM: gl.constexpr):
     """`_attend_rows` for FP8 with 192-key blocks (FlashAttention-3's code takes 128 × 224 tiles
     for e4m3 at head dim 128, and 128 × 192 when V comes column-major, as our Vᵀ does), the
-    warp-specialized kernels only, P in registers. Gluon's tensors have power-of-two shapes, so a block is two tiles, keys 0-127
-    and 128-191, each its own wgmma, in ring slots of 256 keys (``k_smem [NUM_STAGES, 256,
-    HEAD_D]``, ``v_smem [NUM_STAGES, HEAD_D, 256]`` of Vᵀ; the last 64 unused). The wider block
-    spreads what every block costs whatever its width (waiting on barriers, issuing the
-    matmuls, the row max's shuffles, the rescaling of the accumulator) over 1.5 times the keys.
+    warp-specialized kernels only, P in registers. Gluon's tensors have power-of-two shapes, so a
+    block is two tiles, keys 0-127 and 128-191, each its own wgmma, in ring slots of 256 keys
+    (``k_smem [NUM_STAGES, 256, HEAD_D]``, ``v_smem [NUM_STAGES, HEAD_D, 256]`` of Vᵀ; the last
+    64 unused). The wider block spreads what every block costs whatever its width (waiting on
+    barriers, issuing the matmuls, the row max's shuffles, the rescaling of the accumulator)
+    over 1.5 times the keys.
 
     The order within an iteration differs from `_attend_rows`': P·V of the last block is started
     *before* the scores of this one. The registers decide it: P in fp32 (96 a thread), the two
