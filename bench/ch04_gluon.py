@@ -77,9 +77,10 @@ with and without ping-pong; FP8 ones also against bf16 ``ws``. Budget
 
 The wide part (``params["part"] = "wide"``; N 2k-16k, both head dims, causal and not): FP8 with
 192-key blocks, each two tiles of 128 and 64 keys (``block_n=192``, `WIDE_KERNELS`;
-FlashAttention-3's tile for e4m3 with V column-major, as our Vᵀ is), with the row sums on the tensor cores (``*_row_sum``) and on the CUDA cores, with
-and without ping-pong, against the same kernel summing on the CUDA cores, bf16 ``ws`` and the FP8
-kernel as its defaults run it (``fp8_ws_row_sum``, also timed, as is its ping-pong). Budget
+FlashAttention-3's tile for e4m3 with V column-major, as our Vᵀ is), with the row sums on the
+tensor cores (``*_row_sum``) and on the CUDA cores, with and without ping-pong, against the same
+kernel summing on the CUDA cores, bf16 ``ws`` and the FP8 kernel as its defaults run it
+(``fp8_ws_row_sum``, also timed, as is its ping-pong). Budget
 ``MINILLM_CH04_GLUON_WIDE_BUDGET_S`` (default 240).
 
 The tiles part (``params["part"] = "tiles"``; N 2k-16k, both head dims, causal and not): FP8
