@@ -110,8 +110,9 @@ at N ≤ `GRAPH_MAX_SEQ`, where the host's time per step is close to the GPU's,
 cuDNN's. Budget
 ``MINILLM_CH04_GLUON_DISPATCH_BUDGET_S`` (default 240).
 
-``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax,row_sum,pin,wide,tiles,consumers,dispatch``) picks the
-parts to run; a re-run of some parts keeps the others' earlier rows in the results file.
+``MINILLM_CH04_GLUON_PARTS`` (default ``forward,backward,softmax,row_sum,pin,wide,tiles,consumers,
+dispatch``) picks the parts to run; a re-run of some parts keeps the others' earlier rows in the
+results file.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ The last prints, for each launch, the share of its warps' samples at each kind o
 (`INSTRUCTION_KINDS`): the page of Chapter 4 on what the compiler did with the overlap reads
 it from ``bench/results/raw/<gpu>.ch04_gluon_source_shares.csv``.
 
-With ``--wide`` it launches, after `KERNELS`, the FP8 kernel with 192-key blocks
+With ``--wide`` it launches, after `KERNELS` (and the pinned ones, if asked for), the FP8 kernel with 192-key blocks
 (`WIDE_KERNELS`; ``block_n=192``, its row sums on the tensor cores), for the same sections:
 Chapter 4's page on FlashAttention-3's FP8 tile reads ``<gpu>.ch04_gluon_pipes_wide.csv``.
 
@@ -118,24 +118,23 @@ def print_sass_order() -> None:
 
 
 def main(pinned: bool = False, wide: bool = False) -> None:
-    if pinned and wide:
-        raise SystemExit("--pinned and --wide: one at a time")
     batch, heads, n, head_dim = POINT
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(batch, heads, n, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
                for _ in range(3))
     prepared = prepare_gluon_fp8(q, k, v)
+    names = KERNELS
     calls = (lambda: flash_attention_gluon(q, k, v, variant="ws"),
              lambda: flash_attention_gluon_fp8(q, k, v, variant="ws", prepared=prepared),
              lambda: flash_attention_gluon_fp8(q, k, v, variant="ws", prepared=prepared, row_sum_mma=False))
     if pinned:
+        names += PINNED_KERNELS
         calls += (lambda: flash_attention_gluon(q, k, v, variant="ws", pin_softmax=True),
                   lambda: flash_attention_gluon_fp8(q, k, v, variant="ws", prepared=prepared, pin_softmax=True))
-    names = KERNELS + PINNED_KERNELS
     if wide:
         prepared_192 = prepare_gluon_fp8(q, k, v, 192)
+        names += WIDE_KERNELS
         calls += (lambda: flash_attention_gluon_fp8(q, k, v, variant="ws", block_n=192, prepared=prepared_192),)
-        names = KERNELS + WIDE_KERNELS
     for name, call in zip(names, calls):
         call()
         torch.cuda.synchronize()

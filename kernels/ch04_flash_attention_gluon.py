@@ -206,12 +206,27 @@ def _exp2_shared(x, FMA_SHARE: gl.constexpr):
 
 
 @gluon.jit
+def _mask_keys(s, row0, col0, seq_len, CAUSAL: gl.constexpr):
+    """``s [ROWS, W]`` (rows from ``row0``, keys from ``col0``, in the wgmma accumulator's
+    layout) with ``-inf`` at the keys its rows may not see: above the diagonal (``CAUSAL``), or
+    else past ``seq_len``."""
+    layout: gl.constexpr = s.type.layout
+    if CAUSAL:
+        rows = row0 + gl.arange(0, s.shape[0], gl.SliceLayout(1, layout))
+        cols = col0 + gl.arange(0, s.shape[1], gl.SliceLayout(0, layout))
+        s = gl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+    else:
+        cols = col0 + gl.arange(0, s.shape[1], gl.SliceLayout(0, layout))
+        s = gl.where(cols[None, :] < seq_len, s, float("-inf"))
+    return s
+
+
+@gluon.jit
 def _online_softmax(s, m_i, l_i, qk_scale, row0, col0, mask_this, CAUSAL: gl.constexpr,
-                    ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
                     TREE: gl.constexpr = False, FMA_EXP2: gl.constexpr = 0, SLACK: gl.constexpr = 0.0,
                     SUM: gl.constexpr = True):
     """One step of Chapter 3's online softmax in base 2 on a ``[ROWS, BLOCK_N]`` fp32 tile of
-    raw scores ``s`` (in ``s_layout``, the wgmma accumulator's). ``m_i, l_i: [ROWS]``: running
+    raw scores ``s`` (in the wgmma accumulator's layout). ``m_i, l_i: [ROWS]``: running
     max (of ``s·qk_scale``) and sum; ``row0``/``col0``: sequence positions of the tile's first
     row and column; ``mask_this``: the tile straddles the diagonal (causal only).
     ``TREE``: the row max and sum as trees (`_fold_halves`), shorter chains of dependent
@@ -224,9 +239,7 @@ def _online_softmax(s, m_i, l_i, qk_scale, row0, col0, mask_this, CAUSAL: gl.con
     Returns ``(p, alpha, m_new, l_new)`` as `minillm.kernels.base.online_softmax_update`."""
     if CAUSAL:
         if mask_this:
-            rows = row0 + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout))
-            cols = col0 + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-            s = gl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+            s = _mask_keys(s, row0, col0, 0, True)
     # The scale is positive, so it commutes with the max and folds into one FMA per score.
     if TREE:
         s_max = gl.convert_layout(gl.max(_fold_halves(s, True), axis=1), m_i.type.layout)
@@ -419,8 +432,8 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
     if WS:
         mbarrier.arrive(k_empty.index(first))
     tile_scale = qk_scale * gl.load(k_scales) if FP8 else qk_scale
-    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, tile_scale, row0, 0, n_full <= 0, CAUSAL, ROWS, BLOCK_N,
-                                         s_layout, TREE, FMA_EXP2, SLACK, not ROW_SUM)
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, tile_scale, row0, 0, n_full <= 0, CAUSAL, TREE, FMA_EXP2,
+                                         SLACK, not ROW_SUM)
     p_op = _p_operand(p, p_smem, p_layout, FP8)
 
     for j in range(1, n_blocks):
@@ -445,7 +458,7 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
             mbarrier.arrive(k_empty.index(slot))
         tile_scale = qk_scale * gl.load(k_scales + j) if FP8 else qk_scale
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, tile_scale, row0, j * BLOCK_N, j >= n_full, CAUSAL,
-                                             ROWS, BLOCK_N, s_layout, TREE, FMA_EXP2, SLACK, not ROW_SUM)
+                                             TREE, FMA_EXP2, SLACK, not ROW_SUM)
         if PIN_SOFTMAX:
             _pin_before_wait(p, pin_smem)
         acc, p_op = _wait_pv(acc_tok, p_op, FP8)
@@ -481,26 +494,20 @@ def _attend_rows(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tur
 
 
 @gluon.jit
-def _wide_softmax(s_a, s_b, m_i, qk_scale, row0, col0, mask_this, seq_len, CAUSAL: gl.constexpr):
-    """`_online_softmax` (trees, no row sum) on a 192-key block held as two tiles: ``s_a [ROWS,
-    128]`` (keys ``col0`` on) and ``s_b [ROWS, 64]`` (keys ``col0 + 128`` on), in the layouts of
-    their wgmma accumulators. ``mask_this``: the block straddles the diagonal (causal) or runs
-    past ``seq_len`` (the last block of a head whose length is not a multiple of 192: its keys
-    past the end are another head's, or TMA's zeros). Returns ``(p_a, p_b, alpha, m_new)``."""
-    ROWS: gl.constexpr = s_a.shape[0]
-    a_layout: gl.constexpr = s_a.type.layout
+def _wide_softmax(s_a, s_b, m_i, qk_scale, row0, j, n_full, seq_len, CAUSAL: gl.constexpr):
+    """`_online_softmax` (trees, no row sum) on the ``j``-th 192-key block, held as two tiles:
+    ``s_a [ROWS, 128]`` (keys ``192·j`` on) and ``s_b [ROWS, 64]`` (keys ``192·j + 128`` on), in
+    the layouts of their wgmma accumulators. The block is masked from block ``n_full`` on under
+    a causal mask, else where it runs past ``seq_len`` (the last block of a head whose length
+    is not a multiple of 192: its keys past the end are another head's, or TMA's zeros).
+    Returns ``(p_a, p_b, alpha, m_new)``."""
+    N_A: gl.constexpr = s_a.shape[1]
     b_layout: gl.constexpr = s_b.type.layout
-    if mask_this:
-        rows_a = row0 + gl.arange(0, ROWS, gl.SliceLayout(1, a_layout))
-        rows_b = row0 + gl.arange(0, ROWS, gl.SliceLayout(1, b_layout))
-        cols_a = col0 + gl.arange(0, s_a.shape[1], gl.SliceLayout(0, a_layout))
-        cols_b = col0 + s_a.shape[1] + gl.arange(0, s_b.shape[1], gl.SliceLayout(0, b_layout))
-        if CAUSAL:
-            s_a = gl.where(cols_a[None, :] <= rows_a[:, None], s_a, float("-inf"))
-            s_b = gl.where(cols_b[None, :] <= rows_b[:, None], s_b, float("-inf"))
-        else:
-            s_a = gl.where(cols_a[None, :] < seq_len, s_a, float("-inf"))
-            s_b = gl.where(cols_b[None, :] < seq_len, s_b, float("-inf"))
+    col0 = j * 192
+    masked = j >= n_full if CAUSAL else (j + 1) * 192 > seq_len
+    if masked:
+        s_a = _mask_keys(s_a, row0, col0, seq_len, CAUSAL)
+        s_b = _mask_keys(s_b, row0, col0 + N_A, seq_len, CAUSAL)
     folded_a = _fold_halves(s_a, True)
     folded = gl.maximum(folded_a, gl.convert_layout(_fold_halves(s_b, True), folded_a.type.layout))
     s_max = gl.convert_layout(gl.max(folded, axis=1), m_i.type.layout)
@@ -539,6 +546,17 @@ def _start_wide_pv(p_a, p_b, v_tile, acc, ones_smem, l_acc, alpha, p_layout: gl.
     else:
         l_tok = l_acc
     return acc_tok, l_tok
+
+
+@gluon.jit
+def _start_wide_scores(q_smem, k_tile, sa_zero, sb_zero):
+    """Start both tiles of a 192-key block's scores, ``Q K_jᵀ`` for keys 0-127 and 128-191 of
+    the ring slot ``k_tile [256, HEAD_D]``. Returns their tokens."""
+    N_A: gl.constexpr = sa_zero.shape[1]
+    N_B: gl.constexpr = sb_zero.shape[1]
+    sa_tok = warpgroup_mma(q_smem, k_tile.slice(0, N_A).permute((1, 0)), sa_zero, use_acc=False, is_async=True)
+    sb_tok = warpgroup_mma(q_smem, k_tile.slice(N_A, N_B).permute((1, 0)), sb_zero, use_acc=False, is_async=True)
+    return sa_tok, sb_tok
 
 
 @gluon.jit
@@ -585,13 +603,10 @@ def _attend_rows_wide(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
     # Block 0: its scores and softmax.
     first = it0 % NUM_STAGES
     mbarrier.wait(k_ready.index(first), (it0 // NUM_STAGES) & 1)
-    k_tile = k_smem.index(first)
-    sa_tok = warpgroup_mma(q_smem, k_tile.slice(0, N_A).permute((1, 0)), sa_zero, use_acc=False, is_async=True)
-    sb_tok = warpgroup_mma(q_smem, k_tile.slice(N_A, N_B).permute((1, 0)), sb_zero, use_acc=False, is_async=True)
+    sa_tok, sb_tok = _start_wide_scores(q_smem, k_smem.index(first), sa_zero, sb_zero)
     s_a, s_b = warpgroup_mma_wait(0, deps=[sa_tok, sb_tok])
     mbarrier.arrive(k_empty.index(first))
-    mask_this = n_full <= 0 if CAUSAL else 192 > seq_len
-    p_a, p_b, alpha, m_i = _wide_softmax(s_a, s_b, m_i, qk_scale * gl.load(k_scales), row0, 0, mask_this, seq_len,
+    p_a, p_b, alpha, m_i = _wide_softmax(s_a, s_b, m_i, qk_scale * gl.load(k_scales), row0, 0, n_full, seq_len,
                                          CAUSAL)
     if not ROW_SUM:
         l_i = _wide_sums(p_a, p_b, l_i, alpha)
@@ -606,10 +621,7 @@ def _attend_rows_wide(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
         acc_tok, l_tok = _start_wide_pv(p_a, p_b, v_smem.index(prev), acc, ones_smem, l_acc, alpha, p_layout,
                                         ROW_SUM)
         mbarrier.wait(k_ready.index(slot), ((it0 + j) // NUM_STAGES) & 1)
-        k_tile = k_smem.index(slot)
-        sa_tok = warpgroup_mma(q_smem, k_tile.slice(0, N_A).permute((1, 0)), sa_zero, use_acc=False, is_async=True)
-        sb_tok = warpgroup_mma(q_smem, k_tile.slice(N_A, N_B).permute((1, 0)), sb_zero, use_acc=False,
-                               is_async=True)
+        sa_tok, sb_tok = _start_wide_scores(q_smem, k_smem.index(slot), sa_zero, sb_zero)
         if PINGPONG:
             mbarrier.arrive(turn.index((CONSUMER + 1) % CONSUMERS))
         if ROW_SUM:
@@ -618,9 +630,8 @@ def _attend_rows_wide(q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
             acc, s_a, s_b = warpgroup_mma_wait(0, deps=[acc_tok, sa_tok, sb_tok])
         mbarrier.arrive(k_empty.index(slot))
         mbarrier.arrive(v_empty.index(prev))
-        mask_this = j >= n_full if CAUSAL else (j + 1) * 192 > seq_len
-        p_a, p_b, alpha, m_i = _wide_softmax(s_a, s_b, m_i, qk_scale * gl.load(k_scales + j), row0, j * 192,
-                                             mask_this, seq_len, CAUSAL)
+        p_a, p_b, alpha, m_i = _wide_softmax(s_a, s_b, m_i, qk_scale * gl.load(k_scales + j), row0, j, n_full,
+                                             seq_len, CAUSAL)
         if not ROW_SUM:
             l_i = _wide_sums(p_a, p_b, l_i, alpha)
 
@@ -1100,7 +1111,7 @@ def default_tiles(head_dim: int, fp8: bool = False, consumers: int = 2) -> tuple
     speed or less (``bench.ch04_gluon`` part ``tiles``, ``nvidia-h200.bench_ch04_gluon_tiles.log``).
     192-key FP8 blocks, FlashAttention-3's with V column-major (``block_n=192``: two tiles of
     128 and 64 keys, `_attend_rows_wide`, P in registers, row sums on the tensor cores), ran at
-    0.94-1.00x of the 128-key kernel at d = 128 and 0.94-1.03x at 64, gaining only at 8k-16k
+    0.93-0.99x of the 128-key kernel at d = 128 and 0.94-1.03x at 64, gaining only at 8k-16k
     keys (part ``wide``, ``nvidia-h200.bench_ch04_gluon_wide.log``).
     With three consumers at d = 128: 64-key tiles and four stages. A consumer thread's 160
     registers hold a 64 × 64 fp32 score tile beside its share of the 64 × 128 accumulator, not a
@@ -1282,7 +1293,7 @@ def default_row_sum(block_n: int, consumers: int) -> bool:
     level with two consumers and the sums (0.95-1.02x); with 256-key tiles it gains little at
     128 (0.98-1.03x; the loop spills) and the wide tile stays behind (0.84-0.97x). With 192-key
     blocks (two tiles, `_attend_rows_wide`) it pays more than with 128: 1.02-1.06x at head dim
-    128 and 1.12-1.18x at 64 (the wide part of ``bench/ch04_gluon.py``)."""
+    128 and 1.11-1.18x at 64 (the wide part of ``bench/ch04_gluon.py``)."""
     return consumers == 2 and block_n <= 192
 
 
